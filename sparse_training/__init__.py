@@ -1,0 +1,24 @@
+"""sparse_training: sparse training for PyTorch Lightning.
+
+The core (patterns, masks, selection, schedules, distributions, engine) imports torch only;
+``SparsityCallback`` is loaded from ``sparse_training.callbacks`` on first use.
+"""
+
+from typing import Any
+
+from sparse_training.config import SparsityConfig
+from sparse_training.engine import SparsityEngine, make_permanent
+from sparse_training.masks import global_masks, pattern_mask
+from sparse_training.patterns import Pattern, parse_pattern
+
+__all__ = ["Pattern", "SparsityCallback", "SparsityConfig", "SparsityEngine", "global_masks",
+           "make_permanent", "parse_pattern", "pattern_mask"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SparsityCallback":
+        from sparse_training.callbacks import SparsityCallback
+
+        return SparsityCallback
+    raise AttributeError(f"module 'sparse_training' has no attribute {name!r}")

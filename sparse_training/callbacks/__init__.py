@@ -1,0 +1,5 @@
+"""Lightning integrations (the only part of sparse_training that imports Lightning)."""
+
+from sparse_training.callbacks.sparsity import SparsityCallback
+
+__all__ = ["SparsityCallback"]

@@ -1,0 +1,65 @@
+"""Tables that let one kernel launch walk many tensors (multi-tensor apply).
+
+A launch processes a list of tensors. Each program handles one fixed-size chunk of
+one tensor: ``chunk_table`` maps program id to (tensor index, chunk index within that
+tensor), and ``address_table`` holds the tensors' data addresses, which the kernel
+loads and casts to typed pointers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+
+import torch
+
+
+@lru_cache(maxsize=64)
+def _chunk_table_cached(
+    numels: tuple[int, ...], chunk: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    sizes = torch.tensor(numels, dtype=torch.int64)
+    per_tensor = (sizes + chunk - 1) // chunk
+    tensor_index = torch.repeat_interleave(torch.arange(len(numels)), per_tensor)
+    first = torch.cumsum(per_tensor, 0) - per_tensor
+    chunk_index = torch.arange(tensor_index.numel()) - first[tensor_index]
+    table = torch.stack([tensor_index, chunk_index]).to(device)
+    return table[0], table[1]
+
+
+def chunk_table(
+    numels: Sequence[int], chunk: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Program-to-chunk map for a multi-tensor launch (cached by sizes).
+
+    Args:
+        numels: Element count of each tensor of the launch (zero allowed).
+        chunk: Elements per program.
+        device: Device the kernel runs on.
+
+    Returns:
+        ``(tensor_index, chunk_index)``, two int64 tensors of one entry per program;
+        the grid is their length.
+    """
+    return _chunk_table_cached(tuple(int(n) for n in numels), int(chunk), torch.device(device))
+
+
+def address_table(columns: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """Upload per-tensor integers (addresses, counts) as an int64 ``[T, K]`` table.
+
+    Args:
+        columns: ``K`` sequences of ``T`` integers each (e.g. ``data_ptr()`` values).
+        device: Device the kernel runs on.
+
+    Returns:
+        A contiguous int64 tensor on ``device`` with row ``t`` holding tensor ``t``'s
+        values in column order. The copy is asynchronous; the host buffer is
+        pageable, so the driver stages it before the call returns.
+    """
+    host = torch.tensor(list(zip(*columns, strict=True)), dtype=torch.int64)
+    return host.to(device, non_blocking=True)
+
+
+def all_aligned(addresses: Sequence[int], nbytes: int = 16) -> bool:
+    """Whether every address is a multiple of ``nbytes`` (enables 16-byte vector access)."""
+    return all(a % nbytes == 0 for a in addresses)

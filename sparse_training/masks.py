@@ -1,0 +1,209 @@
+"""Pure mask functions: a weight (and an optional score) in, a bool mask out.
+
+Every function here has the signature ``f(weight, ..., score=None) -> BoolTensor`` with the
+mask shaped like ``weight``; True means kept. The score defaults to ``|weight|`` (magnitude
+pruning) and is summed over each block. Ties are broken by ``torch.topk``, so every mask
+keeps exactly the promised count, whatever the values. NaN scores rank lowest.
+
+Weights are read through their 2-D view ``(rows, in_features)`` (:func:`as_matrix`): a
+Linear weight as it is, a Conv weight ``(out, in, *kernel)`` with its input channels last,
+``(out * prod(kernel), in)``, so N:M groups run along input channels as in NVIDIA ASP.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from functools import cache
+
+import torch
+from torch import Tensor
+
+from sparse_training.patterns import Pattern, parse_pattern
+
+
+def as_matrix(tensor: Tensor) -> Tensor:
+    """The 2-D view ``(rows, in_features)`` of a Linear or Conv weight (input dim last)."""
+    if tensor.dim() == 1:
+        return tensor.unsqueeze(0)
+    if tensor.dim() == 2:
+        return tensor
+    moved = tensor.movedim(1, -1)  # (out, *kernel, in)
+    return moved.reshape(-1, tensor.shape[1])
+
+
+def from_matrix(matrix: Tensor, shape: torch.Size) -> Tensor:
+    """Inverse of :func:`as_matrix` for a weight of ``shape``."""
+    if len(shape) <= 2:
+        return matrix.reshape(shape)
+    out, inp, *kernel = shape
+    return matrix.reshape(out, *kernel, inp).movedim(-1, 1)
+
+
+def kept_count(total: int, sparsity: float) -> int:
+    """Number of elements kept at ``sparsity``: total - round(sparsity * total)."""
+    return total - int(sparsity * total + 0.5)
+
+
+def _score_matrix(weight: Tensor, score: Tensor | None) -> Tensor:
+    source = weight.detach().abs() if score is None else score.detach()
+    if source.shape != weight.shape:
+        raise ValueError(f"score shape {tuple(source.shape)} != weight shape {tuple(weight.shape)}")
+    return torch.nan_to_num(as_matrix(source).float(), nan=float("-inf"))
+
+
+def _pool_blocks(scores: Tensor, rows: int, cols: int) -> Tensor:
+    """Sum of scores over each ``rows x cols`` block: (R, C) -> (R/rows, C/cols)."""
+    if rows == cols == 1:
+        return scores
+    r, c = scores.shape
+    return scores.reshape(r // rows, rows, c // cols, cols).sum(dim=(1, 3))
+
+
+def _expand_blocks(block_mask: Tensor, rows: int, cols: int) -> Tensor:
+    if rows == cols == 1:
+        return block_mask
+    return block_mask.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
+
+
+def topk_mask(scores: Tensor, kept: int) -> Tensor:
+    """Keep exactly the ``kept`` largest entries of ``scores`` (any shape)."""
+    flat = scores.reshape(-1)
+    mask = torch.zeros(flat.shape, dtype=torch.bool, device=flat.device)
+    if kept > 0:
+        mask[flat.topk(kept, sorted=False).indices] = True
+    return mask.view(scores.shape)
+
+
+def nm_groups_mask(scores: Tensor, n: int, m: int) -> Tensor:
+    """Keep the ``n`` largest of every ``m`` consecutive entries along the last dim.
+
+    Top-k within groups: time linear in the number of entries, any M.
+    """
+    rows, cols = scores.shape
+    groups = scores.reshape(rows, cols // m, m)
+    mask = torch.zeros(groups.shape, dtype=torch.bool, device=scores.device)
+    mask.scatter_(-1, groups.topk(n, dim=-1, sorted=False).indices, True)
+    return mask.view(rows, cols)
+
+
+@cache
+def _regular_tiles(n: int, m: int) -> tuple[tuple[int, ...], ...]:
+    """All m x m 0/1 tiles with exactly n ones in every row and column, flattened."""
+    row_choices = [tuple(1 if j in kept else 0 for j in range(m))
+                   for kept in itertools.combinations(range(m), n)]
+    tiles: list[tuple[int, ...]] = []
+
+    def extend(prefix: list[tuple[int, ...]], col_counts: list[int]) -> None:
+        if len(prefix) == m:
+            tiles.append(tuple(itertools.chain.from_iterable(prefix)))
+            return
+        rows_left = m - len(prefix)
+        for row in row_choices:
+            counts = [c + r for c, r in zip(col_counts, row, strict=True)]
+            # a column can still reach n only if it has no more than n and enough rows remain
+            if all(n - rows_left + 1 <= c <= n for c in counts):
+                extend([*prefix, row], counts)
+
+    extend([], [0] * m)
+    return tuple(tiles)
+
+
+def transposable_groups_mask(scores: Tensor, n: int, m: int) -> Tensor:
+    """Best N-regular mask of every MxM tile: N kept per row and per column of the tile.
+
+    Exact: the score of every admissible tile pattern is one matrix product, then argmax
+    (Hubara et al. 2021, "Accelerated Sparse Neural Training", transposable N:M masks).
+    """
+    rows, cols = scores.shape
+    tiles = scores.reshape(rows // m, m, cols // m, m).permute(0, 2, 1, 3).reshape(-1, m * m)
+    candidates = torch.tensor(_regular_tiles(n, m), dtype=tiles.dtype, device=tiles.device)
+    finite = torch.where(torch.isfinite(tiles), tiles, torch.finfo(tiles.dtype).min / (m * m))
+    best = (finite @ candidates.T).argmax(dim=1)  # (tiles,)
+    mask = candidates[best].bool().reshape(rows // m, cols // m, m, m).permute(0, 2, 1, 3)
+    return mask.reshape(rows, cols)
+
+
+def pattern_mask(
+    weight: Tensor, pattern: str | Pattern, sparsity: float | None = None,
+    score: Tensor | None = None,
+) -> Tensor:
+    """Mask of ``weight`` with ``pattern`` at ``sparsity`` (fraction of zeros).
+
+    For N:M patterns ``sparsity`` picks the stage of a gradual ramp,
+    N' = round(M (1 - sparsity)) clamped to [N, M]; None means the pattern's own N.
+    For other patterns it is required: round(sparsity * blocks) blocks are pruned.
+
+    Args:
+        weight: a Linear or Conv weight, any float dtype, any device.
+        pattern: a pattern string or :class:`Pattern`.
+        sparsity: target fraction of zeros in [0, 1).
+        score: importance per weight (larger is kept), default ``|weight|``.
+
+    Raises:
+        ValueError: if the weight's 2-D view cannot take the pattern, or sparsity is
+            missing or outside [0, 1).
+
+    Example:
+        >>> w = torch.tensor([[0.1, -3.0, 2.0, 0.5]])
+        >>> pattern_mask(w, "2:4")
+        tensor([[False,  True,  True, False]])
+    """
+    pattern = parse_pattern(pattern)
+    scores = _score_matrix(weight, score)
+    if (problem := pattern.shape_error(*scores.shape)) is not None:
+        raise ValueError(f"weight of shape {tuple(weight.shape)} cannot take pattern "
+                         f"{pattern.spec!r}: {problem}")
+    blocks = _pool_blocks(scores, pattern.block_rows, pattern.block_cols)
+    if pattern.is_nm:
+        n = pattern.n if sparsity is None else pattern.kept_per_group(check_sparsity(sparsity))
+        select = transposable_groups_mask if pattern.transposable else nm_groups_mask
+        block_mask = select(blocks, n, pattern.m)
+    else:
+        if sparsity is None:
+            raise ValueError(f"pattern {pattern.spec!r} needs a sparsity")
+        block_mask = topk_mask(blocks, kept_count(blocks.numel(), check_sparsity(sparsity)))
+    mask = _expand_blocks(block_mask, pattern.block_rows, pattern.block_cols)
+    return from_matrix(mask, weight.shape)
+
+
+def global_masks(
+    weights: Sequence[Tensor], pattern: str | Pattern, sparsity: float,
+    scores: Sequence[Tensor | None] | None = None,
+) -> list[Tensor]:
+    """One magnitude threshold across all ``weights``: the globally largest blocks are kept.
+
+    Exactly ``total - round(sparsity * total)`` blocks survive over all layers together
+    (Han et al. 2015 prune by one global threshold); each layer's share follows its scores.
+
+    Raises:
+        ValueError: for N:M patterns (their count is fixed per group, not global).
+    """
+    pattern = parse_pattern(pattern)
+    if pattern.is_nm:
+        raise ValueError(f"the global distribution needs an unstructured or block pattern, "
+                         f"got {pattern.spec!r}")
+    scores = scores or [None] * len(weights)
+    pooled = []
+    for w, s in zip(weights, scores, strict=True):
+        matrix = _score_matrix(w, s)
+        if (problem := pattern.shape_error(*matrix.shape)) is not None:
+            raise ValueError(f"weight of shape {tuple(w.shape)} cannot take pattern "
+                             f"{pattern.spec!r}: {problem}")
+        pooled.append(_pool_blocks(matrix, pattern.block_rows, pattern.block_cols))
+    flat = torch.cat([p.reshape(-1) for p in pooled])
+    kept = topk_mask(flat, kept_count(flat.numel(), check_sparsity(sparsity)))
+    masks = []
+    for w, p, block_mask in zip(weights, pooled, kept.split([p.numel() for p in pooled]),
+                                strict=True):
+        mask = _expand_blocks(block_mask.view(p.shape), pattern.block_rows, pattern.block_cols)
+        masks.append(from_matrix(mask, w.shape))
+    return masks
+
+
+def check_sparsity(sparsity: float, name: str = "sparsity") -> float:
+    """Return ``sparsity`` as a float if it lies in [0, 1), else raise ValueError."""
+    if isinstance(sparsity, bool) or not isinstance(sparsity, int | float) or not (
+            0.0 <= sparsity < 1.0):
+        raise ValueError(f"{name} must be a number in [0, 1), got {sparsity!r}")
+    return float(sparsity)

@@ -1,0 +1,136 @@
+"""Sparsity patterns: one grammar, one parser, one dataclass.
+
+Every pattern is a block shape plus an optional N:M rule over blocks, read on the
+weight's 2-D view ``(rows, in_features)`` (see :func:`sparse_training.masks.as_matrix`):
+
+==========================  =====================================================
+spec                        meaning
+==========================  =====================================================
+``"unstructured"``          any weight may go: blocks of 1x1, magnitude top-k
+``"N:M"``                   N weights KEPT in every M consecutive weights along the
+                            input dimension (NVIDIA's convention: ``2:4`` is 50%
+                            sparse; some libraries write the pruned count first)
+``"N:M:2d"``                transposable N:M: every MxM tile keeps N per row and N
+                            per column, so the transposed weight is N:M too
+``"block:RxC"``             whole blocks of R rows by C columns kept or pruned
+``"vector:V"``              V consecutive rows of one column (``block:Vx1``)
+``"block:RxC+N:M"``         N of every M consecutive blocks along the input
+                            dimension kept (nmSPARSE's block-wise N:M)
+``"vector:V+N:M"``          the same with ``Vx1`` blocks (vector-wise N:M)
+==========================  =====================================================
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+PATTERN_FORMS = (
+    '"unstructured"',
+    '"N:M" (e.g. "2:4")',
+    '"N:M:2d" (transposable, e.g. "2:4:2d")',
+    '"block:RxC" (e.g. "block:4x4")',
+    '"vector:V" (e.g. "vector:8")',
+    '"block:RxC+N:M"',
+    '"vector:V+N:M"',
+)
+
+MAX_TRANSPOSABLE_M = 5  # exact search over every N-regular MxM tile: at most 2040 tiles
+
+_NM = r"(?P<n>\d+):(?P<m>\d+)"
+_GRAMMAR = (
+    re.compile(r"unstructured"),
+    re.compile(_NM + r"(?P<transposable>:2d)?"),
+    re.compile(r"block:(?P<rows>\d+)x(?P<cols>\d+)(\+" + _NM + r")?"),
+    re.compile(r"vector:(?P<rows>\d+)(\+" + _NM + r")?"),
+)
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """A parsed sparsity pattern.
+
+    Attributes:
+        block_rows: rows of one block (1 for element-wise patterns).
+        block_cols: columns (input features) of one block.
+        n: blocks kept in every group of ``m`` along the input dimension, or None.
+        m: group size along the input dimension, or None for magnitude top-k.
+        transposable: N:M along rows and columns of every MxM tile.
+        spec: the string this pattern was parsed from.
+    """
+
+    block_rows: int = 1
+    block_cols: int = 1
+    n: int | None = None
+    m: int | None = None
+    transposable: bool = False
+    spec: str = "unstructured"
+
+    @property
+    def is_nm(self) -> bool:
+        """Whether the pattern fixes the kept count per group (N:M over blocks)."""
+        return self.m is not None
+
+    @property
+    def nm_sparsity(self) -> float:
+        """The sparsity an N:M pattern implies: 1 - N/M."""
+        if self.m is None or self.n is None:
+            raise ValueError(f"pattern {self.spec!r} is not N:M")
+        return 1.0 - self.n / self.m
+
+    def kept_per_group(self, sparsity: float) -> int:
+        """Blocks kept per group of M at ``sparsity``: round(M(1 - s)), never below N.
+
+        A gradual schedule ramps an N:M pattern through exact N':M stages, for example
+        8:8 -> 6:8 -> 4:8 -> 2:8 for ``2:8``.
+        """
+        if self.m is None or self.n is None:
+            raise ValueError(f"pattern {self.spec!r} is not N:M")
+        return min(self.m, max(self.n, int(self.m * (1.0 - sparsity) + 0.5)))
+
+    def shape_error(self, rows: int, cols: int) -> str | None:
+        """Why a ``(rows, cols)`` weight view cannot take this pattern, or None."""
+        problems = []
+        if rows % self.block_rows:
+            problems.append(f"{rows} rows are not a multiple of the block's {self.block_rows}")
+        group_cols = self.block_cols * (self.m or 1)
+        if cols % group_cols:
+            what = "M x block columns" if self.m and self.block_cols > 1 else (
+                "M" if self.m else "the block's columns")
+            problems.append(f"{cols} input features are not a multiple of {what} = {group_cols}")
+        if self.transposable and rows % self.m:
+            problems.append(f"{rows} rows are not a multiple of M = {self.m} (transposable tiles)")
+        return "; ".join(problems) or None
+
+
+def parse_pattern(spec: str | Pattern) -> Pattern:
+    """Parse a pattern string (see the module docstring) into a :class:`Pattern`.
+
+    Raises:
+        ValueError: for an unknown form, N < 1, N > M, a block dimension below 1, or a
+            transposable pattern with M > MAX_TRANSPOSABLE_M.
+
+    Example:
+        >>> parse_pattern("2:4")
+        Pattern(block_rows=1, block_cols=1, n=2, m=4, transposable=False, spec='2:4')
+    """
+    if isinstance(spec, Pattern):
+        return spec
+    if not isinstance(spec, str):
+        raise ValueError(f"pattern must be a string, got {spec!r} of type {type(spec).__name__}")
+    text = spec.strip().lower()
+    match = next((m for g in _GRAMMAR if (m := g.fullmatch(text))), None)
+    if match is None:
+        raise ValueError(f"unknown pattern {spec!r}; valid forms: {', '.join(PATTERN_FORMS)}")
+    fields = {k: v for k, v in match.groupdict().items() if v is not None}
+    n, m = (int(fields["n"]), int(fields["m"])) if "n" in fields else (None, None)
+    if m is not None and not 1 <= n <= m:
+        raise ValueError(f"pattern {spec!r}: N must satisfy 1 <= N <= M, got N={n}, M={m}")
+    if "transposable" in fields and m > MAX_TRANSPOSABLE_M:
+        raise ValueError(f"pattern {spec!r}: transposable N:M supports M <= {MAX_TRANSPOSABLE_M} "
+                         f"(exact search over all N-regular tiles), got M={m}")
+    rows = int(fields.get("rows", 1))
+    cols = int(fields.get("cols", 1))
+    if rows < 1 or cols < 1:
+        raise ValueError(f"pattern {spec!r}: block dimensions must be >= 1, got {rows}x{cols}")
+    return Pattern(rows, cols, n, m, "transposable" in fields, text)
