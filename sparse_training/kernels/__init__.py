@@ -1,0 +1,42 @@
+"""Triton kernels: fused masked optimizer step and fast mask computation.
+
+Public API:
+    fused_masked_step, fused_unsupported_reason, masked_step_reference,
+    nm_topk_mask, nm_topk_masks, nm_topk_mask_reference,
+    global_magnitude_threshold, global_magnitude_threshold_reference,
+    pack_mask, unpack_mask.
+
+Without Triton the functions fall back to the pure-torch references and
+``fused_unsupported_reason`` says that Triton is missing.
+"""
+
+from ._step_plan import options_unsupported_reason
+from ._triton import HAS_TRITON
+from .bitpack import pack_mask, unpack_mask
+from .reference import (
+    global_magnitude_threshold_reference,
+    masked_step_reference,
+    nm_topk_mask_reference,
+)
+
+if HAS_TRITON:
+    from .masked_step import fused_masked_step, fused_unsupported_reason
+else:
+    from ._step_plan import device_unsupported_reason
+
+    fused_masked_step = masked_step_reference
+
+    def fused_unsupported_reason(optimizer):
+        """Why the fused step cannot serve ``optimizer`` (here: Triton is missing)."""
+        return options_unsupported_reason(optimizer) or device_unsupported_reason(optimizer)
+
+
+__all__ = [
+    "fused_masked_step",
+    "fused_unsupported_reason",
+    "global_magnitude_threshold_reference",
+    "masked_step_reference",
+    "nm_topk_mask_reference",
+    "pack_mask",
+    "unpack_mask",
+]

@@ -1,0 +1,346 @@
+"""Fused masked optimizer step (AdamW, Adam, SGD) in one multi-tensor Triton kernel.
+
+One pass per element reads param, grad, optimizer state and mask and writes param and
+state: the gradient is masked, the moments / momentum buffer are written as exact
+zeros at pruned positions and so is the weight. A whole param group is one launch
+(one per gradient dtype and mask format present).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ._multi_tensor import address_table, all_aligned, chunk_table
+from ._step_plan import (
+    StepBatch,
+    device_unsupported_reason,
+    options_unsupported_reason,
+    run_masked_step,
+)
+from ._triton import kernels_run_on, tl, triton
+from .reference import apply_batch_reference
+
+_ADAM = tl.constexpr(0)
+_SGD = tl.constexpr(1)
+
+_TORCH_TO_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+# Columns of the per-tensor address table.
+_P, _G, _A, _B, _K, _NUMEL, _S0, _S1 = range(8)
+_COLUMNS = 8
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """Launch configuration: ``block`` elements per iteration, ``chunk`` per program."""
+
+    block: int
+    num_warps: int
+    chunk: int
+
+
+def masked_step_configs() -> list[StepConfig]:
+    """Candidate launch configurations, swept by ``benchmarks/optimizer.py``.
+
+    The step updates its inputs in place, so Triton's run-time autotuner (which
+    launches every candidate on the live tensors) cannot pick among them; the
+    benchmark sweeps them on scratch copies and ``DEFAULT_CONFIG`` records the winner.
+    """
+    return [
+        StepConfig(block, warps, chunk)
+        for block, warps in ((1024, 4), (2048, 8), (4096, 8), (4096, 16))
+        for chunk in (16384, 65536)
+    ]
+
+
+DEFAULT_CONFIG = StepConfig(block=2048, num_warps=8, chunk=16384)
+
+
+@triton.jit
+def _typed(table_row, column: tl.constexpr, dtype: tl.constexpr, ALIGNED: tl.constexpr):
+    ptr = tl.load(table_row + column).to(tl.pointer_type(dtype))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
+def _load(ptr, bound, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(ptr, mask=bound, other=0)
+    return tl.load(ptr)
+
+
+@triton.jit
+def _update_block(
+    offs, numel, p_ptr, g_ptr, a_ptr, b_ptr, k_ptr,
+    inv_sign, step_size, bc2_sqrt, lr, decay, weight_decay, one_minus_beta1, beta2,
+    one_minus_beta2, eps, momentum, one_minus_dampening,
+    ALGO: tl.constexpr, DECOUPLED: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr, SGD_FIRST: tl.constexpr, MASK_PACKED: tl.constexpr,
+    MASKED: tl.constexpr,
+):  # fmt: skip
+    bound = offs < numel if MASKED else None
+    if MASK_PACKED:
+        byte = _load(k_ptr + (offs >> 3), bound, MASKED).to(tl.int32)
+        keep = ((byte >> (offs & 7).to(tl.int32)) & 1) != 0
+    else:
+        keep = _load(k_ptr + offs, bound, MASKED) != 0
+    g = _load(g_ptr + offs, bound, MASKED).to(tl.float32)
+    # inv_sign is 1/grad_scale (or 1), negated for maximize; the division stays exact.
+    g = tl.where(keep, tl.div_rn(g, inv_sign), 0.0)
+    p = _load(p_ptr + offs, bound, MASKED)
+    if ALGO == _ADAM:
+        if DECOUPLED:
+            p = p * decay
+        else:
+            g = g + weight_decay * p
+        m = _load(a_ptr + offs, bound, MASKED)
+        v = _load(b_ptr + offs, bound, MASKED)
+        m = m + one_minus_beta1 * (g - m)
+        v = v * beta2 + one_minus_beta2 * (g * g)
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+        p = p - step_size * tl.div_rn(m, denom)
+        tl.store(a_ptr + offs, tl.where(keep, m, 0.0), mask=bound)
+        tl.store(b_ptr + offs, tl.where(keep, v, 0.0), mask=bound)
+    else:
+        g = g + weight_decay * p
+        if HAS_MOMENTUM:
+            if SGD_FIRST:
+                buf = g
+            else:
+                buf = _load(a_ptr + offs, bound, MASKED)
+                buf = buf * momentum + one_minus_dampening * g
+            tl.store(a_ptr + offs, tl.where(keep, buf, 0.0), mask=bound)
+            if NESTEROV:
+                g = g + momentum * buf
+            else:
+                g = buf
+        p = p - lr * g
+    tl.store(p_ptr + offs, tl.where(keep, p, 0.0), mask=bound)
+
+
+@triton.jit
+def _masked_step_kernel(
+    table, tensor_index, chunk_index, grad_scale_ptr, found_inf_ptr,
+    grad_sign, lr, decay, weight_decay, one_minus_beta1, beta2, one_minus_beta2,
+    log2_beta1, log2_beta2, eps, momentum, one_minus_dampening,
+    GRAD_DTYPE: tl.constexpr, ALGO: tl.constexpr, DECOUPLED: tl.constexpr,
+    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, SGD_FIRST: tl.constexpr,
+    MASK_PACKED: tl.constexpr, STEP_ON_DEVICE: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr, ALIGNED: tl.constexpr,
+    COLUMNS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    live = True
+    if HAS_FOUND_INF:
+        live = tl.load(found_inf_ptr) == 0
+    if live:
+        row = table + tl.load(tensor_index + pid) * COLUMNS
+        first = tl.load(chunk_index + pid) * CHUNK
+        numel = tl.load(row + 5)
+        p_ptr = _typed(row, 0, tl.float32, ALIGNED)
+        g_ptr = _typed(row, 1, GRAD_DTYPE, ALIGNED)
+        a_ptr = _typed(row, 2, tl.float32, ALIGNED)
+        b_ptr = _typed(row, 3, tl.float32, ALIGNED)
+        k_ptr = _typed(row, 4, tl.int8, ALIGNED)
+        inv_sign = grad_sign
+        if HAS_SCALE:
+            inv_sign = tl.load(grad_scale_ptr) * grad_sign
+        step_size = lr
+        bc2_sqrt = 1.0
+        if ALGO == _ADAM:
+            if STEP_ON_DEVICE:
+                # Like torch's fused Adam: bias corrections from the device step, in fp32.
+                step = tl.load(tl.load(row + 6).to(tl.pointer_type(tl.float32)))
+                step_size = lr / (1.0 - tl.exp2(step * log2_beta1))
+                bc2_sqrt = tl.sqrt_rn(1.0 - tl.exp2(step * log2_beta2))
+            else:
+                # Computed on the host in float64 like torch's foreach path, passed as fp32 bits.
+                step_size = tl.load(row + 6).to(tl.int32).to(tl.float32, bitcast=True)
+                bc2_sqrt = tl.load(row + 7).to(tl.int32).to(tl.float32, bitcast=True)
+        offs = first + tl.arange(0, BLOCK)
+        full = first + CHUNK <= numel
+        for start in range(0, CHUNK, BLOCK):
+            if full:
+                _update_block(
+                    offs + start, numel, p_ptr, g_ptr, a_ptr, b_ptr, k_ptr,
+                    inv_sign, step_size, bc2_sqrt, lr, decay, weight_decay, one_minus_beta1,
+                    beta2, one_minus_beta2, eps, momentum, one_minus_dampening,
+                    ALGO, DECOUPLED, HAS_MOMENTUM, NESTEROV, SGD_FIRST, MASK_PACKED, False,
+                )  # fmt: skip
+            else:
+                _update_block(
+                    offs + start, numel, p_ptr, g_ptr, a_ptr, b_ptr, k_ptr,
+                    inv_sign, step_size, bc2_sqrt, lr, decay, weight_decay, one_minus_beta1,
+                    beta2, one_minus_beta2, eps, momentum, one_minus_dampening,
+                    ALGO, DECOUPLED, HAS_MOMENTUM, NESTEROV, SGD_FIRST, MASK_PACKED, True,
+                )  # fmt: skip
+
+
+def _f32_bits(x: float) -> int:
+    return int(torch.tensor(x, dtype=torch.float32).view(torch.int32))
+
+
+def _kernel_ready(batch: StepBatch, i: int) -> bool:
+    tensors = [batch.params[i], batch.grads[i], batch.masks[i]]
+    tensors += [s[i] for s in (batch.exp_avgs, batch.exp_avg_sqs, batch.momentum_buffers) if s]
+    if not all(t.is_contiguous() for t in tensors):
+        return False
+    if batch.grads[i].dtype not in _TORCH_TO_TL:
+        return False
+    return not batch.steps or batch.steps[i].device.type == "cpu" or batch.steps[i].dtype == torch.float32
+
+
+def _split(batch: StepBatch, keep: list[int]) -> StepBatch:
+    lists = ("params", "grads", "masks", "exp_avgs", "exp_avg_sqs", "steps", "momentum_buffers")
+    part = StepBatch(batch.algo, batch.hparams, batch.sgd_first)
+    for name in lists:
+        src = getattr(batch, name)
+        setattr(part, name, [src[i] for i in keep] if src else [])
+    return part
+
+
+def launch_masked_step(
+    batch: StepBatch,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+    config: StepConfig = DEFAULT_CONFIG,
+) -> None:
+    """Update one ``StepBatch`` with a single kernel launch.
+
+    Tensors the kernel cannot take (non-contiguous, unusual dtypes) go through the
+    pure-torch reference instead.
+
+    Args:
+        batch: Tensors of one param group, state created and steps advanced.
+        grad_scale: Optional float32 tensor the gradients are divided by.
+        found_inf: Optional float32 tensor; nonzero makes the kernel write nothing.
+        config: Launch configuration.
+
+    Raises:
+        ValueError: If ``config.chunk`` is not a multiple of ``config.block``.
+    """
+    if config.chunk % config.block:
+        raise ValueError(f"chunk {config.chunk} is not a multiple of block {config.block}")
+    ready = [_kernel_ready(batch, i) for i in range(len(batch.params))]
+    if not all(ready):
+        apply_batch_reference(_split(batch, [i for i, r in enumerate(ready) if not r]), grad_scale, found_inf)
+        batch = _split(batch, [i for i, r in enumerate(ready) if r])
+    if not batch.params:
+        return
+    hp = batch.hparams
+    device = batch.params[0].device
+    params = batch.params
+    state_a = batch.exp_avgs or batch.momentum_buffers or params
+    state_b = batch.exp_avg_sqs or params
+    addresses = [[t.data_ptr() for t in ts] for ts in (params, batch.grads, state_a, state_b, batch.masks)]
+    numels = [p.numel() for p in params]
+    step_on_device = bool(batch.steps) and batch.steps[0].device.type != "cpu"
+    if batch.algo == "adam" and not step_on_device:
+        steps = [float(s) for s in batch.steps]
+        col6 = [_f32_bits(hp["lr"] / (1 - hp["beta1"] ** s)) for s in steps]
+        col7 = [_f32_bits(math.sqrt(1 - hp["beta2"] ** s)) for s in steps]
+    else:
+        col6 = [s.data_ptr() for s in batch.steps] or numels
+        col7 = numels
+    table = address_table([*addresses, numels, col6, col7], device)
+    tensor_index, chunk_index = chunk_table(numels, config.chunk, device)
+    adam = batch.algo == "adam"
+    beta1, beta2 = (hp["beta1"], hp["beta2"]) if adam else (0.5, 0.5)
+    momentum = hp.get("momentum", 0.0)
+    _masked_step_kernel[(tensor_index.numel(),)](
+        table, tensor_index, chunk_index,
+        grad_scale if grad_scale is not None else table,
+        found_inf if found_inf is not None else table,
+        -1.0 if hp["maximize"] else 1.0,
+        hp["lr"], 1 - hp["lr"] * hp["weight_decay"], hp["weight_decay"],
+        1 - beta1, beta2, 1 - beta2, math.log2(beta1), math.log2(beta2),
+        hp.get("eps", 0.0), momentum, 1 - hp.get("dampening", 0.0),
+        GRAD_DTYPE=_TORCH_TO_TL[batch.grads[0].dtype],
+        ALGO=_ADAM if adam else _SGD,
+        DECOUPLED=hp.get("decoupled", False),
+        HAS_MOMENTUM=momentum != 0,
+        NESTEROV=hp.get("nesterov", False),
+        SGD_FIRST=batch.sgd_first,
+        MASK_PACKED=batch.masks[0].dtype == torch.uint8,
+        STEP_ON_DEVICE=step_on_device,
+        HAS_SCALE=grad_scale is not None,
+        HAS_FOUND_INF=found_inf is not None,
+        ALIGNED=all_aligned([a for col in addresses for a in col]),
+        COLUMNS=_COLUMNS, CHUNK=config.chunk, BLOCK=config.block,
+        num_warps=config.num_warps,
+    )  # fmt: skip
+
+
+def _apply(batch: StepBatch, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+    if kernels_run_on(batch.params[0].device):
+        launch_masked_step(batch, grad_scale, found_inf)
+    else:
+        apply_batch_reference(batch, grad_scale, found_inf)
+
+
+def fused_masked_step(
+    optimizer: torch.optim.Optimizer,
+    masks: Mapping[torch.Tensor, torch.Tensor],
+    *,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> None:
+    """Masked optimizer step for every masked parameter, in fused Triton kernels.
+
+    For each parameter of ``optimizer.param_groups`` that has a gradient and an entry
+    in ``masks``, performs the optimizer's update with the gradient masked, and writes
+    the weight and its optimizer state as exact zeros where the mask is False
+    (see ``reference.adam_update_reference`` / ``sgd_update_reference`` for the
+    formulas; AdamW's decoupled decay follows Loshchilov & Hutter, "Decoupled Weight
+    Decay Regularization", ICLR 2019). Hyperparameters are read from the param
+    groups at every call, so LR schedulers work. State lives in ``optimizer.state[p]``
+    with torch's own layout (``step`` as a tensor placed as torch places it,
+    ``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``), so ``state_dict()`` and a later
+    plain ``optimizer.step()`` continue seamlessly.
+
+    Convention: the handled parameters get ``p.grad = None`` afterwards (also on a
+    skipped step), so that calling ``optimizer.step()`` right after, e.g. from a
+    ``register_step_pre_hook``, updates only the unmasked parameters.
+
+    ``grad_scale``/``found_inf`` behave like torch's fused optimizers: gradients are
+    divided by ``grad_scale``; a nonzero ``found_inf`` writes nothing and does not
+    advance ``step``. Callers that unscale first (Lightning's AMP, ``GradScaler``
+    with a non-fused optimizer) pass neither.
+
+    Parameters on devices the kernels cannot run on (CPU without
+    ``TRITON_INTERPRET=1``) are updated by the pure-torch reference.
+
+    Args:
+        optimizer: A ``torch.optim.AdamW``, ``Adam`` or ``SGD`` (exact classes).
+        masks: Parameter tensor (the object itself) -> bool mask of its shape, or a
+            bit-packed uint8 mask from ``pack_mask``.
+        grad_scale: Optional float32 scalar tensor the gradients are divided by.
+        found_inf: Optional float32 scalar tensor; nonzero skips the step.
+
+    Raises:
+        ValueError: If the optimizer class or an option (amsgrad, capturable,
+            differentiable) is unsupported, or a mask is malformed.
+    """
+    run_masked_step(optimizer, masks, grad_scale, found_inf, _apply)
+
+
+def fused_unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``fused_masked_step`` cannot run ``optimizer`` in kernels, or None if it can.
+
+    None requires an exact ``torch.optim.AdamW``, ``Adam`` or ``SGD`` (no subclass),
+    no ``amsgrad``/``capturable``/``differentiable``, float32 parameters on CUDA (or
+    CPU under ``TRITON_INTERPRET=1``) and Triton installed.
+
+    Args:
+        optimizer: The user's optimizer.
+
+    Returns:
+        A human-readable reason, or None.
+    """
+    return options_unsupported_reason(optimizer) or device_unsupported_reason(optimizer)

@@ -1,0 +1,229 @@
+"""Pure-torch references for the kernels: same signatures, same arithmetic.
+
+They serve the tests (run on float64 copies they give the ground truth) and the CPU
+fallback. They loop over tensors in Python and make several passes over memory, so
+they are slow on a GPU; the kernels exist to avoid exactly that.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ._step_plan import StepBatch, run_masked_step
+from .bitpack import unpack_mask
+
+
+def dense_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Bool mask of ``like``'s shape from a bool or bit-packed uint8 mask."""
+    return mask if mask.dtype == torch.bool else unpack_mask(mask, like.shape)
+
+
+def _masked_grad(
+    grad: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype, grad_scale: torch.Tensor | None
+) -> torch.Tensor:
+    g = grad.to(dtype)
+    if grad_scale is not None:
+        g = g / grad_scale.to(dtype=dtype, device=g.device)
+    return torch.where(keep, g, torch.zeros((), dtype=dtype, device=g.device))
+
+
+def adam_update_reference(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    mask: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: float,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    maximize: bool,
+    grad_scale: torch.Tensor | None = None,
+) -> None:
+    """Masked Adam/AdamW update of one tensor, in place, in ``param``'s dtype.
+
+    With ``k`` the mask, ``g = k * grad / grad_scale`` (negated if ``maximize``) and
+    ``t = step`` (already advanced)::
+
+        p <- p * (1 - lr * wd)                 if decoupled (AdamW, Loshchilov & Hutter 2019)
+        g <- g + wd * p                        otherwise (Adam's L2 penalty)
+        m <- m + (1 - beta1) * (g - m)
+        v <- beta2 * v + (1 - beta2) * g^2
+        p <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+        p, m, v <- 0 where k is False
+
+    Args:
+        param, grad, exp_avg, exp_avg_sq: Tensors of one shape; updated in place
+            (``grad`` is read only).
+        mask: Bool mask of ``param``'s shape or bit-packed uint8.
+        step: Step count after this step (1 on the first step).
+        lr, beta1, beta2, eps, weight_decay: As in ``torch.optim.AdamW``.
+        decoupled: Decoupled weight decay (AdamW) instead of L2 (Adam).
+        maximize: Ascend instead of descend.
+        grad_scale: Optional scale the gradient is divided by.
+    """
+    keep = dense_mask(mask, param)
+    g = _masked_grad(grad, keep, param.dtype, grad_scale)
+    if maximize:
+        g = -g
+    if weight_decay != 0:
+        if decoupled:
+            param.mul_(1 - lr * weight_decay)
+        else:
+            g = g.add(param, alpha=weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = math.sqrt(1 - beta2**step)
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+    pruned = ~keep
+    for t in (param, exp_avg, exp_avg_sq):
+        t.masked_fill_(pruned, 0)
+
+
+def sgd_update_reference(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    mask: torch.Tensor,
+    momentum_buffer: torch.Tensor | None,
+    *,
+    first: bool,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+    grad_scale: torch.Tensor | None = None,
+) -> None:
+    """Masked SGD update of one tensor (momentum, Nesterov, weight decay), in place.
+
+    With ``k`` the mask and ``g = k * grad / grad_scale`` (negated if ``maximize``)::
+
+        g <- g + wd * p
+        b <- g                                 on the first step
+        b <- momentum * b + (1 - dampening) * g   afterwards
+        d <- g + momentum * b if nesterov else b
+        p <- p - lr * d
+        p, b <- 0 where k is False
+
+    Args:
+        param, grad: Tensors of one shape; ``param`` updated in place.
+        mask: Bool mask of ``param``'s shape or bit-packed uint8.
+        momentum_buffer: State tensor updated in place; None when ``momentum == 0``.
+        first: The buffer is new and is initialised with ``g``.
+        lr, momentum, dampening, weight_decay, nesterov, maximize: As in
+            ``torch.optim.SGD``.
+        grad_scale: Optional scale the gradient is divided by.
+    """
+    keep = dense_mask(mask, param)
+    g = _masked_grad(grad, keep, param.dtype, grad_scale)
+    if maximize:
+        g = -g
+    if weight_decay != 0:
+        g = g.add(param, alpha=weight_decay)
+    if momentum != 0:
+        if first:
+            momentum_buffer.copy_(g)
+        else:
+            momentum_buffer.mul_(momentum).add_(g, alpha=1 - dampening)
+        g = g.add(momentum_buffer, alpha=momentum) if nesterov else momentum_buffer
+    param.add_(g, alpha=-lr)
+    param.masked_fill_(~keep, 0)
+    if momentum_buffer is not None:
+        momentum_buffer.masked_fill_(~keep, 0)
+
+
+def apply_batch_reference(
+    batch: StepBatch, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None
+) -> None:
+    """Update every tensor of a ``StepBatch`` with the per-tensor references."""
+    if found_inf is not None and bool(found_inf.item()):
+        return
+    hp = batch.hparams
+    for i, (p, g, k) in enumerate(zip(batch.params, batch.grads, batch.masks, strict=True)):
+        if batch.algo == "adam":
+            adam_update_reference(
+                p, g, k, batch.exp_avgs[i], batch.exp_avg_sqs[i], float(batch.steps[i]),
+                grad_scale=grad_scale, **hp,
+            )  # fmt: skip
+        else:
+            buf = batch.momentum_buffers[i] if batch.momentum_buffers else None
+            sgd_update_reference(p, g, k, buf, first=batch.sgd_first, grad_scale=grad_scale, **hp)
+
+
+def masked_step_reference(
+    optimizer: torch.optim.Optimizer,
+    masks: Mapping[torch.Tensor, torch.Tensor],
+    *,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> None:
+    """Pure-torch ``fused_masked_step``: same state handling, per-tensor arithmetic.
+
+    Args:
+        optimizer: A ``torch.optim.AdamW``, ``Adam`` or ``SGD``.
+        masks: Parameter tensor -> bool mask of its shape (or packed uint8).
+        grad_scale: Optional scale the gradients are divided by.
+        found_inf: Optional float tensor; nonzero skips the step.
+
+    Raises:
+        ValueError: For an unsupported optimizer or option, or a malformed mask.
+    """
+    run_masked_step(optimizer, masks, grad_scale, found_inf, apply_batch_reference)
+
+
+def nm_topk_mask_reference(score: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    """Keep the ``n`` largest of every ``m`` consecutive scores along the last dim.
+
+    Ties go to the lower index (a stable descending sort).
+
+    Args:
+        score: Tensor whose last dim is a multiple of ``m``.
+        n: Elements kept per group, ``0 <= n <= m``.
+        m: Group size.
+
+    Returns:
+        Bool mask of ``score``'s shape with exactly ``n`` True per group.
+
+    Raises:
+        ValueError: If the last dim is not a multiple of ``m`` or ``n`` is out of range.
+    """
+    if score.dim() == 0 or score.shape[-1] % m != 0 or not 0 <= n <= m:
+        raise ValueError(f"need last dim % m == 0 and 0 <= n <= m (shape {tuple(score.shape)}, {n}:{m})")
+    groups = score.reshape(-1, m)
+    order = torch.sort(groups, dim=1, descending=True, stable=True).indices[:, :n]
+    mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, order, True)
+    return mask.reshape(score.shape)
+
+
+def global_magnitude_threshold_reference(
+    tensors: Sequence[torch.Tensor], kept: int
+) -> torch.Tensor:
+    """The ``kept``-th largest ``|w|`` over all tensors (full concatenation + kthvalue).
+
+    Keeping ``|w| >= threshold`` keeps ``kept`` weights when there are no ties at the
+    threshold.
+
+    Args:
+        tensors: Weight tensors (any shapes, one device).
+        kept: Number of weights to keep, ``1 <= kept <= total``.
+
+    Returns:
+        0-d float32 tensor on the tensors' device.
+
+    Raises:
+        ValueError: If ``kept`` is out of range.
+    """
+    flat = torch.cat([t.detach().reshape(-1).float().abs() for t in tensors])
+    if not 1 <= kept <= flat.numel():
+        raise ValueError(f"kept={kept} out of range for {flat.numel()} weights")
+    return flat.kthvalue(flat.numel() - kept + 1).values
