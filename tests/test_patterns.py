@@ -1,0 +1,46 @@
+import pytest
+
+from sparse_training.patterns import Pattern, parse_pattern
+
+
+@pytest.mark.parametrize(("spec", "expected"), [
+    ("unstructured", Pattern(spec="unstructured")),
+    ("2:4", Pattern(1, 1, 2, 4, False, "2:4")),
+    (" 2:4 ", Pattern(1, 1, 2, 4, False, "2:4")),
+    ("3:32", Pattern(1, 1, 3, 32, False, "3:32")),
+    ("2:4:2d", Pattern(1, 1, 2, 4, True, "2:4:2d")),
+    ("block:4x8", Pattern(4, 8, None, None, False, "block:4x8")),
+    ("vector:8", Pattern(8, 1, None, None, False, "vector:8")),
+    ("block:2x2+2:4", Pattern(2, 2, 2, 4, False, "block:2x2+2:4")),
+    ("vector:4+1:4", Pattern(4, 1, 1, 4, False, "vector:4+1:4")),
+])
+def test_parse(spec, expected):
+    assert parse_pattern(spec) == expected
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("2-4", "unknown pattern '2-4'; valid forms"),
+    ("block:4", "unknown pattern 'block:4'"),
+    ("5:4", "N must satisfy 1 <= N <= M, got N=5, M=4"),
+    ("0:4", "N must satisfy 1 <= N <= M, got N=0, M=4"),
+    ("block:0x4", "block dimensions must be >= 1, got 0x4"),
+    ("2:8:2d", "transposable N:M supports M <= 5"),
+    (24, "pattern must be a string, got 24"),
+])
+def test_parse_errors(spec, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_pattern(spec)
+
+
+def test_kept_per_group_ramps_to_n():
+    p = parse_pattern("2:8")
+    assert [p.kept_per_group(s) for s in (0.0, 0.25, 0.5, 0.75, 0.9)] == [8, 6, 4, 2, 2]
+    assert p.nm_sparsity == 0.75
+
+
+def test_shape_error_messages():
+    assert parse_pattern("2:4").shape_error(8, 6) == (
+        "6 input features are not a multiple of M = 4")
+    assert parse_pattern("block:4x4").shape_error(6, 8) == (
+        "6 rows are not a multiple of the block's 4")
+    assert parse_pattern("unstructured").shape_error(7, 3) is None
