@@ -20,11 +20,19 @@ from .reference import (
 )
 
 if HAS_TRITON:
+    from .global_threshold import global_magnitude_threshold
     from .masked_step import fused_masked_step, fused_unsupported_reason
+    from .nm_mask import nm_topk_mask, nm_topk_masks
 else:
     from ._step_plan import device_unsupported_reason
 
     fused_masked_step = masked_step_reference
+    global_magnitude_threshold = global_magnitude_threshold_reference
+    nm_topk_mask = nm_topk_mask_reference
+
+    def nm_topk_masks(scores, n, m):
+        """N:M masks of several tensors (reference fallback without Triton)."""
+        return [nm_topk_mask_reference(s, n, m) for s in scores]
 
     def fused_unsupported_reason(optimizer):
         """Why the fused step cannot serve ``optimizer`` (here: Triton is missing)."""
@@ -34,9 +42,12 @@ else:
 __all__ = [
     "fused_masked_step",
     "fused_unsupported_reason",
+    "global_magnitude_threshold",
     "global_magnitude_threshold_reference",
     "masked_step_reference",
+    "nm_topk_mask",
     "nm_topk_mask_reference",
+    "nm_topk_masks",
     "pack_mask",
     "unpack_mask",
 ]
