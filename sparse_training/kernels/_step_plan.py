@@ -61,8 +61,10 @@ def options_unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
         for option in ("amsgrad", "differentiable", "capturable"):
             if group.get(option, False):
                 return f"param group {i} sets {option}=True, which the fused masked step does not support"
-        if kind is torch.optim.SGD and group["nesterov"] and (
-            group["momentum"] <= 0 or group["dampening"] != 0
+        if (
+            kind is torch.optim.SGD
+            and group["nesterov"]
+            and (group["momentum"] <= 0 or group["dampening"] != 0)
         ):
             return f"param group {i}: Nesterov momentum requires momentum > 0 and zero dampening"
     return None

@@ -54,7 +54,9 @@ def _radix_histogram_kernel(
     tl.atomic_add(hist_ptr + bins, acc.to(tl.int64))
 
 
-def _launch_radix_select(tensors: list[torch.Tensor], kept: int, chunk: int, block: int) -> torch.Tensor:
+def _launch_radix_select(
+    tensors: list[torch.Tensor], kept: int, chunk: int, block: int
+) -> torch.Tensor:
     device = tensors[0].device
     addresses = [t.data_ptr() for t in tensors]
     numels = [t.numel() for t in tensors]

@@ -57,6 +57,7 @@ def masked_step_configs() -> list[StepConfig]:
     ]
 
 
+# Read at every launch; ``benchmarks/optimizer.py`` sets it while sweeping candidates.
 DEFAULT_CONFIG = StepConfig(block=2048, num_warps=8, chunk=16384)
 
 
@@ -116,10 +117,7 @@ def _update_block(
                 buf = _load(a_ptr + offs, bound, MASKED)
                 buf = buf * momentum + one_minus_dampening * g
             tl.store(a_ptr + offs, tl.where(keep, buf, 0.0), mask=bound)
-            if NESTEROV:
-                g = g + momentum * buf
-            else:
-                g = buf
+            g = g + momentum * buf if NESTEROV else buf
         p = p - lr * g
     tl.store(p_ptr + offs, tl.where(keep, p, 0.0), mask=bound)
 
@@ -193,7 +191,11 @@ def _kernel_ready(batch: StepBatch, i: int) -> bool:
         return False
     if batch.grads[i].dtype not in _TORCH_TO_TL:
         return False
-    return not batch.steps or batch.steps[i].device.type == "cpu" or batch.steps[i].dtype == torch.float32
+    return (
+        not batch.steps
+        or batch.steps[i].device.type == "cpu"
+        or batch.steps[i].dtype == torch.float32
+    )
 
 
 def _split(batch: StepBatch, keep: list[int]) -> StepBatch:
@@ -209,7 +211,7 @@ def launch_masked_step(
     batch: StepBatch,
     grad_scale: torch.Tensor | None,
     found_inf: torch.Tensor | None,
-    config: StepConfig = DEFAULT_CONFIG,
+    config: StepConfig | None = None,
 ) -> None:
     """Update one ``StepBatch`` with a single kernel launch.
 
@@ -220,16 +222,19 @@ def launch_masked_step(
         batch: Tensors of one param group, state created and steps advanced.
         grad_scale: Optional float32 tensor the gradients are divided by.
         found_inf: Optional float32 tensor; nonzero makes the kernel write nothing.
-        config: Launch configuration.
+        config: Launch configuration; ``DEFAULT_CONFIG`` when None.
 
     Raises:
         ValueError: If ``config.chunk`` is not a multiple of ``config.block``.
     """
+    config = config or DEFAULT_CONFIG
     if config.chunk % config.block:
         raise ValueError(f"chunk {config.chunk} is not a multiple of block {config.block}")
     ready = [_kernel_ready(batch, i) for i in range(len(batch.params))]
     if not all(ready):
-        apply_batch_reference(_split(batch, [i for i, r in enumerate(ready) if not r]), grad_scale, found_inf)
+        apply_batch_reference(
+            _split(batch, [i for i, r in enumerate(ready) if not r]), grad_scale, found_inf
+        )
         batch = _split(batch, [i for i, r in enumerate(ready) if r])
     if not batch.params:
         return
@@ -238,7 +243,9 @@ def launch_masked_step(
     params = batch.params
     state_a = batch.exp_avgs or batch.momentum_buffers or params
     state_b = batch.exp_avg_sqs or params
-    addresses = [[t.data_ptr() for t in ts] for ts in (params, batch.grads, state_a, state_b, batch.masks)]
+    addresses = [
+        [t.data_ptr() for t in ts] for ts in (params, batch.grads, state_a, state_b, batch.masks)
+    ]
     numels = [p.numel() for p in params]
     step_on_device = bool(batch.steps) and batch.steps[0].device.type != "cpu"
     if batch.algo == "adam" and not step_on_device:
@@ -277,7 +284,9 @@ def launch_masked_step(
     )  # fmt: skip
 
 
-def _apply(batch: StepBatch, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+def _apply(
+    batch: StepBatch, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None
+) -> None:
     if kernels_run_on(batch.params[0].device):
         launch_masked_step(batch, grad_scale, found_inf)
     else:

@@ -198,7 +198,9 @@ def nm_topk_mask_reference(score: torch.Tensor, n: int, m: int) -> torch.Tensor:
         ValueError: If the last dim is not a multiple of ``m`` or ``n`` is out of range.
     """
     if score.dim() == 0 or score.shape[-1] % m != 0 or not 0 <= n <= m:
-        raise ValueError(f"need last dim % m == 0 and 0 <= n <= m (shape {tuple(score.shape)}, {n}:{m})")
+        raise ValueError(
+            f"need last dim % m == 0 and 0 <= n <= m (shape {tuple(score.shape)}, {n}:{m})"
+        )
     groups = score.reshape(-1, m)
     order = torch.sort(groups, dim=1, descending=True, stable=True).indices[:, :n]
     mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, order, True)

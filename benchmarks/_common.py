@@ -1,0 +1,55 @@
+"""Shared helpers of the GPU benchmarks: environment, copy bandwidth, BERT-large shapes."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+
+import torch
+import triton
+from triton.testing import do_bench
+
+
+def bench_ms(fn) -> float:
+    """Median milliseconds of ``fn`` (triton.testing.do_bench, CUDA events)."""
+    return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus written."""
+    src = torch.randn(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / ms / 1e6
+
+
+def environment() -> dict:
+    """GPU name, versions: stored with every result."""
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
+
+
+def bert_large_shapes() -> list[tuple[int, ...]]:
+    """Parameter shapes of BERT-large (uncased, with pooler): 335M parameters."""
+    h, i, layers = 1024, 4096, 24
+    shapes = [(30522, h), (512, h), (2, h), (h,), (h,)]
+    for _ in range(layers):
+        shapes += [(h, h), (h,)] * 4 + [(h,), (h,)]
+        shapes += [(i, h), (i,), (h, i), (h,), (h,), (h,)]
+    return shapes + [(h, h), (h,)]
+
+
+def write_json(name: str, payload: dict) -> str:
+    """Write ``payload`` to ``$OUT/<name>`` (or ``benchmarks/results/``)."""
+    out = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, name)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+    return path

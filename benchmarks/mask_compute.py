@@ -1,0 +1,122 @@
+"""Mask computation on the GPU at BERT-large size: Triton kernels vs torch paths.
+
+Run on a CUDA machine:  python benchmarks/mask_compute.py
+Over the 2-D weights of BERT-large (the prunable ones; scores = |w|, fp32):
+
+- N:M (2:4): ``nm_topk_masks`` (one launch for all weights), ``nm_topk_mask`` per
+  tensor, torch ``topk`` + ``scatter_`` per tensor; floor = (4 B read + 1 B written)
+  per weight / copy bandwidth.
+- Global magnitude threshold (keep 10%): ``global_magnitude_threshold`` (radix
+  select) vs ``torch.cat`` + ``kthvalue`` and ``torch.cat`` + ``topk``; floor = one
+  read of all weights.
+- Block scores (16x16 sums of |w|): torch reshape + sum per tensor vs the floor of
+  reading every weight once.
+
+Checks each kernel against its torch reference first. Prints one table and writes
+mask_compute.json to $OUT or benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import (  # noqa: E402
+    bench_ms,
+    bert_large_shapes,
+    copy_bandwidth_gbs,
+    environment,
+    write_json,
+)
+from sparse_training.kernels import (  # noqa: E402
+    global_magnitude_threshold,
+    global_magnitude_threshold_reference,
+    nm_topk_mask,
+    nm_topk_mask_reference,
+    nm_topk_masks,
+)
+
+
+def torch_nm(score: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    groups = score.reshape(-1, m)
+    idx = groups.topk(n, dim=1).indices
+    return torch.zeros_like(groups, dtype=torch.bool).scatter_(1, idx, True).view(score.shape)
+
+
+def block_scores(w: torch.Tensor, b: int) -> torch.Tensor:
+    r, c = w.shape
+    return w.abs().view(r // b, b, c // b, b).sum(dim=(1, 3))
+
+
+def once_ms(fn, reps: int = 3) -> float:
+    """Median of a few event-timed runs, for baselines too slow for do_bench."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    env = environment()
+    bw = copy_bandwidth_gbs()
+    torch.manual_seed(0)
+    weights = [torch.randn(s, device="cuda") * 0.02 for s in bert_large_shapes() if len(s) == 2]
+    weights = [w for w in weights if w.shape[0] % 16 == 0]  # token-type (2 x 1024) excluded
+    scores = [w.abs() for w in weights]
+    numel = sum(w.numel() for w in weights)
+    kept = numel // 10
+
+    # Correctness first (fresh random data, exact equality with the references).
+    odd = [torch.randn(37, 12, device="cuda"), torch.randint(0, 3, (64, 8), device="cuda").float()]
+    checks = {
+        "nm_equal": all(torch.equal(a, nm_topk_mask_reference(s, 2, 4)) for a, s in zip(nm_topk_masks(odd + scores[:3], 2, 4), odd + scores[:3], strict=True)),
+        "threshold_equal": bool(global_magnitude_threshold(weights[:5], 12345) == global_magnitude_threshold_reference(weights[:5], 12345)),
+    }  # fmt: skip
+    assert all(checks.values()), checks
+
+    t = {}
+    t["nm_kernel_multi"] = bench_ms(lambda: nm_topk_masks(scores, 2, 4))
+    t["nm_kernel_per_tensor"] = bench_ms(lambda: [nm_topk_mask(s, 2, 4) for s in scores])
+    t["nm_torch_topk"] = bench_ms(lambda: [torch_nm(s, 2, 4) for s in scores])
+    t["nm_floor"] = numel * 5 / bw / 1e6
+    t["threshold_kernel"] = bench_ms(lambda: global_magnitude_threshold(weights, kept))
+    t["threshold_torch_kthvalue"] = once_ms(
+        lambda: global_magnitude_threshold_reference(weights, kept)
+    )
+    t["threshold_torch_topk"] = once_ms(
+        lambda: (
+            torch.cat([w.reshape(-1).abs() for w in weights]).topk(kept, sorted=False).values.min()
+        )
+    )
+    t["threshold_floor"] = numel * 4 / bw / 1e6
+    t["block16_torch"] = bench_ms(lambda: [block_scores(w, 16) for w in weights])
+    t["block16_floor"] = numel * 4 / bw / 1e6
+    path = write_json(
+        "mask_compute.json",
+        {"environment": env, "copy_bandwidth_GBs": bw, "numel": numel, "tensors": len(weights), "checks": checks, "ms": t},
+    )  # fmt: skip
+    print(
+        f"\n{env['gpu']}, torch {env['torch']}, triton {env['triton']}; copy bandwidth {bw:.0f} GB/s"
+    )
+    print(f"{len(weights)} BERT-large weight matrices, {numel / 1e6:.0f}M weights; checks {checks}")
+    print("| computation | variant | ms | / floor |")
+    print("|---|---|---|---|")
+    for key, ms in t.items():
+        op, _, variant = key.partition("_")
+        floor = t[f"{op}_floor"]
+        print(f"| {op} | {variant} | {ms:.3f} | {ms / floor:.2f}x |")
+    print(f"(JSON: {path})")
+
+
+if __name__ == "__main__":
+    main()

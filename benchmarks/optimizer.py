@@ -1,0 +1,177 @@
+"""Masked optimizer step on the GPU: fused kernels vs torch's fused step vs ASP.
+
+Run on a CUDA machine:  python benchmarks/optimizer.py
+Checks the kernels against the float64 reference first, sweeps the launch configs,
+then times, for AdamW and SGD (momentum 0.9) at 64Mi parameters (64 x 1024x1024) and
+at BERT-large size (335M, real shapes), every parameter masked at 50%:
+
+- ``fused_unmasked``: torch.optim.<Opt>(fused=True).step(), no mask (the target);
+- ``masked_fused``: sparse_training.kernels.fused_masked_step, bool masks;
+- ``masked_fused_packed``: the same with bit-packed masks;
+- ``asp``: NVIDIA ASP: per-parameter grad.mul_(mask), fused step, p.mul_(mask);
+- ``foreach_mul``: _foreach_mul_(grads, masks), foreach step, _foreach_mul_(params, masks);
+- ``floor``: bytes the masked step must move / measured copy bandwidth.
+
+Prints one table and writes optimizer_step.json (GPU name, versions) to $OUT or
+benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import (  # noqa: E402
+    bench_ms,
+    bert_large_shapes,
+    copy_bandwidth_gbs,
+    environment,
+    write_json,
+)
+from sparse_training.kernels import (  # noqa: E402
+    fused_masked_step,
+    masked_step_reference,
+    pack_mask,
+)
+from sparse_training.kernels import masked_step as ms  # noqa: E402
+
+ADAMW = (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.01})
+SGD = (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "weight_decay": 1e-4})
+# Bytes per element moved by the masked step beyond the mask: reads + writes, fp32.
+STATE_BYTES = {"AdamW": 4 * (4 + 3), "SGD": 4 * (3 + 2)}
+
+
+def check_correctness() -> dict:
+    """Kernel vs float64 reference, bf16 grads, several steps, odd sizes, exact zeros."""
+    torch.manual_seed(0)
+    shapes = [(1000, 37), (4097,), (3, 5, 7), (65536 * 3 + 5,)]
+    result = {}
+    for opt_cls, kw in (ADAMW, SGD, (torch.optim.Adam, {"lr": 1e-3, "weight_decay": 0.1})):
+        ps = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
+        ref = [torch.nn.Parameter(p.detach().double().clone()) for p in ps]
+        opt, opt_ref = opt_cls(ps, **kw), opt_cls(ref, **kw)
+        masks = {p: torch.rand(p.shape, device="cuda") > 0.5 for p in ps}
+        masks_ref = {q: masks[p] for p, q in zip(ps, ref, strict=True)}
+        for _ in range(4):
+            for p, q in zip(ps, ref, strict=True):
+                g = torch.randn(p.shape, device="cuda").bfloat16()
+                p.grad, q.grad = g, g.double()
+            fused_masked_step(opt, masks)
+            masked_step_reference(opt_ref, masks_ref)
+        err = max(((p.double() - q).norm() / q.norm()).item() for p, q in zip(ps, ref, strict=True))
+        zeros = all(bool((p[~masks[p]] == 0).all()) for p in ps)
+        result[opt_cls.__name__] = {"rel_err_vs_fp64": err, "pruned_exact_zero": zeros}
+        assert err < 1e-6 and zeros, result
+    return result
+
+
+def make_model(shapes, opt_cls, kw):
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.02) for s in shapes]
+    grads = [torch.randn_like(p) for p in params]
+    masks = [torch.rand(p.shape, device="cuda") > 0.5 for p in params]
+    return params, grads, masks
+
+
+def time_variants(shapes, opt_cls, kw) -> dict:
+    params, grads, masks = make_model(shapes, opt_cls, kw)
+    mask_of = dict(zip(params, masks, strict=True))
+    packed_of = {p: pack_mask(k) for p, k in mask_of.items()}
+    fmasks = [k.float() for k in masks]
+
+    def set_grads():
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+
+    set_grads()
+    fused = opt_cls(params, fused=True, **kw)
+    mine = opt_cls(params, **kw)
+    foreach = opt_cls(params, foreach=True, **kw)
+
+    def asp():
+        with torch.no_grad():
+            for p, k in zip(params, masks, strict=True):
+                p.grad.mul_(k)
+            fused.step()
+            for p, k in zip(params, masks, strict=True):
+                p.mul_(k)
+
+    def foreach_mul():
+        with torch.no_grad():
+            torch._foreach_mul_(grads, fmasks)
+            foreach.step()
+            torch._foreach_mul_(params, fmasks)
+
+    def masked(mask_map):
+        def run():
+            set_grads()
+            fused_masked_step(mine, mask_map)
+
+        return run
+
+    times = {"fused_unmasked": bench_ms(fused.step)}
+    sweep = {}
+    for cfg in ms.masked_step_configs():
+        ms.DEFAULT_CONFIG = cfg
+        sweep[f"{cfg.block}/{cfg.num_warps}w/{cfg.chunk}"] = bench_ms(masked(mask_of))
+    best = min(sweep, key=sweep.get)
+    ms.DEFAULT_CONFIG = ms.masked_step_configs()[list(sweep).index(best)]
+    times["masked_fused"] = bench_ms(masked(mask_of))
+    times["masked_fused_packed"] = bench_ms(masked(packed_of))
+    set_grads()
+    times["asp"] = bench_ms(asp)
+    times["foreach_mul"] = bench_ms(foreach_mul)
+    numel = sum(p.numel() for p in params)
+    return {
+        "numel": numel,
+        "tensors": len(shapes),
+        "ms": times,
+        "config_sweep_ms": sweep,
+        "best_config": best,
+    }
+
+
+def main() -> None:
+    env = environment()
+    bw = copy_bandwidth_gbs()
+    correctness = check_correctness()
+    sizes = {"64Mi": [(1024, 1024)] * 64, "BERT-large": bert_large_shapes()}
+    runs = {}
+    for (opt_cls, kw), name in ((ADAMW, "AdamW"), (SGD, "SGD")):
+        for size, shapes in sizes.items():
+            r = time_variants(shapes, opt_cls, kw)
+            r["floor_ms"] = r["numel"] * (STATE_BYTES[name] + 1) / bw / 1e6
+            r["floor_packed_ms"] = r["numel"] * (STATE_BYTES[name] + 0.125) / bw / 1e6
+            runs[f"{name} {size}"] = r
+            gc.collect()
+            torch.cuda.empty_cache()
+    path = write_json(
+        "optimizer_step.json",
+        {"environment": env, "copy_bandwidth_GBs": bw, "correctness": correctness, "runs": runs},
+    )
+    print(
+        f"\n{env['gpu']}, torch {env['torch']}, triton {env['triton']}; copy bandwidth {bw:.0f} GB/s"
+    )
+    print(f"correctness: {correctness}")
+    head = "| case | params | fused unmasked | masked fused | packed | ASP | foreach+mul | floor (bool) | masked/unmasked | ASP/masked | masked/floor |"
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for case, r in runs.items():
+        t = r["ms"]
+        print(
+            f"| {case} | {r['numel'] / 1e6:.0f}M | {t['fused_unmasked']:.3f} | {t['masked_fused']:.3f} | "
+            f"{t['masked_fused_packed']:.3f} | {t['asp']:.3f} | {t['foreach_mul']:.3f} | {r['floor_ms']:.3f} | "
+            f"{t['masked_fused'] / t['fused_unmasked']:.3f}x | {t['asp'] / t['masked_fused']:.2f}x | "
+            f"{t['masked_fused'] / r['floor_ms']:.3f}x |"
+        )
+    print(f"(ms, medians of triton.testing.do_bench; JSON: {path})")
+    for case, r in runs.items():
+        print(case, "config sweep:", {k: round(v, 3) for k, v in r["config_sweep_ms"].items()})
+
+
+if __name__ == "__main__":
+    main()
