@@ -53,6 +53,9 @@ def check_correctness() -> dict:
     result = {}
     for opt_cls, kw in (ADAMW, SGD, (torch.optim.Adam, {"lr": 1e-3, "weight_decay": 0.1})):
         ps = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
+        for p in ps:
+            if hasattr(p, "grad_dtype"):  # torch >= 2.10 checks grad dtypes on assignment
+                p.grad_dtype = None
         ref = [torch.nn.Parameter(p.detach().double().clone()) for p in ps]
         opt, opt_ref = opt_cls(ps, **kw), opt_cls(ref, **kw)
         masks = {p: torch.rand(p.shape, device="cuda") > 0.5 for p in ps}

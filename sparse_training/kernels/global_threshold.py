@@ -4,7 +4,9 @@ The float32 bit pattern of ``|w|`` orders like its value, so the ``kept``-th lar
 ``|w|`` is found digit by digit: three histogram passes over bits 30-21, 20-10 and
 9-0, each counting only the weights whose higher bits match the digits chosen so
 far. Between passes, the digit and the remaining rank are picked on the device
-(a suffix sum over the histogram), so there is no host synchronisation.
+(a suffix sum over the histogram), so there is no host synchronisation. The first
+pass counts every weight (``tl.histogram`` in shared memory); the later passes count
+only the few weights that match the prefix, with masked global atomics.
 """
 
 from __future__ import annotations
@@ -45,13 +47,16 @@ def _radix_histogram_kernel(
         valid = offs < numel
         x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
         bits = tl.abs(x).to(tl.int32, bitcast=True)
+        digit = (bits >> SHIFT) & (BINS - 1)
         if HAS_PREFIX:
             valid = valid & ((bits >> PREFIX_SHIFT) == prefix)
-        digit = tl.where(valid, (bits >> SHIFT) & (BINS - 1), 0)
-        # Lanes that do not count were put in bin 0; take them out again.
-        excluded = tl.sum((~valid).to(tl.int32), axis=0)
-        acc += tl.histogram(digit, BINS) - tl.where(bins == 0, excluded, 0)
-    tl.atomic_add(hist_ptr + bins, acc.to(tl.int64))
+            tl.atomic_add(hist_ptr + digit, tl.full([BLOCK], 1, tl.int64), mask=valid)
+        else:
+            # Tail lanes were counted in bin 0; take them out again.
+            excluded = tl.sum((~valid).to(tl.int32), axis=0)
+            acc += tl.histogram(tl.where(valid, digit, 0), BINS) - tl.where(bins == 0, excluded, 0)
+    if not HAS_PREFIX:
+        tl.atomic_add(hist_ptr + bins, acc.to(tl.int64))
 
 
 def _launch_radix_select(

@@ -28,13 +28,14 @@ def _interpreter_prune(configs, named_args, **kwargs):
 
 @triton.autotune(
     configs=nm_topk_configs(),
-    key=["M_POW2", "SCORE_DTYPE", "ALIGNED"],
+    key=["M_POW2", "SCORE_DTYPE", "ALIGNED", "WORDS"],
     prune_configs_by={"early_config_prune": _interpreter_prune},
 )
 @triton.jit
 def _nm_topk_kernel(
     table, tensor_index, chunk_index, out_ptr, N,
     M: tl.constexpr, M_POW2: tl.constexpr, SCORE_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
+    WORDS: tl.constexpr,
     CHUNK_G: tl.constexpr, BLOCK_G: tl.constexpr,
 ):  # fmt: skip
     row = table + tl.load(tensor_index + tl.program_id(0)) * 3
@@ -55,8 +56,17 @@ def _nm_topk_kernel(
         si = s[:, :, None]
         sk = s[:, None, :]
         beats = (sk > si) | ((sk == si) & before[None, :, :])
-        rank = tl.sum(beats.to(tl.int32), axis=2)
-        tl.store(out_ptr + out_base + offs, (rank < N).to(tl.uint8), mask=valid)
+        keep = (tl.sum(beats.to(tl.int32), axis=2) < N).to(tl.int32)
+        if WORDS:
+            # Four mask bytes per 32-bit store: byte k of a word is element 4w + k.
+            quads = tl.reshape(keep, [BLOCK_G, M // 4, 4])
+            shift = 8 * tl.arange(0, 4)[None, None, :]
+            word = tl.sum(quads << shift, axis=2)
+            w_offs = g[:, None] * (M // 4) + tl.arange(0, M // 4)[None, :]
+            w_ptr = (out_ptr + out_base).to(tl.pointer_type(tl.int32), bitcast=True)
+            tl.store(w_ptr + w_offs, word, mask=g[:, None] < groups)
+        else:
+            tl.store(out_ptr + out_base + offs, keep.to(tl.uint8), mask=valid)
 
 
 def _launch_nm_topk(
@@ -74,7 +84,7 @@ def _launch_nm_topk(
     m_pow2 = triton.next_power_of_2(m)
     _nm_topk_kernel[(tensor_index.numel(),)](
         table, tensor_index, chunk_index, out, n,
-        M=m, M_POW2=m_pow2, SCORE_DTYPE=_TORCH_TO_TL[scores[0].dtype],
+        M=m, M_POW2=m_pow2, WORDS=m == m_pow2 and m % 4 == 0, SCORE_DTYPE=_TORCH_TO_TL[scores[0].dtype],
         ALIGNED=all_aligned(addresses) and (m * scores[0].element_size()) % 16 == 0,
         CHUNK_G=chunk_groups,
     )  # fmt: skip
