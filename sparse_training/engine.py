@@ -43,15 +43,12 @@ MASK = PARAM + "_mask"
 
 def _check_loaded_mask(module: nn.Module, state_dict: dict[str, Any], prefix: str,
                        local_metadata: Any, strict: bool, *args: Any) -> None:
-    """``load_state_dict`` pre-hook: a checkpoint's mask must fit the module's weight."""
-    if MASK not in module._buffers:  # folded by make_permanent
-        return
+    """``load_state_dict`` pre-hook: a checkpoint's mask must fit the module's weight.
+
+    A missing mask is left to torch: an error under ``strict=True``, kept as is otherwise.
+    """
     key = prefix + MASK
-    if key not in state_dict:
-        if strict:
-            raise ValueError(f"checkpoint has no mask {key!r} for this sparse model; was it "
-                             f"saved without SparsityCallback? Load dense weights before "
-                             f"training starts, or with strict=False")
+    if MASK not in module._buffers or key not in state_dict:  # folded, or a partial load
         return
     loaded, weight = state_dict[key], getattr(module, PARAM)
     if loaded.shape != weight.shape or loaded.dtype != torch.bool:
