@@ -9,6 +9,7 @@ zeros at pruned positions and so is the weight. A whole param group is one launc
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -58,7 +59,7 @@ def masked_step_configs() -> list[StepConfig]:
 
 
 # Read at every launch; ``benchmarks/optimizer.py`` sets it while sweeping candidates.
-DEFAULT_CONFIG = StepConfig(block=2048, num_warps=8, chunk=16384)
+DEFAULT_CONFIG = StepConfig(block=1024, num_warps=4, chunk=65536)
 
 
 @triton.jit
@@ -181,7 +182,21 @@ def _masked_step_kernel(
 
 
 def _f32_bits(x: float) -> int:
-    return int(torch.tensor(x, dtype=torch.float32).view(torch.int32))
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+def _bias_correction_columns(steps: list[torch.Tensor], hp: dict) -> tuple[list[int], list[int]]:
+    # lr / (1 - beta1^t) and sqrt(1 - beta2^t) in float64 like torch's foreach path,
+    # once per distinct step (all equal in a typical run), as float32 bit patterns.
+    values = torch.stack(steps).tolist()
+    bits = {
+        t: (
+            _f32_bits(hp["lr"] / (1 - hp["beta1"] ** t)),
+            _f32_bits(math.sqrt(1 - hp["beta2"] ** t)),
+        )
+        for t in set(values)
+    }
+    return [bits[t][0] for t in values], [bits[t][1] for t in values]
 
 
 def _kernel_ready(batch: StepBatch, i: int) -> bool:
@@ -249,9 +264,7 @@ def launch_masked_step(
     numels = [p.numel() for p in params]
     step_on_device = bool(batch.steps) and batch.steps[0].device.type != "cpu"
     if batch.algo == "adam" and not step_on_device:
-        steps = [float(s) for s in batch.steps]
-        col6 = [_f32_bits(hp["lr"] / (1 - hp["beta1"] ** s)) for s in steps]
-        col7 = [_f32_bits(math.sqrt(1 - hp["beta2"] ** s)) for s in steps]
+        col6, col7 = _bias_correction_columns(batch.steps, hp)
     else:
         col6 = [s.data_ptr() for s in batch.steps] or numels
         col7 = numels

@@ -1,0 +1,196 @@
+"""Fused masked optimizer step vs torch and the float64 reference (TRITON_INTERPRET=1 on CPU)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="triton is not importable; the kernels are optional")
+
+from sparse_training.kernels import (  # noqa: E402
+    fused_masked_step,
+    fused_unsupported_reason,
+    masked_step_reference,
+    pack_mask,
+)
+from sparse_training.kernels import masked_step as ms  # noqa: E402
+
+SHAPES = [(33, 17), (1300,), (3, 5, 7)]  # odd sizes, one larger than a chunk
+OPTIMIZERS = [
+    (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.05, "maximize": True}),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01, "dampening": 0.1}),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+    (torch.optim.SGD, {"lr": 0.1}),
+]
+
+
+@pytest.fixture(autouse=True)
+def small_launches(monkeypatch):
+    # Small blocks keep the interpreter fast; the arithmetic does not depend on them.
+    monkeypatch.setattr(ms, "DEFAULT_CONFIG", ms.StepConfig(block=256, num_warps=4, chunk=1024))
+    assert ms.kernels_run_on(torch.device("cpu"))
+
+
+def _model(opt_cls, kw, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
+    for p in params:
+        if hasattr(p, "grad_dtype"):
+            p.grad_dtype = None
+    return params, opt_cls(params, **kw)
+
+
+def _masks(params, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.rand(p.shape, generator=gen) > 0.4 for p in params]
+
+
+def _grads(params, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(p.shape, generator=gen).to(dtype) for p in params]
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("opt_cls,kw", OPTIMIZERS)
+def test_matches_float64_reference(opt_cls, kw, grad_dtype):
+    params, opt = _model(opt_cls, kw)
+    ref, opt_ref = _model(opt_cls, kw, dtype=torch.float64)
+    masks = _masks(params)
+    for step in range(3):
+        # Poison the state at pruned positions: the kernel must write exact zeros there.
+        for p, k in zip(params, masks, strict=True):
+            for buf in opt.state[p].values():
+                if buf.dim():
+                    buf[~k] = float("nan")
+        for p, q, g in zip(params, ref, _grads(params, grad_dtype, seed=10 + step), strict=True):
+            p.grad, q.grad = g, g.double()
+        fused_masked_step(opt, dict(zip(params, masks, strict=True)))
+        masked_step_reference(opt_ref, dict(zip(ref, masks, strict=True)))
+    for p, q, k in zip(params, ref, masks, strict=True):
+        assert p.grad is None
+        torch.testing.assert_close(p.double(), q, rtol=2e-6, atol=2e-6)
+        assert torch.equal(p[~k], torch.zeros_like(p[~k]))
+        for name, buf in opt.state[p].items():
+            if buf.dim():
+                assert torch.equal(buf[~k], torch.zeros_like(buf[~k])), name
+                torch.testing.assert_close(
+                    buf.double(), opt_ref.state[q][name], rtol=1e-5, atol=1e-6
+                )
+
+
+@pytest.mark.parametrize("opt_cls,kw", OPTIMIZERS[:1] + OPTIMIZERS[2:3])
+def test_kept_weights_match_torch_optimizer(opt_cls, kw):
+    """The ASP way (mask grads, torch step, mask weights) agrees on kept weights."""
+    params, opt = _model(opt_cls, kw)
+    ref, opt_ref = _model(opt_cls, kw)
+    masks = _masks(params)
+    for step in range(3):
+        for p, q, g, k in zip(
+            params, ref, _grads(params, torch.float32, 20 + step), masks, strict=True
+        ):
+            p.grad, q.grad = g.clone(), g * k
+        fused_masked_step(opt, dict(zip(params, masks, strict=True)))
+        opt_ref.step()
+        with torch.no_grad():
+            for q, k in zip(ref, masks, strict=True):
+                q.mul_(k)
+    for p, q in zip(params, ref, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+    # torch's layout: a later plain step() continues from the same state.
+    assert set(opt.state[params[0]]) == set(opt_ref.state[ref[0]])
+    opt.load_state_dict(opt_ref.state_dict())
+
+
+def test_packed_masks_and_grad_scale():
+    params, opt = _model(torch.optim.AdamW, {"lr": 1e-2})
+    ref, opt_ref = _model(torch.optim.AdamW, {"lr": 1e-2}, dtype=torch.float64)
+    masks = _masks(params)
+    scale = torch.tensor(1024.0)
+    for p, q, g in zip(params, ref, _grads(params, torch.float16, 3), strict=True):
+        p.grad, q.grad = g * 1024, g.double()
+    fused_masked_step(
+        opt, {p: pack_mask(k) for p, k in zip(params, masks, strict=True)}, grad_scale=scale
+    )
+    masked_step_reference(opt_ref, dict(zip(ref, masks, strict=True)))
+    for p, q in zip(params, ref, strict=True):
+        torch.testing.assert_close(p.double(), q, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_found_inf_writes_nothing(fused):
+    kw = {"lr": 1e-2, "fused": True} if fused else {"lr": 1e-2}
+    params, opt = _model(torch.optim.AdamW, {"lr": 1e-2})
+    if fused:  # device-resident step counters, as torch's fused optimizers keep them
+        for p in params:
+            opt.state[p].update(
+                step=torch.zeros((), dtype=torch.float32, device=p.device),
+                exp_avg=torch.randn(p.shape),
+                exp_avg_sq=torch.rand(p.shape),
+            )
+        opt.param_groups[0]["fused"] = kw["fused"]
+    masks = dict(zip(params, _masks(params), strict=True))
+    before = [p.detach().clone() for p in params]
+    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    for p, g in zip(params, _grads(params, torch.float32, 4), strict=True):
+        p.grad = g
+    fused_masked_step(opt, masks, found_inf=torch.tensor(1.0))
+    for p, b, s in zip(params, before, state, strict=True):
+        assert p.grad is None
+        assert torch.equal(p, b)
+        for k, v in s.items():
+            assert torch.equal(opt.state[p][k], v), k
+    for p, g in zip(params, _grads(params, torch.float32, 5), strict=True):
+        p.grad = g
+    fused_masked_step(opt, masks, found_inf=torch.tensor(0.0))
+    assert all(float(opt.state[p]["step"]) == 1.0 for p in params)
+    assert not any(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+
+
+def test_unmasked_params_left_to_optimizer_step():
+    params, opt = _model(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+    masks = {params[0]: _masks(params)[0]}
+    for p, g in zip(params, _grads(params, torch.float32, 6), strict=True):
+        p.grad = g
+    before = params[1].detach().clone()
+    fused_masked_step(opt, masks)
+    assert params[0].grad is None and params[1].grad is not None
+    assert torch.equal(params[1], before) and "momentum_buffer" not in opt.state[params[1]]
+    opt.step()
+    assert not torch.equal(params[1], before)
+
+
+def test_lr_scheduler_is_read_each_step():
+    params, opt = _model(torch.optim.SGD, {"lr": 1.0})
+    masks = dict(zip(params, [torch.ones(p.shape, dtype=torch.bool) for p in params], strict=True))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.0)
+    before = [p.detach().clone() for p in params]
+    for p, g in zip(params, _grads(params, torch.float32, 7), strict=True):
+        p.grad = g
+    fused_masked_step(opt, masks)
+    assert sched.get_last_lr() == [0.0]
+    for p, b in zip(params, before, strict=True):
+        assert torch.equal(p, b)
+
+
+def test_unsupported_reasons():
+    p = torch.nn.Parameter(torch.randn(4))
+    assert fused_unsupported_reason(torch.optim.AdamW([p])) is None  # CPU ok under the interpreter
+    assert "amsgrad" in fused_unsupported_reason(torch.optim.AdamW([p], amsgrad=True))
+    assert "RMSprop" in fused_unsupported_reason(torch.optim.RMSprop([p]))
+
+    class MyAdam(torch.optim.Adam):
+        pass
+
+    assert "MyAdam" in fused_unsupported_reason(MyAdam([p]))
+    assert "float64" in fused_unsupported_reason(
+        torch.optim.SGD([torch.nn.Parameter(torch.randn(3).double())])
+    )
+    with pytest.raises(ValueError, match="amsgrad"):
+        fused_masked_step(torch.optim.AdamW([p], amsgrad=True), {})
+    p.grad = torch.randn(4)
+    with pytest.raises(ValueError, match="shape"):
+        fused_masked_step(torch.optim.SGD([p]), {p: torch.ones(5, dtype=torch.bool)})

@@ -1,0 +1,73 @@
+"""Mask computation kernels vs their torch references (TRITON_INTERPRET=1 on CPU)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="triton is not importable; the kernels are optional")
+
+from sparse_training.kernels import (  # noqa: E402
+    global_magnitude_threshold,
+    global_magnitude_threshold_reference,
+    global_threshold,  # noqa: E402
+    nm_topk_mask,
+    nm_topk_mask_reference,
+    nm_topk_masks,
+    pack_mask,
+    unpack_mask,
+)
+
+
+@pytest.mark.parametrize("n,m", [(2, 4), (1, 4), (4, 8), (3, 6), (0, 4), (4, 4)])
+def test_nm_matches_reference_with_ties(n, m):
+    gen = torch.Generator().manual_seed(n * 10 + m)
+    scores = [
+        torch.randn(9, 4 * m, generator=gen),
+        torch.randint(0, 3, (5, 2 * m), generator=gen).float(),  # many ties: lower index wins
+        torch.randn(3, 2, m, generator=gen).bfloat16().float(),
+    ]
+    for out, s in zip(nm_topk_masks(scores, n, m), scores, strict=True):
+        assert out.dtype == torch.bool and out.shape == s.shape
+        assert torch.equal(out, nm_topk_mask_reference(s, n, m))
+        assert (out.reshape(-1, m).sum(1) == n).all()
+
+
+def test_nm_single_and_errors():
+    s = torch.randn(6, 8)
+    assert torch.equal(nm_topk_mask(s, 2, 4), nm_topk_mask_reference(s, 2, 4))
+    with pytest.raises(ValueError):
+        nm_topk_mask(torch.randn(3, 6), 2, 4)
+
+
+@pytest.mark.parametrize("kept", [1, 7, 500, 1999, 2373])
+def test_global_threshold_matches_kthvalue(kept):
+    gen = torch.Generator().manual_seed(kept)
+    tensors = [
+        torch.randn(40, 33, generator=gen),
+        torch.randint(-3, 4, (11, 7), generator=gen).float(),  # ties and zeros
+        torch.randn(1000, generator=gen) * 1e-4,
+    ]
+    fast = global_threshold._launch_radix_select(tensors, kept, chunk=1024, block=512)
+    assert fast.dtype == torch.float32 and fast.dim() == 0
+    assert fast.item() == global_magnitude_threshold_reference(tensors, kept).item()
+
+
+def test_global_threshold_public_and_errors():
+    tensors = [torch.randn(300), torch.randn(20, 5)]
+    assert global_magnitude_threshold(tensors, 42) == global_magnitude_threshold_reference(
+        tensors, 42
+    )
+    with pytest.raises(ValueError):
+        global_magnitude_threshold(tensors, 0)
+
+
+@pytest.mark.parametrize("shape", [(13,), (4, 6), (2, 3, 5)])
+def test_pack_roundtrip(shape):
+    mask = torch.rand(shape, generator=torch.Generator().manual_seed(0)) > 0.5
+    packed = pack_mask(mask)
+    assert packed.dtype == torch.uint8 and packed.numel() == (mask.numel() + 7) // 8
+    assert torch.equal(unpack_mask(packed, shape), mask)
