@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
+# Triton kernels run in its interpreter on CPU; Lightning imports triton, so set it first.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import pytorch_lightning as pl
 import torch
