@@ -13,10 +13,17 @@ from torch import nn
 from sparse_training.distributions import DISTRIBUTIONS
 from sparse_training.masks import check_sparsity
 from sparse_training.patterns import Pattern, parse_pattern
-from sparse_training.schedules import Schedule, Step
+from sparse_training.regrowth import (
+    DEFAULT_ALPHA,
+    DEFAULT_REGROW_END,
+    DEFAULT_SR_STE_DECAY,
+    REGROW,
+)
+from sparse_training.schedules import Schedule, Step, check_step
 from sparse_training.selection import DEFAULT_LAYER_TYPES, LayerOverride
 
 OVERRIDE_KEYS = ("sparsity", "pattern")
+SCORES = ("magnitude", "random")
 
 
 def _regex_list(value: Sequence[str] | None, name: str) -> tuple[str, ...]:
@@ -75,6 +82,13 @@ class SparsityConfig:
     distribution: str = "uniform"
     layer_types: tuple[type[nn.Module], ...] = DEFAULT_LAYER_TYPES
     log_layers: bool = False
+    score: str = "magnitude"
+    regrow: str | None = None
+    regrow_fraction: float = DEFAULT_ALPHA
+    regrow_end: Step = DEFAULT_REGROW_END
+    sr_ste_decay: float = DEFAULT_SR_STE_DECAY
+    seed: int = 0
+    check_masks: bool = True
     parsed_pattern: Pattern = field(init=False, repr=False)
     parsed_schedule: Schedule = field(init=False, repr=False)
     parsed_overrides: dict[str, LayerOverride] = field(init=False, repr=False)
@@ -96,6 +110,7 @@ class SparsityConfig:
         if isinstance(self.dense_ratio, bool) or not isinstance(self.dense_ratio, int | float) \
                 or not 0.0 <= self.dense_ratio < 1.0:
             raise ValueError(f"dense_ratio must be a number in [0, 1), got {self.dense_ratio!r}")
+        self._check_regrowth(pattern)
         types = tuple(self.layer_types)
         if not types or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
             raise ValueError(f"layer_types must be torch.nn.Module subclasses, got "
@@ -108,6 +123,27 @@ class SparsityConfig:
         set_(self, "parsed_overrides", _parse_overrides(self.overrides))
         set_(self, "parsed_schedule", Schedule(self.schedule, self.start, self.end,
                                                self.frequency))
+
+    def _check_regrowth(self, pattern: Pattern) -> None:
+        if self.score not in SCORES:
+            raise ValueError(f"unknown score {self.score!r}; valid: {', '.join(SCORES)}")
+        if self.regrow is None:
+            return
+        if self.regrow not in REGROW:
+            raise ValueError(f"unknown regrow {self.regrow!r}; valid: None, {', '.join(REGROW)}")
+        if pattern.transposable:
+            raise ValueError(f"regrow={self.regrow!r} does not support transposable patterns "
+                             f"({pattern.spec!r}); use the plain N:M pattern")
+        if self.regrow == "sr-ste" and not pattern.is_nm:
+            raise ValueError(f"regrow='sr-ste' trains N:M masks; got pattern {pattern.spec!r}")
+        if isinstance(self.regrow_fraction, bool) or not isinstance(
+                self.regrow_fraction, int | float) or not 0.0 < self.regrow_fraction <= 1.0:
+            raise ValueError(f"regrow_fraction must be a number in (0, 1], got "
+                             f"{self.regrow_fraction!r}")
+        check_step(self.regrow_end, "regrow_end")
+        if isinstance(self.sr_ste_decay, bool) or not isinstance(
+                self.sr_ste_decay, int | float) or self.sr_ste_decay < 0:
+            raise ValueError(f"sr_ste_decay must be a number >= 0, got {self.sr_ste_decay!r}")
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:

@@ -28,17 +28,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from sparse_training.config import SparsityConfig
 from sparse_training.masks import global_masks, pattern_mask
+from sparse_training.regrowth import cosine_fraction, drop_and_grow, random_scores, sr_ste_gradient
 from sparse_training.schedules import Schedule
 from sparse_training.selection import LayerPlan, plan_layers
 
 PARAM = "weight"
 MASK = PARAM + "_mask"
+DENSE = PARAM + "_dense"  # SR-STE only: the dense weights behind the masked ones
 
 
 def _check_loaded_mask(module: nn.Module, state_dict: dict[str, Any], prefix: str,
@@ -90,7 +93,7 @@ def _register_mask(module: nn.Module) -> None:
 
 
 class SparsityEngine:
-    """Masks of one model: selection, schedule, updates, enforcement, state.
+    """Masks of one model: selection, schedule, regrowth, enforcement, state.
 
     Args:
         model: the model whose layers are masked; masks are registered on it at once.
@@ -109,72 +112,114 @@ class SparsityEngine:
             distribution=config.distribution)
         self.layers = [MaskedLayer(p, model.get_submodule(p.name)) for p in self.plans
                        if p.selected]
+        self.sr_ste = config.regrow == "sr-ste"
         for layer in self.layers:
             _register_mask(layer.module)
+            if self.sr_ste and DENSE not in layer.module._buffers:
+                layer.module.register_buffer(DENSE, layer.weight.detach().clone())
         self.schedule: Schedule = config.parsed_schedule
+        self.regrow_end: int | float = config.regrow_end
         self.last_update: int | None = None
+        self.last_regrow: int | None = None
         self.target = 0.0
-        self.layer_sparsity: dict[str, float] = {}
+        self._stats: dict[str, float] | None = None
         self._attached: dict[Optimizer, tuple[list[MaskedLayer], RemovableHandle]] = {}
-        self._refresh_stats()
 
     # -- schedule ---------------------------------------------------------------------------
     def start(self, total_steps: int | None) -> None:
-        """Turn fractional ``start``/``end`` into steps of a run of ``total_steps``
-        (None when unknown).
+        """Turn fractional steps into steps of a run of ``total_steps`` (None when unknown).
 
         A schedule restored by :meth:`load_state_dict` keeps its steps.
         """
         if not self.schedule.is_resolved:
             self.schedule = self.schedule.resolve(total_steps)
+        if self.config.regrow in ("rigl", "set") and isinstance(self.regrow_end, float):
+            self.regrow_end = Schedule(start=self.regrow_end).resolve(total_steps).start
 
     def on_step_start(self, step: int) -> bool:
-        """Apply the mask update due at optimizer step ``step``, if any; True if one ran."""
+        """Apply the mask update due at optimizer step ``step``, if any; True if one ran.
+
+        Under SR-STE the mask is recomputed from the dense weights at every step.
+        """
         if not self.schedule.is_resolved:
             raise RuntimeError("call SparsityEngine.start(total_steps) before training")
         due = self.schedule.latest_update_step(step)
+        if self.sr_ste and due is not None:
+            self._sr_ste_remask(self.schedule.fraction(step), first=self.last_update is None)
+            self.last_update = step
+            return True
         if due is None or (self.last_update is not None and due <= self.last_update):
             return False
-        self.update_masks(self.schedule.fraction(due))
+        created = self.last_update is None
+        self.update_masks(self.schedule.fraction(due), step=due)
         self.last_update = due
+        self._check_across_ranks(due, broadcast=created)
         return True
 
+    def before_optimizer_step(self, optimizer: Optimizer, step: int) -> None:
+        """Between backward and ``optimizer.step``: regrowth when due (it reads the dense
+        gradients), then the gradients of pruned weights are zeroed; under SR-STE the
+        dense weights come back and the sparse-refined decay is added instead."""
+        layers = self._layers_of(optimizer)
+        if self.sr_ste:
+            if self.last_update is not None:
+                self._sr_ste_restore_dense(layers)
+            return
+        if self._regrowth_due(step) and self._gradients_finite(layers):
+            self.regrow(layers, step)
+        self.mask_gradients(optimizer)
+
     # -- masks ------------------------------------------------------------------------------
-    @torch.no_grad()
-    def update_masks(self, fraction: float) -> None:
-        """Recompute every mask at ``fraction`` of each layer's final sparsity and apply it."""
-        global_layers = [layer for layer in self.layers if layer.plan.sparsity is None]
-        new_masks: dict[int, Tensor] = {}
-        if global_layers:
-            target = self.config.sparsity * fraction
-            for layer, mask in zip(global_layers, global_masks(
-                    [layer.weight for layer in global_layers], self.config.parsed_pattern,
-                    target), strict=True):
-                new_masks[id(layer)] = mask
-        for layer in self.layers:
-            if layer.plan.sparsity is not None:
-                new_masks[id(layer)] = pattern_mask(layer.weight, layer.plan.pattern,
-                                                    layer.plan.sparsity * fraction)
-        self.set_masks({id(layer): new_masks[id(layer)] for layer in self.layers})
-        total = sum(layer.plan.numel for layer in self.layers)
-        self.target = sum(layer.plan.numel * (
-            self.config.sparsity if layer.plan.sparsity is None else layer.plan.sparsity)
-            for layer in self.layers) * fraction / max(total, 1)
+    def _layer_targets(self, fraction: float) -> dict[str, float | None]:
+        return {layer.plan.name: None if layer.plan.sparsity is None
+                else layer.plan.sparsity * fraction for layer in self.layers}
+
+    def _scores(self, layer: MaskedLayer, step: int) -> Tensor | None:
+        if self.config.score == "magnitude":
+            return None
+        return random_scores(layer.weight.shape, self.config.seed, step,
+                             self.layers.index(layer), layer.weight.device)
 
     @torch.no_grad()
-    def set_masks(self, new_masks: dict[int, Tensor]) -> None:
-        """Install masks (keyed by ``id(layer)``): zero pruned weights, and zero optimizer
-        state wherever a position is not kept in both the old and the new mask."""
+    def update_masks(self, fraction: float, step: int = 0) -> None:
+        """Recompute every mask at ``fraction`` of each layer's final sparsity and apply it
+        (scores: |w|, or seeded random with ``score="random"``)."""
+        targets = self._layer_targets(fraction)
+        new_masks: dict[str, Tensor] = {}
+        global_layers = [layer for layer in self.layers if targets[layer.plan.name] is None]
+        if global_layers:
+            masks = global_masks([layer.weight for layer in global_layers],
+                                 self.config.parsed_pattern, self.config.sparsity * fraction,
+                                 [self._scores(layer, step) for layer in global_layers])
+            new_masks.update({layer.plan.name: m for layer, m in zip(global_layers, masks,
+                                                                     strict=True)})
         for layer in self.layers:
-            new = new_masks[id(layer)]
+            if targets[layer.plan.name] is not None:
+                new_masks[layer.plan.name] = pattern_mask(
+                    layer.weight, layer.plan.pattern, targets[layer.plan.name],
+                    self._scores(layer, step))
+        self.set_masks(new_masks)
+        self.target = self._mean_target(fraction)
+
+    @torch.no_grad()
+    def set_masks(self, new_masks: dict[str, Tensor], reset_state: bool = True) -> None:
+        """Install masks (keyed by layer name): zero the pruned weights and, with
+        ``reset_state``, every optimizer-state tensor wherever a position is not kept in both
+        the old and the new mask (pruned, or grown and so starting from zero)."""
+        for layer in self.layers:
+            new = new_masks.get(layer.plan.name)
+            if new is None:
+                continue
             reset = ~(new & layer.mask)
             layer.mask.copy_(new)
             layer.weight.masked_fill_(~new, 0)
+            if not reset_state:
+                continue
             for optimizer in self._attached:
                 for value in optimizer.state.get(layer.weight, {}).values():
                     if isinstance(value, Tensor) and value.shape == new.shape:
                         value.masked_fill_(reset, 0)
-        self._refresh_stats()
+        self._stats = None
 
     @torch.no_grad()
     def apply_masks(self, layers: Iterable[MaskedLayer] | None = None) -> None:
@@ -190,6 +235,91 @@ class SparsityEngine:
             if layer.weight.grad is not None:
                 layer.weight.grad.masked_fill_(~layer.mask, 0)
 
+    # -- regrowth ---------------------------------------------------------------------------
+    def _regrowth_due(self, step: int) -> bool:
+        return (self.config.regrow in ("rigl", "set") and self.last_update is not None
+                and step > self.schedule.start and step < self.regrow_end
+                and (step - self.schedule.start) % self.schedule.frequency == 0
+                and self.last_regrow != step)
+
+    @staticmethod
+    def _gradients_finite(layers: list[MaskedLayer]) -> bool:
+        """False when any gradient holds inf or NaN (an AMP overflow): no update then."""
+        grads = [layer.weight.grad for layer in layers if layer.weight.grad is not None]
+        return bool(grads) and bool(torch.stack([g.isfinite().all() for g in grads]).all())
+
+    @torch.no_grad()
+    def regrow(self, layers: list[MaskedLayer], step: int) -> None:
+        """Drop the f(t) share of each layer's active weights with the smallest |w| and grow
+        as many by |gradient| (RigL) or at random (SET), inside the pattern's structure."""
+        fraction = cosine_fraction(step, self.regrow_end, self.config.regrow_fraction)
+        new_masks = {}
+        for layer in layers:
+            grow = (layer.weight.grad if self.config.regrow == "rigl" else random_scores(
+                layer.weight.shape, self.config.seed, step, self.layers.index(layer),
+                layer.weight.device))
+            new_masks[layer.plan.name] = drop_and_grow(layer.mask, layer.weight, grow,
+                                                       layer.plan.pattern, fraction)
+        self.set_masks(new_masks)
+        self.last_regrow = step
+        self._check_across_ranks(step, broadcast=False)
+
+    @torch.no_grad()
+    def _sr_ste_remask(self, fraction: float, first: bool) -> None:
+        """SR-STE step start: the N:M mask of the dense weights; the weights used in the
+        forward pass are the dense ones, masked."""
+        new_masks = {}
+        for layer in self.layers:
+            dense = getattr(layer.module, DENSE)
+            if first:
+                dense.copy_(layer.weight)
+            layer.weight.copy_(dense)
+            new_masks[layer.plan.name] = pattern_mask(dense, layer.plan.pattern,
+                                                      layer.plan.sparsity * fraction)
+        self.set_masks(new_masks, reset_state=False)
+        self.target = self._mean_target(fraction)
+
+    @torch.no_grad()
+    def _sr_ste_restore_dense(self, layers: list[MaskedLayer]) -> None:
+        """SR-STE before the optimizer: the straight-through gradient of the masked weights
+        plus lambda (1 - mask) w is applied to the dense weights."""
+        for layer in layers:
+            dense = getattr(layer.module, DENSE)
+            if layer.weight.grad is not None:
+                sr_ste_gradient(layer.weight.grad, dense, layer.mask, self.config.sr_ste_decay)
+            layer.weight.copy_(dense)
+
+    def _mean_target(self, fraction: float) -> float:
+        total = sum(layer.plan.numel for layer in self.layers)
+        return sum(layer.plan.numel * (
+            self.config.sparsity if layer.plan.sparsity is None else layer.plan.sparsity)
+            for layer in self.layers) * fraction / max(total, 1)
+
+    # -- ranks ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _check_across_ranks(self, step: int, broadcast: bool) -> None:
+        """Under torch.distributed: rank 0's masks are broadcast when created, and a checksum
+        all-reduce (``check_masks``) raises if any rank's masks differ."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        if broadcast:
+            for layer in self.layers:
+                as_bytes = layer.mask.to(torch.uint8)
+                dist.broadcast(as_bytes, src=0)
+                layer.mask.copy_(as_bytes.bool())
+                layer.weight.masked_fill_(~layer.mask, 0)
+        if not self.config.check_masks:
+            return
+        sums = torch.stack([mask_checksum(layer.mask) for layer in self.layers])
+        extremes = torch.cat([sums, -sums])
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        high, low = extremes[: len(sums)], -extremes[len(sums):]
+        if not torch.equal(high, low):
+            differ = [layer.plan.name for layer, h, lo in zip(self.layers, high, low,
+                                                              strict=True) if h != lo]
+            raise RuntimeError(f"masks differ across ranks at step {step} in layers {differ}; "
+                               f"every rank must see the same weights, gradients and seed")
+
     # -- optimizers -------------------------------------------------------------------------
     def _layers_of(self, optimizer: Optimizer) -> list[MaskedLayer]:
         if optimizer in self._attached:
@@ -204,9 +334,10 @@ class SparsityEngine:
             return
         layers = self._layers_of(optimizer)
         handle = optimizer.register_step_post_hook(
-            functools.partial(_remask_after_step, self, layers))
+            functools.partial(_after_step, self, layers))
         self._attached[optimizer] = (layers, handle)
-        self.set_masks({id(layer): layer.mask.clone() for layer in self.layers})
+        if not self.sr_ste:
+            self.set_masks({layer.plan.name: layer.mask.clone() for layer in layers})
 
     def detach(self) -> None:
         """Remove the optimizer hooks."""
@@ -215,9 +346,15 @@ class SparsityEngine:
         self._attached.clear()
 
     # -- reporting and state ----------------------------------------------------------------
-    def _refresh_stats(self) -> None:
-        self.layer_sparsity = {layer.plan.name: 1.0 - layer.mask.sum().item() / layer.plan.numel
-                               for layer in self.layers}
+    @property
+    def layer_sparsity(self) -> dict[str, float]:
+        """Fraction of zeros in each selected layer's mask (one device sync per mask change)."""
+        if self._stats is None:
+            kept = torch.stack([layer.mask.sum() for layer in self.layers]).tolist() \
+                if self.layers else []
+            self._stats = {layer.plan.name: 1.0 - k / layer.plan.numel
+                           for layer, k in zip(self.layers, kept, strict=True)}
+        return self._stats
 
     @property
     def sparsity(self) -> float:
@@ -228,20 +365,37 @@ class SparsityEngine:
         return pruned / total if total else 0.0
 
     def state_dict(self) -> dict[str, Any]:
-        """Schedule state; the masks themselves live in the model's ``state_dict``."""
+        """Schedule and regrowth state; the masks live in the model's ``state_dict``. Random
+        draws depend on (seed, step) only, so no generator state is needed."""
         return {"start": self.schedule.start, "end": self.schedule.end,
-                "last_update": self.last_update, "target": self.target}
+                "last_update": self.last_update, "target": self.target,
+                "regrow_end": self.regrow_end, "last_regrow": self.last_regrow}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.schedule = Schedule(self.schedule.kind, state["start"], state["end"],
                                  self.schedule.frequency)
         self.last_update = state["last_update"]
         self.target = state["target"]
-        self._refresh_stats()
+        self.regrow_end = state["regrow_end"]
+        self.last_regrow = state["last_regrow"]
+        self._stats = None
 
 
-def _remask_after_step(engine: SparsityEngine, layers: list[MaskedLayer], optimizer: Optimizer,
-                       args: Any, kwargs: Any) -> None:
+def mask_checksum(mask: Tensor) -> Tensor:
+    """Sum of (index + 1) over kept positions, int64: equal masks give equal sums, and a
+    moved position changes it."""
+    flat = mask.reshape(-1)
+    return (torch.arange(1, flat.numel() + 1, device=flat.device) * flat).sum()
+
+
+def _after_step(engine: SparsityEngine, layers: list[MaskedLayer], optimizer: Optimizer,
+                args: Any, kwargs: Any) -> None:
+    """Optimizer post-step hook: zero the pruned weights again; under SR-STE keep the dense
+    weights aside first."""
+    if engine.sr_ste and engine.last_update is not None:
+        with torch.no_grad():
+            for layer in layers:
+                getattr(layer.module, DENSE).copy_(layer.weight)
     engine.apply_masks(layers)
 
 
@@ -254,5 +408,6 @@ def make_permanent(model: nn.Module) -> nn.Module:
             if mask is not None:
                 getattr(module, PARAM).masked_fill_(~mask, 0)
                 del module._buffers[MASK]
+                module._buffers.pop(DENSE, None)
     return model
 

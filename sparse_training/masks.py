@@ -52,7 +52,7 @@ def _score_matrix(weight: Tensor, score: Tensor | None) -> Tensor:
     return torch.nan_to_num(as_matrix(source).float(), nan=float("-inf"))
 
 
-def _pool_blocks(scores: Tensor, rows: int, cols: int) -> Tensor:
+def pool_blocks(scores: Tensor, rows: int, cols: int) -> Tensor:
     """Sum of scores over each ``rows x cols`` block: (R, C) -> (R/rows, C/cols)."""
     if rows == cols == 1:
         return scores
@@ -60,7 +60,7 @@ def _pool_blocks(scores: Tensor, rows: int, cols: int) -> Tensor:
     return scores.reshape(r // rows, rows, c // cols, cols).sum(dim=(1, 3))
 
 
-def _expand_blocks(block_mask: Tensor, rows: int, cols: int) -> Tensor:
+def expand_blocks(block_mask: Tensor, rows: int, cols: int) -> Tensor:
     if rows == cols == 1:
         return block_mask
     return block_mask.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
@@ -154,7 +154,7 @@ def pattern_mask(
     if (problem := pattern.shape_error(*scores.shape)) is not None:
         raise ValueError(f"weight of shape {tuple(weight.shape)} cannot take pattern "
                          f"{pattern.spec!r}: {problem}")
-    blocks = _pool_blocks(scores, pattern.block_rows, pattern.block_cols)
+    blocks = pool_blocks(scores, pattern.block_rows, pattern.block_cols)
     if pattern.is_nm:
         n = pattern.n if sparsity is None else pattern.kept_per_group(check_sparsity(sparsity))
         select = transposable_groups_mask if pattern.transposable else nm_groups_mask
@@ -163,7 +163,7 @@ def pattern_mask(
         if sparsity is None:
             raise ValueError(f"pattern {pattern.spec!r} needs a sparsity")
         block_mask = topk_mask(blocks, kept_count(blocks.numel(), check_sparsity(sparsity)))
-    mask = _expand_blocks(block_mask, pattern.block_rows, pattern.block_cols)
+    mask = expand_blocks(block_mask, pattern.block_rows, pattern.block_cols)
     return from_matrix(mask, weight.shape)
 
 
@@ -190,13 +190,13 @@ def global_masks(
         if (problem := pattern.shape_error(*matrix.shape)) is not None:
             raise ValueError(f"weight of shape {tuple(w.shape)} cannot take pattern "
                              f"{pattern.spec!r}: {problem}")
-        pooled.append(_pool_blocks(matrix, pattern.block_rows, pattern.block_cols))
+        pooled.append(pool_blocks(matrix, pattern.block_rows, pattern.block_cols))
     flat = torch.cat([p.reshape(-1) for p in pooled])
     kept = topk_mask(flat, kept_count(flat.numel(), check_sparsity(sparsity)))
     masks = []
     for w, p, block_mask in zip(weights, pooled, kept.split([p.numel() for p in pooled]),
                                 strict=True):
-        mask = _expand_blocks(block_mask.view(p.shape), pattern.block_rows, pattern.block_cols)
+        mask = expand_blocks(block_mask.view(p.shape), pattern.block_rows, pattern.block_cols)
         masks.append(from_matrix(mask, w.shape))
     return masks
 

@@ -23,7 +23,7 @@ DEFAULT_GRADUAL_END = 0.75  # leave the last quarter of training to fine-tune at
 Step = int | float
 
 
-def _check_step(value: Step, name: str) -> Step:
+def check_step(value: Step, name: str) -> Step:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{name} must be an int (optimizer steps) or a float in [0, 1] "
                          f"(fraction of training), got {value!r}")
@@ -57,12 +57,12 @@ class Schedule:
         if isinstance(self.frequency, bool) or not isinstance(self.frequency, int) or (
                 self.frequency < 1):
             raise ValueError(f"frequency must be an int >= 1, got {self.frequency!r}")
-        _check_step(self.start, "start")
+        check_step(self.start, "start")
         if self.end is not None:
             if self.kind not in GRADUAL:
                 raise ValueError(f"end applies to gradual schedules ({', '.join(GRADUAL)}), "
                                  f"not to {self.kind!r}; got end={self.end!r}")
-            _check_step(self.end, "end")
+            check_step(self.end, "end")
             if type(self.start) is type(self.end) and self.start >= self.end:
                 raise ValueError(f"start must come before end, got start={self.start!r}, "
                                  f"end={self.end!r}")

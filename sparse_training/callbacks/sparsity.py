@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 
 from sparse_training.config import SparsityConfig
 from sparse_training.engine import SparsityEngine
+from sparse_training.regrowth import DEFAULT_ALPHA, DEFAULT_REGROW_END, DEFAULT_SR_STE_DECAY
 from sparse_training.schedules import Step
 from sparse_training.selection import DEFAULT_LAYER_TYPES, format_table
 
@@ -25,8 +26,9 @@ class SparsityCallback(Callback):
     At ``setup`` the layers are selected, a bool mask buffer is registered beside each
     selected weight and the selection table is logged. Masks are updated at the start of
     the optimizer steps the schedule names; gradients are masked in
-    ``on_before_optimizer_step`` (after AMP unscaling, before gradient clipping); weights
-    are re-masked after every optimizer step that ran.
+    ``on_before_optimizer_step`` (after AMP unscaling, before gradient clipping), where
+    regrowth also reads the dense gradients; weights are re-masked after every optimizer
+    step that ran.
 
     Args:
         pattern: see :mod:`sparse_training.patterns` ("2:4", "unstructured", "block:4x4", ...).
@@ -43,6 +45,15 @@ class SparsityCallback(Callback):
         distribution: "uniform" | "erk" | "global" (one magnitude threshold across layers).
         layer_types: module classes whose ``weight`` may be masked.
         log_layers: also log ``sparsity/<layer>`` for every selected layer.
+        score: what the schedule's mask updates keep: "magnitude" (largest |w|) or
+            "random" (a random mask, seeded by (seed, step): static sparse training).
+        regrow: None | "rigl" | "set" | "sr-ste" (:mod:`sparse_training.regrowth`).
+        regrow_fraction: alpha, the share of active weights swapped at step 0 (RigL: 0.3).
+        regrow_end: no more regrowth from this step (int) or fraction (float) on.
+        sr_ste_decay: lambda of SR-STE's decay of the pruned weights.
+        seed: seeds every random draw together with the step, equal on every rank.
+        check_masks: under torch.distributed, compare mask checksums across ranks after
+            every update and raise on a mismatch (one small all-reduce per update).
 
     Raises:
         ValueError: at construction for a bad setting, at setup for a regex that matches no
@@ -70,12 +81,21 @@ class SparsityCallback(Callback):
         distribution: str = "uniform",
         layer_types: tuple[type[nn.Module], ...] = DEFAULT_LAYER_TYPES,
         log_layers: bool = False,
+        score: str = "magnitude",
+        regrow: str | None = None,
+        regrow_fraction: float = DEFAULT_ALPHA,
+        regrow_end: Step = DEFAULT_REGROW_END,
+        sr_ste_decay: float = DEFAULT_SR_STE_DECAY,
+        seed: int = 0,
+        check_masks: bool = True,
     ) -> None:
         self.config = SparsityConfig(
             pattern=pattern, sparsity=sparsity, schedule=schedule, start=start, end=end,
             frequency=frequency, allow=allow, deny=deny, dense_ratio=dense_ratio,
             overrides=overrides, distribution=distribution, layer_types=layer_types,
-            log_layers=log_layers)
+            log_layers=log_layers, score=score, regrow=regrow, regrow_fraction=regrow_fraction,
+            regrow_end=regrow_end, sr_ste_decay=sr_ste_decay, seed=seed,
+            check_masks=check_masks)
         self.engine: SparsityEngine | None = None
         self._model: nn.Module | None = None
         self._restored_state: dict[str, Any] | None = None
@@ -89,7 +109,8 @@ class SparsityCallback(Callback):
     def state_key(self) -> str:
         c = self.config
         return self._generate_state_key(pattern=c.pattern, sparsity=c.sparsity,
-                                        schedule=c.schedule, allow=c.allow, deny=c.deny)
+                                        schedule=c.schedule, regrow=c.regrow, allow=c.allow,
+                                        deny=c.deny)
 
     def _engine(self) -> SparsityEngine:
         if self.engine is None:
@@ -127,7 +148,7 @@ class SparsityCallback(Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: Optimizer) -> None:
-        self._engine().mask_gradients(optimizer)
+        self._engine().before_optimizer_step(optimizer, trainer.global_step)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:

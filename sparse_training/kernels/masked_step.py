@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 import struct
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -37,11 +39,25 @@ _COLUMNS = 8
 
 @dataclass(frozen=True)
 class StepConfig:
-    """Launch configuration: ``block`` elements per iteration, ``chunk`` per program."""
+    """Launch configuration of the masked step.
+
+    Attributes:
+        block: Elements per loop iteration of a program (``block / (32 * num_warps)``
+            contiguous elements per thread: 8 gives two 16-byte loads per fp32 stream).
+        num_warps: Warps per program.
+        chunk: Elements per work item of the multi-tensor table (a multiple of ``block``).
+        programs_per_sm: 0 launches one program per chunk (the hardware scheduler
+            balances); ``k > 0`` launches a persistent grid of ``k`` programs per
+            multiprocessor that stride over the chunk list.
+        num_stages: Passed to Triton (software pipelining depth; elementwise loops
+            without dots are hardly affected).
+    """
 
     block: int
     num_warps: int
     chunk: int
+    programs_per_sm: int = 0
+    num_stages: int = 1
 
 
 def masked_step_configs() -> list[StepConfig]:
@@ -49,17 +65,34 @@ def masked_step_configs() -> list[StepConfig]:
 
     The step updates its inputs in place, so Triton's run-time autotuner (which
     launches every candidate on the live tensors) cannot pick among them; the
-    benchmark sweeps them on scratch copies and ``DEFAULT_CONFIG`` records the winner.
+    benchmark sweeps them on live tensors of a throwaway optimizer and
+    ``DEFAULT_CONFIG`` records the winner (see ``docs/performance.md``).
     """
-    return [
-        StepConfig(block, warps, chunk)
-        for block, warps in ((1024, 4), (2048, 8), (4096, 8), (4096, 16))
-        for chunk in (16384, 65536)
+    # 4 elements per thread (block = 128 * num_warps) keeps the int8 mask load, the
+    # fp32 loads and the fp32 stores in one register layout; at 8 per thread the mask
+    # load wants 8-wide and the fp32 stores 4-wide, and Triton converts three tensors
+    # through shared memory (with barriers) every iteration (seen in the TTGIR).
+    configs = [
+        StepConfig(128 * warps, warps, chunk)
+        for warps in (2, 4, 8, 16)
+        for chunk in (8192, 16384, 65536)
     ]
+    configs += [StepConfig(512, 4, 16384, pps) for pps in (4, 8, 16)]
+    configs += [StepConfig(1024, 8, 16384, pps) for pps in (2, 4, 8)]
+    configs += [StepConfig(512, 4, 16384, 0, 3)]
+    configs += [StepConfig(1024, 4, 16384), StepConfig(4096, 16, 65536)]  # 8 per thread
+    return configs
 
 
 # Read at every launch; ``benchmarks/optimizer.py`` sets it while sweeping candidates.
-DEFAULT_CONFIG = StepConfig(block=1024, num_warps=4, chunk=65536)
+DEFAULT_CONFIG = StepConfig(block=512, num_warps=4, chunk=16384)
+
+# Fast math (one approximate sqrt and one approximate division per element, the
+# gradient scale and bias corrections as reciprocals computed once per program):
+# kept weights agree with the float64 reference to a few fp32 ulps. False selects
+# correctly rounded div/sqrt as torch uses them (bit-exact-leaning, slower);
+# ``benchmarks/optimizer.py`` times both.
+FAST_MATH = True
 
 
 @triton.jit
@@ -80,11 +113,11 @@ def _load(ptr, bound, MASKED: tl.constexpr):
 @triton.jit
 def _update_block(
     offs, numel, p_ptr, g_ptr, a_ptr, b_ptr, k_ptr,
-    inv_sign, step_size, bc2_sqrt, lr, decay, weight_decay, one_minus_beta1, beta2,
+    inv_scale, step_size, inv_bc2, lr, decay, weight_decay, one_minus_beta1, beta2,
     one_minus_beta2, eps, momentum, one_minus_dampening,
     ALGO: tl.constexpr, DECOUPLED: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
     NESTEROV: tl.constexpr, SGD_FIRST: tl.constexpr, MASK_PACKED: tl.constexpr,
-    MASKED: tl.constexpr,
+    MASKED: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     bound = offs < numel if MASKED else None
     if MASK_PACKED:
@@ -93,8 +126,9 @@ def _update_block(
     else:
         keep = _load(k_ptr + offs, bound, MASKED) != 0
     g = _load(g_ptr + offs, bound, MASKED).to(tl.float32)
-    # inv_sign is 1/grad_scale (or 1), negated for maximize; the division stays exact.
-    g = tl.where(keep, tl.div_rn(g, inv_sign), 0.0)
+    # FAST: inv_scale = sign / grad_scale, one division per program (exact for the
+    # power-of-two scales of GradScaler); else grad_scale * sign, divided exactly.
+    g = tl.where(keep, g * inv_scale if FAST else tl.div_rn(g, inv_scale), 0.0)
     p = _load(p_ptr + offs, bound, MASKED)
     if ALGO == _ADAM:
         if DECOUPLED:
@@ -105,8 +139,13 @@ def _update_block(
         v = _load(b_ptr + offs, bound, MASKED)
         m = m + one_minus_beta1 * (g - m)
         v = v * beta2 + one_minus_beta2 * (g * g)
-        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-        p = p - step_size * tl.div_rn(m, denom)
+        if FAST:
+            # inv_bc2 = 1 / sqrt(1 - beta2^t); approximate sqrt and division (~2 ulp).
+            p = p - step_size * m / (tl.sqrt(v) * inv_bc2 + eps)
+        else:
+            # inv_bc2 holds sqrt(1 - beta2^t) itself here, divided as torch does.
+            denom = tl.div_rn(tl.sqrt_rn(v), inv_bc2) + eps
+            p = p - step_size * tl.div_rn(m, denom)
         tl.store(a_ptr + offs, tl.where(keep, m, 0.0), mask=bound)
         tl.store(b_ptr + offs, tl.where(keep, v, 0.0), mask=bound)
     else:
@@ -125,78 +164,83 @@ def _update_block(
 
 @triton.jit
 def _masked_step_kernel(
-    table, tensor_index, chunk_index, grad_scale_ptr, found_inf_ptr,
-    grad_sign, lr, decay, weight_decay, one_minus_beta1, beta2, one_minus_beta2,
-    log2_beta1, log2_beta2, eps, momentum, one_minus_dampening,
+    table, tensor_index, chunk_index, n_chunks, grad_scale_ptr, found_inf_ptr,
+    grad_sign, lr, step_size_all, bc2_all, decay, weight_decay, one_minus_beta1, beta2,
+    one_minus_beta2, log2_beta1, log2_beta2, eps, momentum, one_minus_dampening,
     GRAD_DTYPE: tl.constexpr, ALGO: tl.constexpr, DECOUPLED: tl.constexpr,
     HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, SGD_FIRST: tl.constexpr,
-    MASK_PACKED: tl.constexpr, STEP_ON_DEVICE: tl.constexpr, HAS_SCALE: tl.constexpr,
-    HAS_FOUND_INF: tl.constexpr, ALIGNED: tl.constexpr,
-    COLUMNS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    MASK_PACKED: tl.constexpr, STEP_ON_DEVICE: tl.constexpr, BC_PER_TENSOR: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, ALIGNED: tl.constexpr,
+    FAST: tl.constexpr, COLUMNS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
     live = True
     if HAS_FOUND_INF:
         live = tl.load(found_inf_ptr) == 0
     if live:
-        row = table + tl.load(tensor_index + pid) * COLUMNS
-        first = tl.load(chunk_index + pid) * CHUNK
-        numel = tl.load(row + 5)
-        p_ptr = _typed(row, 0, tl.float32, ALIGNED)
-        g_ptr = _typed(row, 1, GRAD_DTYPE, ALIGNED)
-        a_ptr = _typed(row, 2, tl.float32, ALIGNED)
-        b_ptr = _typed(row, 3, tl.float32, ALIGNED)
-        k_ptr = _typed(row, 4, tl.int8, ALIGNED)
-        inv_sign = grad_sign
+        inv_scale = grad_sign
         if HAS_SCALE:
-            inv_sign = tl.load(grad_scale_ptr) * grad_sign
-        step_size = lr
-        bc2_sqrt = 1.0
-        if ALGO == _ADAM:
-            if STEP_ON_DEVICE:
-                # Like torch's fused Adam: bias corrections from the device step, in fp32.
-                step = tl.load(tl.load(row + 6).to(tl.pointer_type(tl.float32)))
-                step_size = lr / (1.0 - tl.exp2(step * log2_beta1))
-                bc2_sqrt = tl.sqrt_rn(1.0 - tl.exp2(step * log2_beta2))
+            if FAST:
+                inv_scale = grad_sign / tl.load(grad_scale_ptr)
             else:
-                # Computed on the host in float64 like torch's foreach path, passed as fp32 bits.
-                step_size = tl.load(row + 6).to(tl.int32).to(tl.float32, bitcast=True)
-                bc2_sqrt = tl.load(row + 7).to(tl.int32).to(tl.float32, bitcast=True)
-        offs = first + tl.arange(0, BLOCK)
-        full = first + CHUNK <= numel
-        for start in range(0, CHUNK, BLOCK):
-            if full:
-                _update_block(
-                    offs + start, numel, p_ptr, g_ptr, a_ptr, b_ptr, k_ptr,
-                    inv_sign, step_size, bc2_sqrt, lr, decay, weight_decay, one_minus_beta1,
-                    beta2, one_minus_beta2, eps, momentum, one_minus_dampening,
-                    ALGO, DECOUPLED, HAS_MOMENTUM, NESTEROV, SGD_FIRST, MASK_PACKED, False,
-                )  # fmt: skip
+                inv_scale = tl.load(grad_scale_ptr) * grad_sign
+        # Persistent when the grid is smaller than the chunk list: stride over it.
+        for c in range(tl.program_id(0), n_chunks, tl.num_programs(0)):
+            row = table + tl.load(tensor_index + c) * COLUMNS
+            first = tl.load(chunk_index + c) * CHUNK
+            numel = tl.load(row + 5)
+            p_ptr = _typed(row, 0, tl.float32, ALIGNED)
+            g_ptr = _typed(row, 1, GRAD_DTYPE, ALIGNED)
+            a_ptr = _typed(row, 2, tl.float32, ALIGNED)
+            b_ptr = _typed(row, 3, tl.float32, ALIGNED)
+            k_ptr = _typed(row, 4, tl.int8, ALIGNED)
+            step_size = lr
+            inv_bc2 = 1.0
+            if ALGO == _ADAM:
+                if STEP_ON_DEVICE:
+                    # Like torch's fused Adam: bias corrections from the device step, in fp32.
+                    step = tl.load(tl.load(row + 6).to(tl.pointer_type(tl.float32)))
+                    step_size = lr / (1.0 - tl.exp2(step * log2_beta1))
+                    if FAST:
+                        inv_bc2 = 1.0 / tl.sqrt_rn(1.0 - tl.exp2(step * log2_beta2))
+                    else:
+                        inv_bc2 = tl.sqrt_rn(1.0 - tl.exp2(step * log2_beta2))
+                elif BC_PER_TENSOR:
+                    # Steps differ between tensors: host float64 values, as fp32 bits.
+                    step_size = tl.load(row + 6).to(tl.int32).to(tl.float32, bitcast=True)
+                    inv_bc2 = tl.load(row + 7).to(tl.int32).to(tl.float32, bitcast=True)
+                else:
+                    step_size = step_size_all
+                    inv_bc2 = bc2_all
+            offs = first + tl.arange(0, BLOCK)
+            if first + CHUNK <= numel:
+                for start in range(0, CHUNK, BLOCK):
+                    _update_block(
+                        offs + start, numel, p_ptr, g_ptr, a_ptr, b_ptr, k_ptr,
+                        inv_scale, step_size, inv_bc2, lr, decay, weight_decay,
+                        one_minus_beta1, beta2, one_minus_beta2, eps, momentum,
+                        one_minus_dampening, ALGO, DECOUPLED, HAS_MOMENTUM, NESTEROV,
+                        SGD_FIRST, MASK_PACKED, False, FAST,
+                    )  # fmt: skip
             else:
-                _update_block(
-                    offs + start, numel, p_ptr, g_ptr, a_ptr, b_ptr, k_ptr,
-                    inv_sign, step_size, bc2_sqrt, lr, decay, weight_decay, one_minus_beta1,
-                    beta2, one_minus_beta2, eps, momentum, one_minus_dampening,
-                    ALGO, DECOUPLED, HAS_MOMENTUM, NESTEROV, SGD_FIRST, MASK_PACKED, True,
-                )  # fmt: skip
+                for tail in range(0, numel - first, BLOCK):
+                    _update_block(
+                        offs + tail, numel, p_ptr, g_ptr, a_ptr, b_ptr, k_ptr,
+                        inv_scale, step_size, inv_bc2, lr, decay, weight_decay,
+                        one_minus_beta1, beta2, one_minus_beta2, eps, momentum,
+                        one_minus_dampening, ALGO, DECOUPLED, HAS_MOMENTUM, NESTEROV,
+                        SGD_FIRST, MASK_PACKED, True, FAST,
+                    )  # fmt: skip
 
 
 def _f32_bits(x: float) -> int:
     return struct.unpack("<i", struct.pack("<f", x))[0]
 
 
-def _bias_correction_columns(steps: list[torch.Tensor], hp: dict) -> tuple[list[int], list[int]]:
-    # lr / (1 - beta1^t) and sqrt(1 - beta2^t) in float64 like torch's foreach path,
-    # once per distinct step (all equal in a typical run), as float32 bit patterns.
-    values = torch.stack(steps).tolist()
-    bits = {
-        t: (
-            _f32_bits(hp["lr"] / (1 - hp["beta1"] ** t)),
-            _f32_bits(math.sqrt(1 - hp["beta2"] ** t)),
-        )
-        for t in set(values)
-    }
-    return [bits[t][0] for t in values], [bits[t][1] for t in values]
+def _bias_corrections(t: float, hp: dict, fast: bool) -> tuple[float, float]:
+    # lr / (1 - beta1^t) and sqrt(1 - beta2^t) (its reciprocal with fast math) in
+    # float64 like torch's foreach path.
+    bc2 = math.sqrt(1 - hp["beta2"] ** t)
+    return hp["lr"] / (1 - hp["beta1"] ** t), (1.0 / bc2 if fast else bc2)
 
 
 def _kernel_ready(batch: StepBatch, i: int) -> bool:
@@ -220,6 +264,32 @@ def _split(batch: StepBatch, keep: list[int]) -> StepBatch:
         src = getattr(batch, name)
         setattr(part, name, [src[i] for i in keep] if src else [])
     return part
+
+
+@lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2  # interpreter: a small persistent grid still exercises the striding
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# Device address tables by their contents: with an unchanged param list (and the
+# caching allocator handing the same gradient addresses back), a step reuses the
+# previous table instead of building and uploading it again.
+_TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+_TABLES_MAX = 16
+
+
+def _device_table(columns: list[list[int]], device: torch.device) -> torch.Tensor:
+    key = (device, *(tuple(c) for c in columns))
+    table = _TABLES.get(key)
+    if table is None:
+        table = _TABLES[key] = address_table(columns, device)
+        if len(_TABLES) > _TABLES_MAX:
+            _TABLES.popitem(last=False)
+    else:
+        _TABLES.move_to_end(key)
+    return table
 
 
 def launch_masked_step(
@@ -253,6 +323,7 @@ def launch_masked_step(
         batch = _split(batch, [i for i, r in enumerate(ready) if r])
     if not batch.params:
         return
+    fast = FAST_MATH
     hp = batch.hparams
     device = batch.params[0].device
     params = batch.params
@@ -262,23 +333,36 @@ def launch_masked_step(
         [t.data_ptr() for t in ts] for ts in (params, batch.grads, state_a, state_b, batch.masks)
     ]
     numels = [p.numel() for p in params]
-    step_on_device = bool(batch.steps) and batch.steps[0].device.type != "cpu"
-    if batch.algo == "adam" and not step_on_device:
-        col6, col7 = _bias_correction_columns(batch.steps, hp)
-    else:
-        col6 = [s.data_ptr() for s in batch.steps] or numels
-        col7 = numels
-    table = address_table([*addresses, numels, col6, col7], device)
-    tensor_index, chunk_index = chunk_table(numels, config.chunk, device)
     adam = batch.algo == "adam"
+    step_on_device = bool(batch.steps) and batch.steps[0].device.type != "cpu"
+    bc_per_tensor = False
+    step_size_all, bc2_all = hp["lr"], 1.0
+    col6 = col7 = numels
+    if adam and step_on_device:
+        col6 = [s.data_ptr() for s in batch.steps]
+    elif adam:
+        values = torch.stack(batch.steps).tolist()
+        distinct = {t: _bias_corrections(t, hp, fast) for t in set(values)}
+        if len(distinct) == 1:  # the usual case: one pair of scalars, the table stays cached
+            step_size_all, bc2_all = distinct[values[0]]
+        else:
+            bc_per_tensor = True
+            col6 = [_f32_bits(distinct[t][0]) for t in values]
+            col7 = [_f32_bits(distinct[t][1]) for t in values]
+    table = _device_table([*addresses, numels, col6, col7], device)
+    tensor_index, chunk_index = chunk_table(numels, config.chunk, device)
+    n_chunks = tensor_index.numel()
+    grid = n_chunks
+    if config.programs_per_sm:
+        grid = max(1, min(n_chunks, config.programs_per_sm * _sm_count(device)))
     beta1, beta2 = (hp["beta1"], hp["beta2"]) if adam else (0.5, 0.5)
     momentum = hp.get("momentum", 0.0)
-    _masked_step_kernel[(tensor_index.numel(),)](
-        table, tensor_index, chunk_index,
+    _masked_step_kernel[(grid,)](
+        table, tensor_index, chunk_index, n_chunks,
         grad_scale if grad_scale is not None else table,
         found_inf if found_inf is not None else table,
         -1.0 if hp["maximize"] else 1.0,
-        hp["lr"], 1 - hp["lr"] * hp["weight_decay"], hp["weight_decay"],
+        hp["lr"], step_size_all, bc2_all, 1 - hp["lr"] * hp["weight_decay"], hp["weight_decay"],
         1 - beta1, beta2, 1 - beta2, math.log2(beta1), math.log2(beta2),
         hp.get("eps", 0.0), momentum, 1 - hp.get("dampening", 0.0),
         GRAD_DTYPE=_TORCH_TO_TL[batch.grads[0].dtype],
@@ -289,11 +373,13 @@ def launch_masked_step(
         SGD_FIRST=batch.sgd_first,
         MASK_PACKED=batch.masks[0].dtype == torch.uint8,
         STEP_ON_DEVICE=step_on_device,
+        BC_PER_TENSOR=bc_per_tensor,
         HAS_SCALE=grad_scale is not None,
         HAS_FOUND_INF=found_inf is not None,
         ALIGNED=all_aligned([a for col in addresses for a in col]),
+        FAST=fast,
         COLUMNS=_COLUMNS, CHUNK=config.chunk, BLOCK=config.block,
-        num_warps=config.num_warps,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 
 

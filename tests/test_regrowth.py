@@ -1,0 +1,255 @@
+"""Regrowth (RigL, SET, SR-STE), ERK, exact counts at every update, AMP skips, resume."""
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import TinyNet, make_loader, make_trainer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from pytorch_lightning.plugins import MixedPrecision
+from torch import nn
+
+from sparse_training import SparsityCallback
+from sparse_training.distributions import erk
+from sparse_training.masks import as_matrix, kept_count
+from sparse_training.patterns import parse_pattern
+from sparse_training.regrowth import cosine_fraction, drop_and_grow
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), spec=st.sampled_from(["unstructured", "2:4", "1:8", "block:2x2",
+                                             "vector:2+1:4"]),
+       fraction=st.floats(0.01, 1.0))
+def test_drop_and_grow_keeps_exact_counts(data, spec, fraction):
+    pattern = parse_pattern(spec)
+    rows = pattern.block_rows * data.draw(st.integers(1, 4))
+    cols = pattern.block_cols * (pattern.m or 1) * data.draw(st.integers(1, 4))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    weight = torch.randn(rows, cols, generator=g)
+    from sparse_training import pattern_mask
+
+    mask = pattern_mask(weight, pattern, None if pattern.is_nm else 0.5)
+    weight = weight.masked_fill(~mask, 0)
+    grad = torch.randn(rows, cols, generator=g)
+    new = drop_and_grow(mask, weight, grad, pattern, fraction)
+    assert int(new.sum()) == int(mask.sum())
+    if pattern.is_nm:
+        groups = as_matrix(new).reshape(-1, pattern.m * pattern.block_cols)
+        assert (groups.sum(-1) == pattern.n * pattern.block_cols).all()
+    if pattern.block_rows * pattern.block_cols > 1:
+        blocks = new.reshape(rows // pattern.block_rows, pattern.block_rows,
+                             cols // pattern.block_cols, pattern.block_cols).sum(dim=(1, 3))
+        assert ((blocks == 0) | (blocks == pattern.block_rows * pattern.block_cols)).all()
+
+
+def test_rigl_drops_smallest_and_grows_largest_gradient():
+    mask = torch.tensor([[True, True, True, True, False, False, False, False]])
+    weight = torch.tensor([[4.0, -3.0, 0.1, 2.0, 0, 0, 0, 0]])
+    grad = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.5, -9.0, 0.2, 0.1]])
+    new = drop_and_grow(mask, weight, grad, parse_pattern("unstructured"), 0.25)
+    assert new.tolist() == [[True, True, False, True, False, True, False, False]]
+
+
+def test_dropped_and_regrown_position_keeps_its_value():
+    mask = torch.tensor([[True, True, False, False]])
+    weight = torch.tensor([[1.0, 2.0, 0.0, 0.0]])
+    grad = torch.tensor([[50.0, 0.0, 1.0, 1.0]])  # the dropped weight has the largest gradient
+    new = drop_and_grow(mask, weight, grad, parse_pattern("unstructured"), 0.5)
+    assert torch.equal(new, mask)
+
+
+def test_nan_gradients_are_never_grown():
+    mask = torch.tensor([[True, True, False, False]])
+    weight = torch.tensor([[1.0, 2.0, 0.0, 0.0]])
+    grad = torch.tensor([[0.0, 0.0, float("nan"), 1.0]])
+    new = drop_and_grow(mask, weight, grad, parse_pattern("unstructured"), 0.5)
+    assert new.tolist() == [[False, True, False, True]]
+
+
+def test_cosine_fraction():
+    assert cosine_fraction(0, 100, 0.3) == pytest.approx(0.3)
+    assert cosine_fraction(50, 100, 0.3) == pytest.approx(0.15)
+    assert cosine_fraction(100, 100, 0.3) == 0.0
+
+
+@settings(max_examples=50, deadline=None)
+@given(shapes=st.lists(st.tuples(st.integers(1, 64), st.integers(1, 64)), min_size=1,
+                       max_size=6), sparsity=st.floats(0.0, 0.99))
+def test_erk_meets_the_target_within_one_weight_per_layer(shapes, sparsity):
+    targets = erk(shapes, sparsity)
+    sizes = [a * b for a, b in shapes]
+    kept = sum(kept_count(n, s) for n, s in zip(sizes, targets, strict=True))
+    assert all(0.0 <= s < 1.0 or s == 0.0 for s in targets)
+    assert abs(kept - (1 - sparsity) * sum(sizes)) <= len(shapes) * 0.5 + 1e-6
+    dense_by_erk = [s == 0.0 for s in targets]
+    if not all(dense_by_erk):  # small layers are denser (Σ shape / Π shape is larger)
+        ratios = [(a + b) / (a * b) for a, b in shapes]
+        order = sorted(range(len(shapes)), key=lambda i: ratios[i])
+        densities = [1 - targets[i] for i in order]
+        assert densities == sorted(densities)
+
+
+class CountAudit(Callback):
+    """Counts per layer fixed after creation; exact at every step; zeros hold."""
+
+    def __init__(self, sparse):
+        self.sparse, self.counts, self.changes = sparse, None, 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        engine = self.sparse.engine
+        if engine.last_update is None:
+            return
+        counts = {layer.plan.name: int(layer.mask.sum()) for layer in engine.layers}
+        masks = {layer.plan.name: layer.mask.clone() for layer in engine.layers}
+        if self.counts is None:
+            self.counts, self.masks = counts, masks
+        assert counts == self.counts  # regrowth never drifts
+        self.changes += any(not torch.equal(masks[k], self.masks[k]) for k in masks)
+        self.masks = masks
+        for layer in engine.layers:
+            assert not layer.weight[~layer.mask].any()
+            if layer.plan.pattern.is_nm:
+                groups = as_matrix(layer.mask).reshape(-1, layer.plan.pattern.m)
+                assert (groups.sum(-1) == layer.plan.pattern.n).all()
+
+
+def teacher_loader(n=512, seed=0, batch_size=32):
+    g = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(16, 4, generator=torch.Generator().manual_seed(99))
+    x = torch.randn(n, 16, generator=g)
+    return torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, (torch.tanh(x) @ teacher).argmax(1)),
+        batch_size=batch_size)
+
+
+def accuracy(model, loader):
+    x, y = loader.dataset.tensors
+    with torch.no_grad():
+        return (model(x).argmax(1) == y).float().mean().item()
+
+
+@pytest.mark.parametrize("regrow", ["rigl", "set"])
+def test_mlp_trains_from_scratch_at_90_percent(regrow):
+    sparse = SparsityCallback("unstructured", sparsity=0.9, schedule="constant", score="random",
+                              distribution="erk", regrow=regrow, frequency=5)
+    audit = CountAudit(sparse)
+    model = TinyNet(lr=3e-2)
+    trainer = make_trainer([sparse, audit], max_epochs=6)
+    trainer.fit(model, teacher_loader())
+    assert sparse.engine.sparsity == pytest.approx(0.9, abs=0.005)
+    assert audit.changes >= 5  # the masks moved
+    assert accuracy(model, teacher_loader(seed=1)) > 0.6  # chance is 0.25
+
+
+def test_regrowth_with_gmp_graNet_style():
+    sparse = SparsityCallback("unstructured", sparsity=0.8, schedule="gmp", regrow="rigl",
+                              frequency=4, end=0.5)
+    trainer = make_trainer([sparse], max_epochs=4)
+    trainer.fit(TinyNet(), teacher_loader(n=256))
+    assert sparse.engine.sparsity == pytest.approx(0.8, abs=0.005)
+    assert sparse.engine.last_regrow is not None
+
+
+class ResBlock(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.norm1, self.norm2 = nn.BatchNorm2d(channels), nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        return torch.relu(x + self.norm2(self.conv2(torch.relu(self.norm1(self.conv1(x))))))
+
+
+class TinyResNet(TinyNet):
+    def __init__(self):
+        super().__init__(lr=1e-2)
+        self.net = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), ResBlock(8), ResBlock(8),
+                                 nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
+
+
+@pytest.mark.parametrize("regrow", ["rigl", "set", "sr-ste"])
+def test_resnet_with_nm_regrowth(regrow):
+    sparse = SparsityCallback("2:4", schedule="constant", regrow=regrow, frequency=2,
+                              dense_ratio=0.2, deny=[r"net\.5"])
+    audit = CountAudit(sparse)
+    model = TinyResNet()
+    trainer = make_trainer([sparse, audit], max_epochs=3)
+    trainer.fit(model, make_loader(conv=True, n=96))
+    names = [layer.plan.name for layer in sparse.engine.layers]
+    assert names == ["net.1.conv1", "net.1.conv2", "net.2.conv1", "net.2.conv2"]  # stem dense
+    assert audit.changes >= 1
+
+
+def test_sr_ste_keeps_dense_weights_and_remasks_every_step():
+    sparse = SparsityCallback("2:4", schedule="constant", regrow="sr-ste")
+    audit = CountAudit(sparse)
+    model = TinyNet(lr=3e-2)
+    trainer = make_trainer([sparse, audit], max_epochs=4)
+    trainer.fit(model, teacher_loader(n=256))
+    layer = sparse.engine.layers[0]
+    dense = layer.module.weight_dense
+    assert dense[~layer.mask].ne(0).float().mean() > 0.9  # pruned weights live on, densely
+    assert torch.equal(layer.weight, dense.masked_fill(~layer.mask, 0))
+    assert audit.changes >= 2  # masks follow the dense weights
+    assert accuracy(model, teacher_loader(seed=1)) > 0.5
+
+
+def test_no_mask_update_on_non_finite_gradients():
+    class Overflow(TinyNet):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * float("inf") if self.global_step == 4 else loss
+
+    sparse = SparsityCallback("unstructured", sparsity=0.5, schedule="constant",
+                              regrow="rigl", frequency=2, regrow_end=100)
+    regrown = []
+
+    class Spy(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            regrown.append(sparse.engine.last_regrow)
+
+    amp = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))  # skips inf steps
+    trainer = make_trainer([sparse, Spy()], max_epochs=1, max_steps=7, plugins=[amp])
+    trainer.fit(Overflow(), make_loader())
+    assert regrown[2] == 2 and regrown[4] == 2 and regrown[6] == 6  # step 4 skipped
+
+
+def rigl_settings():
+    return dict(pattern="unstructured", sparsity=0.8, schedule="constant", regrow="set",
+                frequency=2, score="random", seed=7, regrow_end=11)
+
+
+def test_resume_restores_regrowth_exactly(tmp_path):
+    pl.seed_everything(0)
+    straight = TinyNet("adam")
+    make_trainer([SparsityCallback(**rigl_settings())], max_epochs=2).fit(
+        straight, make_loader(n=96))
+    pl.seed_everything(0)
+    first = TinyNet("adam")
+    make_trainer([SparsityCallback(**rigl_settings()),
+                  ModelCheckpoint(dirpath=tmp_path, save_last=True)], max_epochs=1,
+                 enable_checkpointing=True).fit(first, make_loader(n=96))
+    resumed = TinyNet("adam")
+    sparse = SparsityCallback(**rigl_settings())
+    make_trainer([sparse], max_epochs=2).fit(resumed, make_loader(n=96),
+                                             ckpt_path=tmp_path / "last.ckpt")
+    assert sparse.engine.last_regrow == 10
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items(),
+                                 strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(regrow="grow"), "unknown regrow 'grow'; valid: None, rigl, set, sr-ste"),
+    (dict(pattern="2:4:2d", regrow="rigl"), "does not support transposable patterns"),
+    (dict(pattern="unstructured", sparsity=0.5, regrow="sr-ste"), "sr-ste' trains N:M masks"),
+    (dict(regrow="rigl", regrow_fraction=0.0), r"regrow_fraction must be a number in \(0, 1\]"),
+    (dict(regrow="set", regrow_end=2.0), r"regrow_end as a fraction of training must lie in"),
+    (dict(score="gradient"), "unknown score 'gradient'; valid: magnitude, random"),
+    (dict(pattern="2:4", distribution="erk"), "distribution 'erk' needs an unstructured"),
+])
+def test_bad_regrowth_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SparsityCallback(**kwargs)
