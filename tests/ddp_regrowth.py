@@ -1,0 +1,65 @@
+"""Two-process CPU DDP run (gloo) of RigL and SET; each rank writes its mask checksums.
+
+    python tests/ddp_regrowth.py OUT_DIR     # Lightning relaunches this script for rank 1
+
+Used by tests/test_ddp.py. After training, rank 1 flips one mask bit and the cross-rank
+check must raise on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import Callback
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import TinyNet, make_loader  # noqa: E402
+
+from sparse_training import SparsityCallback  # noqa: E402
+from sparse_training.engine import mask_checksum  # noqa: E402
+
+
+class Recorder(Callback):
+    """Per step: the step, the last regrowth step and every layer's mask checksum."""
+
+    def __init__(self, sparse: SparsityCallback) -> None:
+        self.sparse, self.rows = sparse, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        engine = self.sparse.engine
+        self.rows.append({"step": trainer.global_step, "last_regrow": engine.last_regrow,
+                          "checksums": [int(mask_checksum(layer.mask))
+                                        for layer in engine.layers],
+                          "counts": [int(layer.mask.sum()) for layer in engine.layers]})
+
+
+def run(regrow: str, out: Path) -> None:
+    pl.seed_everything(0)
+    sparse = SparsityCallback("unstructured", sparsity=0.9, schedule="constant",
+                              distribution="erk", regrow=regrow, frequency=2, score="random")
+    recorder = Recorder(sparse)
+    trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=2,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[sparse, recorder])
+    trainer.fit(TinyNet(lr=3e-2), make_loader(n=128))
+    rank = trainer.global_rank
+    engine = sparse.engine
+    if rank == 1:  # a rank that went its own way must be caught
+        engine.layers[0].mask.view(-1)[0] ^= True
+    try:
+        engine._check_across_ranks(step=-1, broadcast=False)
+        mismatch_caught = False
+    except RuntimeError as error:
+        mismatch_caught = "masks differ across ranks" in str(error)
+    (out / f"{regrow}_rank{rank}.json").write_text(json.dumps(
+        {"rows": recorder.rows, "mismatch_caught": mismatch_caught}))
+
+
+if __name__ == "__main__":
+    out_dir = Path(sys.argv[1])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for algorithm in ("rigl", "set"):
+        run(algorithm, out_dir)
