@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import time
 
 import torch
 import triton
@@ -14,6 +15,19 @@ from triton.testing import do_bench
 def bench_ms(fn) -> float:
     """Median milliseconds of ``fn`` (triton.testing.do_bench, CUDA events)."""
     return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def host_ms(fn, calls: int = 20) -> float:
+    """Host (Python + launch) milliseconds per call: wall time of ``calls`` back-to-back
+    calls that only enqueue work (the device is synchronised before, not inside)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e3
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:

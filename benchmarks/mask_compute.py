@@ -3,7 +3,8 @@
 Run on a CUDA machine:  python benchmarks/mask_compute.py
 Over the 2-D weights of BERT-large (the prunable ones; scores = |w|, fp32):
 
-- N:M (2:4): ``nm_topk_masks`` (one launch for all weights), ``nm_topk_mask`` per
+- N:M (2:4): ``nm_topk_masks`` (one launch for all weights; also its kernel alone
+  and its host time per call), ``nm_topk_mask`` per
   tensor, torch ``topk`` + ``scatter_`` per tensor; floor = (4 B read + 1 B written)
   per weight / copy bandwidth.
 - Global magnitude threshold (keep 10%): ``global_magnitude_threshold`` (radix
@@ -30,6 +31,7 @@ from benchmarks._common import (  # noqa: E402
     bert_large_shapes,
     copy_bandwidth_gbs,
     environment,
+    host_ms,
     write_json,
 )
 from sparse_training.kernels import (  # noqa: E402
@@ -39,6 +41,7 @@ from sparse_training.kernels import (  # noqa: E402
     nm_topk_mask_reference,
     nm_topk_masks,
 )
+from sparse_training.kernels import nm_mask as nmk  # noqa: E402
 
 
 def torch_nm(score: torch.Tensor, n: int, m: int) -> torch.Tensor:
@@ -80,12 +83,29 @@ def main() -> None:
     odd = [torch.randn(37, 12, device="cuda"), torch.randint(0, 3, (64, 8), device="cuda").float()]
     checks = {
         "nm_equal": all(torch.equal(a, nm_topk_mask_reference(s, 2, 4)) for a, s in zip(nm_topk_masks(odd + scores[:3], 2, 4), odd + scores[:3], strict=True)),
+        "nm_equal_4_8_bf16": all(torch.equal(a, nm_topk_mask_reference(s, 4, 8)) for a, s in zip(nm_topk_masks([x.bfloat16() for x in odd[1:] + scores[3:5]], 4, 8), [x.bfloat16() for x in odd[1:] + scores[3:5]], strict=True)),
+        "nm_equal_1_3": all(torch.equal(a, nm_topk_mask_reference(s, 1, 3)) for a, s in zip(nm_topk_masks(odd[:1], 1, 3), odd[:1], strict=True)),
         "threshold_equal": bool(global_magnitude_threshold(weights[:5], 12345) == global_magnitude_threshold_reference(weights[:5], 12345)),
     }  # fmt: skip
     assert all(checks.values()), checks
 
     t = {}
     t["nm_kernel_multi"] = bench_ms(lambda: nm_topk_masks(scores, 2, 4))
+    plan = nmk._nm_plan(scores, 4)
+    out = torch.empty(plan[3], dtype=torch.uint8, device="cuda")
+
+    def nm_kernel_alone():
+        nmk._nm_topk_kernel[(plan[1].numel(),)](
+            plan[0], plan[1], plan[2], out, 2, M=4, M_POW2=4, WORDS=True,
+            SCORE_DTYPE=nmk._TORCH_TO_TL[torch.float32], ALIGNED=plan[8], CHUNK_G=nmk._CHUNK_G,
+        )  # fmt: skip
+
+    t["nm_kernel_alone"] = bench_ms(nm_kernel_alone)
+    assert torch.equal(
+        out.view(torch.bool)[: scores[0].numel()].view(scores[0].shape),
+        nm_topk_mask_reference(scores[0], 2, 4),
+    )
+    host = {"nm_kernel_multi": host_ms(lambda: nm_topk_masks(scores, 2, 4))}
     t["nm_kernel_per_tensor"] = bench_ms(lambda: [nm_topk_mask(s, 2, 4) for s in scores])
     t["nm_torch_topk"] = bench_ms(lambda: [torch_nm(s, 2, 4) for s in scores])
     t["nm_floor"] = numel * 5 / bw / 1e6
@@ -103,7 +123,7 @@ def main() -> None:
     t["block16_floor"] = numel * 4 / bw / 1e6
     path = write_json(
         "mask_compute.json",
-        {"environment": env, "copy_bandwidth_GBs": bw, "numel": numel, "tensors": len(weights), "checks": checks, "ms": t},
+        {"environment": env, "copy_bandwidth_GBs": bw, "numel": numel, "tensors": len(weights), "checks": checks, "ms": t, "host_ms_per_call": host, "nm_best_config": str(nmk._nm_topk_kernel.best_config)},
     )  # fmt: skip
     print(
         f"\n{env['gpu']}, torch {env['torch']}, triton {env['triton']}; copy bandwidth {bw:.0f} GB/s"
@@ -115,6 +135,7 @@ def main() -> None:
         op, _, variant = key.partition("_")
         floor = t[f"{op}_floor"]
         print(f"| {op} | {variant} | {ms:.3f} | {ms / floor:.2f}x |")
+    print(f"host ms per call: {host}; N:M autotuned config: {nmk._nm_topk_kernel.best_config}")
     print(f"(JSON: {path})")
 
 

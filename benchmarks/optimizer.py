@@ -1,17 +1,19 @@
 """Masked optimizer step on the GPU: fused kernels vs torch's fused step vs ASP.
 
 Run on a CUDA machine:  python benchmarks/optimizer.py
-Checks the kernels against the float64 reference first, sweeps the launch configs,
-then times, for AdamW and SGD (momentum 0.9) at 64Mi parameters (64 x 1024x1024) and
+Checks the kernels (fast math and correctly rounded variants) against the float64
+reference first, sweeps the launch configs (``masked_step_configs``), then times, for AdamW and SGD (momentum 0.9) at 64Mi parameters (64 x 1024x1024) and
 at BERT-large size (335M, real shapes), every parameter masked at 50%:
 
 - ``fused_unmasked``: torch.optim.<Opt>(fused=True).step(), no mask (the target);
 - ``masked_fused``: sparse_training.kernels.fused_masked_step, bool masks;
 - ``masked_fused_packed``: the same with bit-packed masks;
+- ``masked_exact``: the same kernel with correctly rounded div/sqrt (``FAST_MATH=False``);
 - ``asp``: NVIDIA ASP: per-parameter grad.mul_(mask), fused step, p.mul_(mask);
 - ``foreach_mul``: _foreach_mul_(grads, masks), foreach step, _foreach_mul_(params, masks);
 - ``floor``: bytes the masked step must move / measured copy bandwidth.
 
+Also the host time per call (Python + launch; cached vs rebuilt address tables).
 Prints one table and writes optimizer_step.json (GPU name, versions) to $OUT or
 benchmarks/results/.
 """
@@ -31,6 +33,7 @@ from benchmarks._common import (  # noqa: E402
     bert_large_shapes,
     copy_bandwidth_gbs,
     environment,
+    host_ms,
     write_json,
 )
 from sparse_training.kernels import (  # noqa: E402
@@ -48,29 +51,38 @@ STATE_BYTES = {"AdamW": 4 * (4 + 3), "SGD": 4 * (3 + 2)}
 
 def check_correctness() -> dict:
     """Kernel vs float64 reference, bf16 grads, several steps, odd sizes, exact zeros."""
-    torch.manual_seed(0)
-    shapes = [(1000, 37), (4097,), (3, 5, 7), (65536 * 3 + 5,)]
     result = {}
-    for opt_cls, kw in (ADAMW, SGD, (torch.optim.Adam, {"lr": 1e-3, "weight_decay": 0.1})):
-        ps = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
-        for p in ps:
-            if hasattr(p, "grad_dtype"):  # torch >= 2.10 checks grad dtypes on assignment
-                p.grad_dtype = None
-        ref = [torch.nn.Parameter(p.detach().double().clone()) for p in ps]
-        opt, opt_ref = opt_cls(ps, **kw), opt_cls(ref, **kw)
-        masks = {p: torch.rand(p.shape, device="cuda") > 0.5 for p in ps}
-        masks_ref = {q: masks[p] for p, q in zip(ps, ref, strict=True)}
-        for _ in range(4):
-            for p, q in zip(ps, ref, strict=True):
-                g = torch.randn(p.shape, device="cuda").bfloat16()
-                p.grad, q.grad = g, g.double()
-            fused_masked_step(opt, masks)
-            masked_step_reference(opt_ref, masks_ref)
-        err = max(((p.double() - q).norm() / q.norm()).item() for p, q in zip(ps, ref, strict=True))
-        zeros = all(bool((p[~masks[p]] == 0).all()) for p in ps)
-        result[opt_cls.__name__] = {"rel_err_vs_fp64": err, "pruned_exact_zero": zeros}
-        assert err < 1e-6 and zeros, result
+    for fast in (True, False):
+        ms.FAST_MATH = fast
+        for opt_cls, kw in (ADAMW, SGD, (torch.optim.Adam, {"lr": 1e-3, "weight_decay": 0.1})):
+            result[f"{opt_cls.__name__}{'' if fast else ' exact'}"] = _check(opt_cls, kw)
+    ms.FAST_MATH = True
     return result
+
+
+def _check(opt_cls, kw) -> dict:
+    torch.manual_seed(0)
+    shapes = [(1000, 37), (4097,), (3, 5, 7), (65536 * 3 + 5,), (1024, 1024)]
+    ps = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
+    for p in ps:
+        if hasattr(p, "grad_dtype"):  # torch >= 2.10 checks grad dtypes on assignment
+            p.grad_dtype = None
+    ref = [torch.nn.Parameter(p.detach().double().clone()) for p in ps]
+    opt, opt_ref = opt_cls(ps, **kw), opt_cls(ref, **kw)
+    masks = {p: torch.rand(p.shape, device="cuda") > 0.5 for p in ps}
+    masks_ref = {q: masks[p] for p, q in zip(ps, ref, strict=True)}
+    for _ in range(4):
+        for p, q in zip(ps, ref, strict=True):
+            g = torch.randn(p.shape, device="cuda").bfloat16()
+            p.grad, q.grad = g, g.double()
+        fused_masked_step(opt, masks)
+        masked_step_reference(opt_ref, masks_ref)
+    err = max(((p.double() - q).norm() / q.norm()).item() for p, q in zip(ps, ref, strict=True))
+    zeros = all(bool((p[~masks[p]] == 0).all()) for p in ps)
+    finite = all(bool(p.isfinite().all()) for p in ps)
+    out = {"rel_err_vs_fp64": err, "pruned_exact_zero": zeros}
+    assert err < 1e-6 and zeros and finite, out
+    return out
 
 
 def make_model(shapes, opt_cls, kw):
@@ -120,20 +132,47 @@ def time_variants(shapes, opt_cls, kw) -> dict:
     sweep = {}
     for cfg in ms.masked_step_configs():
         ms.DEFAULT_CONFIG = cfg
-        sweep[f"{cfg.block}/{cfg.num_warps}w/{cfg.chunk}"] = bench_ms(masked(mask_of))
+        name = (
+            f"{cfg.block}/{cfg.num_warps}w/{cfg.chunk}/pps{cfg.programs_per_sm}/st{cfg.num_stages}"
+        )
+        sweep[name] = bench_ms(masked(mask_of))
     best = min(sweep, key=sweep.get)
-    ms.DEFAULT_CONFIG = ms.masked_step_configs()[list(sweep).index(best)]
+    best_cfg = ms.masked_step_configs()[list(sweep).index(best)]
+    ms.DEFAULT_CONFIG = best_cfg
     times["masked_fused"] = bench_ms(masked(mask_of))
-    times["masked_fused_packed"] = bench_ms(masked(packed_of))
+    packed_sweep = {}
+    for cfg in (best_cfg, ms.StepConfig(512, 4, 16384), ms.StepConfig(1024, 4, 16384)):
+        ms.DEFAULT_CONFIG = cfg
+        packed_sweep[f"{cfg.block}/{cfg.num_warps}w/{cfg.chunk}/pps{cfg.programs_per_sm}"] = (
+            bench_ms(masked(packed_of))
+        )
+    times["masked_fused_packed"] = min(packed_sweep.values())
+    ms.DEFAULT_CONFIG = best_cfg
+    ms.FAST_MATH = False
+    times["masked_exact"] = bench_ms(masked(mask_of))
+    ms.FAST_MATH = True
     set_grads()
     times["asp"] = bench_ms(asp)
     times["foreach_mul"] = bench_ms(foreach_mul)
+
+    def uncached():
+        ms._TABLES.clear()
+        masked(mask_of)()
+
+    host = {
+        "masked_fused": host_ms(masked(mask_of)),
+        "masked_fused_tables_rebuilt": host_ms(uncached),
+        "set_grads_alone": host_ms(set_grads),
+        "fused_unmasked": host_ms(fused.step),
+    }
     numel = sum(p.numel() for p in params)
     return {
         "numel": numel,
         "tensors": len(shapes),
         "ms": times,
+        "host_ms_per_call": host,
         "config_sweep_ms": sweep,
+        "packed_sweep_ms": packed_sweep,
         "best_config": best,
     }
 
@@ -160,20 +199,34 @@ def main() -> None:
         f"\n{env['gpu']}, torch {env['torch']}, triton {env['triton']}; copy bandwidth {bw:.0f} GB/s"
     )
     print(f"correctness: {correctness}")
-    head = "| case | params | fused unmasked | masked fused | packed | ASP | foreach+mul | floor (bool) | masked/unmasked | ASP/masked | masked/floor |"
+    head = "| case | params | fused unmasked | masked fused | packed | exact-math | ASP | foreach+mul | floor (bool) | masked/unmasked | ASP/masked | masked/floor | host ms (cached / rebuilt) |"
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for case, r in runs.items():
-        t = r["ms"]
+        t, h = r["ms"], r["host_ms_per_call"]
         print(
             f"| {case} | {r['numel'] / 1e6:.0f}M | {t['fused_unmasked']:.3f} | {t['masked_fused']:.3f} | "
-            f"{t['masked_fused_packed']:.3f} | {t['asp']:.3f} | {t['foreach_mul']:.3f} | {r['floor_ms']:.3f} | "
-            f"{t['masked_fused'] / t['fused_unmasked']:.3f}x | {t['asp'] / t['masked_fused']:.2f}x | "
-            f"{t['masked_fused'] / r['floor_ms']:.3f}x |"
+            f"{t['masked_fused_packed']:.3f} | {t['masked_exact']:.3f} | {t['asp']:.3f} | {t['foreach_mul']:.3f} | "
+            f"{r['floor_ms']:.3f} | {t['masked_fused'] / t['fused_unmasked']:.3f}x | "
+            f"{t['asp'] / t['masked_fused']:.2f}x | {t['masked_fused'] / r['floor_ms']:.3f}x | "
+            f"{h['masked_fused']:.3f} / {h['masked_fused_tables_rebuilt']:.3f} |"
         )
     print(f"(ms, medians of triton.testing.do_bench; JSON: {path})")
     for case, r in runs.items():
-        print(case, "config sweep:", {k: round(v, 3) for k, v in r["config_sweep_ms"].items()})
+        print(
+            case,
+            "best",
+            r["best_config"],
+            "sweep:",
+            {k: round(v, 3) for k, v in r["config_sweep_ms"].items()},
+        )
+        print(
+            case,
+            "host ms:",
+            {k: round(v, 3) for k, v in r["host_ms_per_call"].items()},
+            "packed:",
+            {k: round(v, 3) for k, v in r["packed_sweep_ms"].items()},
+        )
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ def nm_topk_configs() -> list[triton.Config]:
     """Autotuning candidates (groups per iteration, warps) for ``_nm_topk_kernel``."""
     return [
         triton.Config({"BLOCK_G": bg}, num_warps=w)
-        for bg, w in ((256, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8), (4096, 8))
+        for bg, w in ((256, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8))
     ]
 
 
