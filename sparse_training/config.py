@@ -89,6 +89,7 @@ class SparsityConfig:
     sr_ste_decay: float = DEFAULT_SR_STE_DECAY
     seed: int = 0
     check_masks: bool = True
+    fused: bool | str = "auto"
     parsed_pattern: Pattern = field(init=False, repr=False)
     parsed_schedule: Schedule = field(init=False, repr=False)
     parsed_overrides: dict[str, LayerOverride] = field(init=False, repr=False)
@@ -111,6 +112,8 @@ class SparsityConfig:
                 or not 0.0 <= self.dense_ratio < 1.0:
             raise ValueError(f"dense_ratio must be a number in [0, 1), got {self.dense_ratio!r}")
         self._check_regrowth(pattern)
+        if not (self.fused == "auto" or isinstance(self.fused, bool)):
+            raise ValueError(f"fused must be 'auto', True or False, got {self.fused!r}")
         types = tuple(self.layer_types)
         if not types or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
             raise ValueError(f"layer_types must be torch.nn.Module subclasses, got "

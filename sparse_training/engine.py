@@ -124,6 +124,7 @@ class SparsityEngine:
         self.target = 0.0
         self._stats: dict[str, float] | None = None
         self._attached: dict[Optimizer, tuple[list[MaskedLayer], RemovableHandle]] = {}
+        self.fused_optimizers: set[Optimizer] = set()
 
     # -- schedule ---------------------------------------------------------------------------
     def start(self, total_steps: int | None) -> None:
@@ -156,10 +157,17 @@ class SparsityEngine:
         self._check_across_ranks(due, broadcast=created)
         return True
 
-    def before_optimizer_step(self, optimizer: Optimizer, step: int) -> None:
+    def before_optimizer_step(self, optimizer: Optimizer, step: int,
+                              clipping: bool = True) -> None:
         """Between backward and ``optimizer.step``: regrowth when due (it reads the dense
         gradients), then the gradients of pruned weights are zeroed; under SR-STE the
-        dense weights come back and the sparse-refined decay is added instead."""
+        dense weights come back and the sparse-refined decay is added instead.
+
+        Args:
+            clipping: whether something reads the gradients before the step (gradient
+                clipping); if not, an optimizer served by the fused step skips this pass,
+                since its kernel masks the gradients itself.
+        """
         layers = self._layers_of(optimizer)
         if self.sr_ste:
             if self.last_update is not None:
@@ -167,7 +175,8 @@ class SparsityEngine:
             return
         if self._regrowth_due(step) and self._gradients_finite(layers):
             self.regrow(layers, step)
-        self.mask_gradients(optimizer)
+        if clipping or optimizer not in self.fused_optimizers:
+            self.mask_gradients(optimizer)
 
     # -- masks ------------------------------------------------------------------------------
     def _layer_targets(self, fraction: float) -> dict[str, float | None]:
@@ -328,22 +337,52 @@ class SparsityEngine:
         return [layer for layer in self.layers if id(layer.weight) in params]
 
     def attach(self, optimizer: Optimizer) -> None:
-        """Re-mask this optimizer's weights after each of its steps, and zero its state at
-        pruned positions now and at every mask update. Attaching twice is a no-op."""
+        """Take charge of this optimizer's masked weights; attaching twice is a no-op.
+
+        With the fused step (``config.fused``, :mod:`sparse_training.kernels`) a step
+        pre-hook updates the masked weights in one Triton pass per group of tensors and
+        hands the rest to ``optimizer.step``; otherwise a step post-hook re-masks the
+        weights. Either way the optimizer state is zeroed at pruned positions now and at
+        every mask update.
+
+        Raises:
+            ValueError: ``fused=True`` and the fused step cannot serve this optimizer.
+        """
         if optimizer in self._attached:
             return
         layers = self._layers_of(optimizer)
-        handle = optimizer.register_step_post_hook(
-            functools.partial(_after_step, self, layers))
+        if self._use_fused(optimizer, layers):
+            handle = optimizer.register_step_pre_hook(
+                functools.partial(_fused_step, layers))
+            self.fused_optimizers.add(optimizer)
+        else:
+            handle = optimizer.register_step_post_hook(
+                functools.partial(_after_step, self, layers))
         self._attached[optimizer] = (layers, handle)
         if not self.sr_ste:
             self.set_masks({layer.plan.name: layer.mask.clone() for layer in layers})
+
+    def _use_fused(self, optimizer: Optimizer, layers: list[MaskedLayer]) -> bool:
+        """The fused-step policy: ``"auto"`` on CUDA where the kernels serve the optimizer,
+        ``True`` wherever they can (an error otherwise), ``False`` never."""
+        if self.config.fused is False or not layers:
+            return False
+        from sparse_training.kernels import fused_unsupported_reason
+
+        reason = ("SR-STE keeps dense optimizer state" if self.sr_ste
+                  else fused_unsupported_reason(optimizer))
+        if self.config.fused is True and reason is not None:
+            raise ValueError(f"fused=True cannot serve {type(optimizer).__name__}: {reason}; "
+                             f"use fused='auto' (fused where possible) or fused=False")
+        return reason is None and (self.config.fused is True or all(
+            layer.weight.is_cuda for layer in layers))
 
     def detach(self) -> None:
         """Remove the optimizer hooks."""
         for _, handle in self._attached.values():
             handle.remove()
         self._attached.clear()
+        self.fused_optimizers.clear()
 
     # -- reporting and state ----------------------------------------------------------------
     @property
@@ -386,6 +425,29 @@ def mask_checksum(mask: Tensor) -> Tensor:
     moved position changes it."""
     flat = mask.reshape(-1)
     return (torch.arange(1, flat.numel() + 1, device=flat.device) * flat).sum()
+
+
+def _fused_step(layers: list[MaskedLayer], optimizer: Optimizer, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Optimizer pre-step hook: the masked weights in the fused kernels.
+
+    A step called with a closure (Lightning's way: the closure runs the forward, backward,
+    ``on_before_optimizer_step`` and clipping) runs the closure here first, so the kernels
+    see the final gradients; the step then gets a closure that returns the same loss. The
+    handled gradients become None, so ``optimizer.step`` goes on with the unmasked
+    parameters only.
+    """
+    from sparse_training.kernels import fused_masked_step
+
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0]: optimizer
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    fused_masked_step(optimizer, {layer.weight: layer.mask for layer in layers})
+    if closure is None:
+        return None
+    return args[:1], {**kwargs, "closure": lambda: loss}
 
 
 def _after_step(engine: SparsityEngine, layers: list[MaskedLayer], optimizer: Optimizer,

@@ -54,6 +54,10 @@ class SparsityCallback(Callback):
         seed: seeds every random draw together with the step, equal on every rank.
         check_masks: under torch.distributed, compare mask checksums across ranks after
             every update and raise on a mismatch (one small all-reduce per update).
+        fused: the masked optimizer step in fused Triton kernels
+            (:mod:`sparse_training.kernels`): "auto" uses it on CUDA for
+            ``torch.optim.AdamW``, ``Adam`` and ``SGD``, True requires it (an error where it
+            cannot serve), False never uses it.
 
     Raises:
         ValueError: at construction for a bad setting, at setup for a regex that matches no
@@ -88,6 +92,7 @@ class SparsityCallback(Callback):
         sr_ste_decay: float = DEFAULT_SR_STE_DECAY,
         seed: int = 0,
         check_masks: bool = True,
+        fused: bool | str = "auto",
     ) -> None:
         self.config = SparsityConfig(
             pattern=pattern, sparsity=sparsity, schedule=schedule, start=start, end=end,
@@ -95,7 +100,7 @@ class SparsityCallback(Callback):
             overrides=overrides, distribution=distribution, layer_types=layer_types,
             log_layers=log_layers, score=score, regrow=regrow, regrow_fraction=regrow_fraction,
             regrow_end=regrow_end, sr_ste_decay=sr_ste_decay, seed=seed,
-            check_masks=check_masks)
+            check_masks=check_masks, fused=fused)
         self.engine: SparsityEngine | None = None
         self._model: nn.Module | None = None
         self._restored_state: dict[str, Any] | None = None
@@ -148,7 +153,8 @@ class SparsityCallback(Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: Optimizer) -> None:
-        self._engine().before_optimizer_step(optimizer, trainer.global_step)
+        self._engine().before_optimizer_step(optimizer, trainer.global_step,
+                                             clipping=trainer.gradient_clip_val is not None)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:

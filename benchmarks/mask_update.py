@@ -1,0 +1,127 @@
+"""Cost of one mask update relative to one training step, engine level (no Lightning).
+
+    python benchmarks/mask_update.py [--layers 12] [--width 768] [--tokens 4096]
+
+A stack of BERT-base-shaped linear blocks (per layer: 768x768 x4 attention-like, 768x3072
+and 3072x768 MLP; 85M weights at the defaults) trains on random tokens with AdamW. One table:
+the median time of a dense step, of a masked step (gradient mask + re-mask), and of each kind
+of mask update (RigL drop/grow, SET, GMP magnitude top-k, 2:4, global threshold), and each
+update's cost in training steps. Timed with CUDA events (triton.testing.do_bench medians) on
+a GPU, a synchronizing host clock on CPU. Writes JSON with the device name and torch version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from sparse_training import SparsityConfig, SparsityEngine
+
+
+def bench(fn: Callable[[], None], device: str, reps: int) -> float:
+    """Median milliseconds of ``fn``."""
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=25, rep=max(reps * 10, 100), return_mode="median")
+    fn()
+    times = []
+    for _ in range(reps):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return 1e3 * statistics.median(times)
+
+
+def make_model(layers: int, width: int) -> nn.Sequential:
+    blocks = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width) for _ in range(4)]
+        blocks += [nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)]
+    return nn.Sequential(*blocks)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    model = make_model(args.layers, args.width).to(device)
+    weights = sum(m.weight.numel() for m in model if isinstance(m, nn.Linear))
+    x = torch.randn(args.tokens, args.width, device=device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    autocast = torch.autocast(device, dtype=torch.bfloat16)
+
+    def forward_backward() -> None:
+        with autocast:
+            loss = model(x).float().square().mean()
+        loss.backward()
+
+    def dense_step() -> None:
+        forward_backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+    results = {"dense step": bench(dense_step, device, args.reps)}
+    engine = SparsityEngine(model, SparsityConfig("unstructured", sparsity=0.9,
+                                                  schedule="constant", regrow="rigl",
+                                                  score="random"))
+    engine.start(10_000)
+    engine.attach(optimizer)
+    engine.on_step_start(0)
+
+    def masked_step() -> None:
+        forward_backward()
+        engine.mask_gradients()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+    results["masked step (grad mask + re-mask)"] = bench(masked_step, device, args.reps)
+    forward_backward()  # dense gradients for RigL's grow score
+    layers = engine.layers
+    results["RigL drop/grow (all layers)"] = bench(lambda: engine.regrow(layers, 1), device,
+                                                   args.reps)
+    set_engine = SparsityEngine(model, SparsityConfig("unstructured", sparsity=0.9,
+                                                      regrow="set"))  # adopts the masks
+    results["SET drop/grow (all layers)"] = bench(
+        lambda: set_engine.regrow(set_engine.layers, 1), device, args.reps)
+    for name, config in {
+        "magnitude top-k 90% (GMP update)": SparsityConfig("unstructured", sparsity=0.9),
+        "2:4 update": SparsityConfig("2:4"),
+        "global threshold 90%": SparsityConfig("unstructured", sparsity=0.9,
+                                               distribution="global"),
+    }.items():
+        other = make_model(args.layers, args.width).to(device)
+        update_engine = SparsityEngine(other, config)
+        results[name] = bench(lambda e=update_engine: e.update_masks(1.0), device, args.reps)
+
+    name = torch.cuda.get_device_name() if device == "cuda" else platform.machine()
+    step = results["dense step"]
+    lines = [f"Mask update cost vs one training step: {args.layers}x BERT-base-shaped blocks "
+             f"({weights / 1e6:.0f}M weights), {args.tokens} tokens, bf16 autocast, AdamW; "
+             f"{name}, torch {torch.__version__}", "",
+             "| operation | median ms | in training steps |", "|---|---|---|"]
+    lines += [f"| {op} | {ms:.3f} | {ms / step:.3f} |" for op, ms in results.items()]
+    table = "\n".join(lines)
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"mask_update_{name.replace(' ', '_')}.json").write_text(json.dumps(
+        {"device": name, "torch": torch.__version__, "weights": weights, "ms": results,
+         "args": {k: str(v) for k, v in vars(args).items()}, "table": table}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""SparsityCallback(fused=...) drives the Triton masked step (interpreter on CPU)."""
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import TinyNet, make_loader, make_trainer
+from pytorch_lightning.callbacks import Callback
+
+from sparse_training import SparsityCallback
+
+
+class FusedSpy(Callback):
+    """Records, while training, whether the fused step serves the optimizer."""
+
+    def __init__(self, sparse):
+        self.sparse, self.fused = sparse, None
+
+    def on_train_end(self, trainer, pl_module):
+        self.fused = bool(self.sparse.engine.fused_optimizers)
+
+
+def train(optimizer: str, fused, gradient_clip_val=None, max_steps=6):
+    pl.seed_everything(0)
+    model = TinyNet(optimizer)
+    sparse = SparsityCallback("unstructured", sparsity=0.5, schedule="gmp", frequency=2,
+                              end=4, fused=fused)
+    spy = FusedSpy(sparse)
+    make_trainer([sparse, spy], max_epochs=1, max_steps=max_steps,
+                 gradient_clip_val=gradient_clip_val).fit(model, make_loader(n=96))
+    return model, sparse, spy.fused
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adam", "sgd"])
+def test_fused_matches_the_hook_path(optimizer):
+    reference, _, _ = train(optimizer, fused=False)
+    fused, sparse, served = train(optimizer, fused=True)
+    assert served  # the kernels served this run
+    for (name, a), (_, b) in zip(reference.state_dict().items(), fused.state_dict().items(),
+                                 strict=True):
+        if a.dtype == torch.bool:
+            assert torch.equal(a, b), name
+        else:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)  # fp32 rounding
+    for layer in sparse.engine.layers:
+        assert not layer.weight[~layer.mask].any()
+
+
+def test_fused_with_clipping_masks_gradients_first():
+    reference, _, _ = train("adamw", fused=False, gradient_clip_val=0.1)
+    fused, _, served = train("adamw", fused=True, gradient_clip_val=0.1)
+    assert served
+    torch.testing.assert_close(fused.net[0].weight, reference.net[0].weight, rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_auto_stays_on_the_hook_path_on_cpu():
+    assert train("adamw", fused="auto", max_steps=2)[2] is False
+
+
+def test_fused_true_names_why_it_cannot_serve():
+    class RMSNet(TinyNet):
+        def configure_optimizers(self):
+            return torch.optim.RMSprop(self.parameters(), lr=1e-3)
+
+    sparse = SparsityCallback("2:4", fused=True)
+    with pytest.raises(ValueError, match="fused=True cannot serve RMSprop: .*use fused='auto'"):
+        make_trainer([sparse], max_epochs=1).fit(RMSNet(), make_loader())
+
+
+def test_fused_setting_is_validated():
+    with pytest.raises(ValueError, match="fused must be 'auto', True or False, got 'yes'"):
+        SparsityCallback("2:4", fused="yes")
