@@ -4,8 +4,9 @@
 
 One run, one table: the median time of one full Lightning training step (forward,
 backward, optimizer) for a small MLP and a small conv net, dense and with the callback
-(2:4 and unstructured 90%), after the masks exist (the per-step path, no mask update in the
-timed window), plus the time of one mask update. Writes JSON with the device name and
+(2:4 and unstructured 90%, through the fused Triton step and through the hook path), after
+the masks exist (the per-step path: no mask update in the timed window), and the first
+step, which computes the masks. Writes JSON with the device name and
 torch version. Steps are timed with a synchronizing host clock around each batch.
 """
 
@@ -68,10 +69,12 @@ MODELS = {
         nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
         nn.Linear(64, 16)), (16, 32, 32)),
 }
-VARIANTS = {
+VARIANTS = {  # fused="auto" takes the Triton step on CUDA; fused=False the hook path
     "dense": None,
-    "2:4": dict(pattern="2:4", start=0),
-    "unstructured 90%": dict(pattern="unstructured", sparsity=0.9, start=0),
+    "2:4, fused": dict(pattern="2:4", start=0),
+    "2:4, hooks": dict(pattern="2:4", start=0, fused=False),
+    "unstructured 90%, fused": dict(pattern="unstructured", sparsity=0.9, start=0),
+    "unstructured 90%, hooks": dict(pattern="unstructured", sparsity=0.9, start=0, fused=False),
 }
 
 
