@@ -264,6 +264,8 @@ class SparsityEngine:
         fraction = cosine_fraction(step, self.regrow_end, self.config.regrow_fraction)
         new_masks = {}
         for layer in layers:
+            if layer.plan.sparsity == 0.0:  # kept dense (e.g. by ERK): nothing to swap
+                continue
             grow = (layer.weight.grad if self.config.regrow == "rigl" else random_scores(
                 layer.weight.shape, self.config.seed, step, self.layers.index(layer),
                 layer.weight.device))

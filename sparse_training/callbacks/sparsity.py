@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
@@ -162,7 +163,9 @@ class SparsityCallback(Callback):
         metrics = {"sparsity/global": engine.sparsity, "sparsity/target": engine.target}
         if self.config.log_layers:
             metrics.update({f"sparsity/{name}": s for name, s in engine.layer_sparsity.items()})
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        # CPU tensors: a Python float would be copied to the GPU, a sync at every step
+        pl_module.log_dict({k: torch.tensor(v) for k, v in metrics.items()}, on_step=True,
+                           on_epoch=False)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.engine is not None:
