@@ -46,6 +46,15 @@ def test_command_line_overrides() -> None:
     assert mnist_sweep.callback_kwargs(cfg, "gmp", 0.9)["end"] == 0.5
 
 
+def test_new_method_from_the_command_line() -> None:
+    cfg = mnist_sweep.load_config([
+        "methods=[gmp,linear]",
+        "method_specs.linear={init: dense, train: true, callback: {pattern: unstructured, "
+        "schedule: linear, end: 0.5}}"])
+    assert mnist_sweep.callback_kwargs(cfg, "linear", 0.8) == {
+        "pattern": "unstructured", "schedule": "linear", "end": 0.5, "sparsity": 0.8}
+
+
 def test_other_yaml_as_base(tmp_path: Path) -> None:
     base = mnist_sweep.CONFIG.read_text().replace("epochs: 10 ", "epochs: 2 ")
     (tmp_path / "mine.yaml").write_text(base)
@@ -60,6 +69,9 @@ def test_other_yaml_as_base(tmp_path: Path) -> None:
     (["logger=tensorboard"], "logger must be wandb or none, got 'tensorboard'"),
     (["wandb_mode=cloud"], "wandb_mode must be auto, online, offline or disabled"),
     (["method_specs.gmp.init=random"], "method gmp: init must be dense or scratch"),
+    (["method_specs.gmp.trian=false"], r"method gmp must have exactly the keys init, train"),
+    (["method_specs.gmp.callback.ned=0.5"], r"method gmp: .*unexpected keyword argument 'ned'"),
+    (["sparsities=[]"], "sparsities and methods must each name at least one entry"),
     (["method_specs.gmp.callback.schedule=cosine"], "unknown schedule 'cosine'"),
     (["epochs"], r"key=value overrides, got \['epochs'\]"),
 ])
