@@ -282,3 +282,21 @@ def test_two_callbacks_have_distinct_state_keys():
     a = SparsityCallback("2:4", allow=[r"net\.0"])
     b = SparsityCallback("unstructured", sparsity=0.5, allow=[r"net\.2"])
     assert a.state_key != b.state_key
+
+
+def test_metrics_reach_the_loggers(tmp_path):
+    import csv
+
+    from pytorch_lightning.loggers import CSVLogger
+
+    sparse = SparsityCallback("unstructured", sparsity=0.6, schedule="gmp", frequency=2,
+                              log_layers=True)
+    trainer = make_trainer([sparse], max_epochs=2, logger=CSVLogger(tmp_path),
+                           log_every_n_steps=2)
+    trainer.fit(TinyNet(), make_loader())
+    with open(trainer.logger.experiment.metrics_file_path) as file:
+        rows = list(csv.DictReader(file))
+    logged = [float(r["sparsity/global"]) for r in rows if r.get("sparsity/global")]
+    assert len(logged) >= 8 and logged == sorted(logged)  # GMP only grows
+    assert logged[-1] == pytest.approx(0.6, abs=0.01)
+    assert any(r.get("sparsity/net.2") for r in rows)
