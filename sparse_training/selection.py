@@ -162,13 +162,17 @@ def plan_layers(
 
 def format_table(plans: Sequence[LayerPlan]) -> str:
     """The setup table: one line per candidate layer, selected or skipped, and why."""
-    header = ("layer", "type", "shape", "pattern", "target", "decision")
+    header = ("layer", "type", "shape", "pattern", "sparsity", "density", "decision")
     lines = [header]
     for p in plans:
-        target = "-" if not p.selected else (
-            "global" if p.sparsity is None else f"{p.sparsity:.4f}")
+        if not p.selected:
+            target = density = "-"
+        elif p.sparsity is None:
+            target = density = "global"
+        else:
+            target, density = f"{p.sparsity:.4f}", f"{1 - p.sparsity:.4f}"
         lines.append((p.name or "<root>", p.kind, "x".join(map(str, p.shape)),
-                      p.pattern.spec if p.pattern else "-", target, p.reason))
+                      p.pattern.spec if p.pattern else "-", target, density, p.reason))
     widths = [max(len(row[c]) for row in lines) for c in range(len(header))]
     text = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
             for row in lines]
