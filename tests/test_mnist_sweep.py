@@ -33,7 +33,7 @@ needs_mnist = pytest.mark.skipif(
 def test_default_config_is_the_issue_sweep() -> None:
     cfg = mnist_sweep.load_config([])
     assert list(cfg.sparsities) == [0.7, 0.8, 0.9, 0.95, 0.98, 0.99]
-    assert list(cfg.methods) == ["oneshot", "oneshot+finetune", "gmp"]
+    assert list(cfg.methods) == ["oneshot", "oneshot+finetune", "gmp", "rigl"]
     for method in cfg.methods:  # every method's callback arguments build a SparsityCallback
         mnist_sweep.SparsityCallback(**mnist_sweep.callback_kwargs(cfg, method, 0.9))
 
