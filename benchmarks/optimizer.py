@@ -13,15 +13,22 @@ at BERT-large size (335M, real shapes), every parameter masked at 50%:
 - ``foreach_mul``: _foreach_mul_(grads, masks), foreach step, _foreach_mul_(params, masks);
 - ``floor``: bytes the masked step must move / measured copy bandwidth.
 
-Also the host time per call (Python + launch; cached vs rebuilt address tables).
+Also the host time per call (Python + launch; cached plan vs plan rebuilt every call).
 Prints one table and writes optimizer_step.json (GPU name, versions) to $OUT or
 benchmarks/results/.
+
+Without a GPU:  python benchmarks/optimizer.py --host-cpu
+Host time per ``fused_masked_step`` call on this machine's CPU with the kernel launch
+stubbed out (TRITON_INTERPRET=1, real shapes, tensors never touched): the Python side
+alone, cached plan and plan rebuilt every call; writes host_step_cpu.json.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -36,6 +43,7 @@ from benchmarks._common import (  # noqa: E402
     host_ms,
     write_json,
 )
+from sparse_training.kernels import _step_plan as sp  # noqa: E402
 from sparse_training.kernels import (  # noqa: E402
     fused_masked_step,
     masked_step_reference,
@@ -156,12 +164,12 @@ def time_variants(shapes, opt_cls, kw) -> dict:
     times["foreach_mul"] = bench_ms(foreach_mul)
 
     def uncached():
-        ms._TABLES.clear()
+        sp.clear_plan_cache()
         masked(mask_of)()
 
     host = {
         "masked_fused": host_ms(masked(mask_of)),
-        "masked_fused_tables_rebuilt": host_ms(uncached),
+        "masked_fused_plan_rebuilt": host_ms(uncached),
         "set_grads_alone": host_ms(set_grads),
         "fused_unmasked": host_ms(fused.step),
     }
@@ -209,7 +217,7 @@ def main() -> None:
             f"{t['masked_fused_packed']:.3f} | {t['masked_exact']:.3f} | {t['asp']:.3f} | {t['foreach_mul']:.3f} | "
             f"{r['floor_ms']:.3f} | {t['masked_fused'] / t['fused_unmasked']:.3f}x | "
             f"{t['asp'] / t['masked_fused']:.2f}x | {t['masked_fused'] / r['floor_ms']:.3f}x | "
-            f"{h['masked_fused']:.3f} / {h['masked_fused_tables_rebuilt']:.3f} |"
+            f"{h['masked_fused']:.3f} / {h['masked_fused_plan_rebuilt']:.3f} |"
         )
     print(f"(ms, medians of triton.testing.do_bench; JSON: {path})")
     for case, r in runs.items():
@@ -229,5 +237,74 @@ def main() -> None:
         )
 
 
+class _NoLaunch:
+    """Stands in for the Triton kernel: ``kernel[grid](...)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def host_cpu(calls: int = 100, repeats: int = 5) -> None:
+    """Host time per call on the CPU, launch stubbed (see the module docstring)."""
+    os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors take the kernel path (stubbed)
+    ms._masked_step_kernel = _NoLaunch()
+    sizes = {"64Mi": [(1024, 1024)] * 64, "BERT-large": bert_large_shapes()}
+    rows = {}
+    for (opt_cls, kw), name in ((ADAMW, "AdamW"), (SGD, "SGD")):
+        for size, shapes in sizes.items():
+            params = [torch.nn.Parameter(torch.empty(s)) for s in shapes]
+            grads = [torch.empty(s) for s in shapes]
+            masks = [torch.empty(s, dtype=torch.bool) for s in shapes]
+            opt = opt_cls(params, **kw)
+
+            def set_grads(params=params, grads=grads):
+                for p, g in zip(params, grads, strict=True):
+                    p.grad = g
+
+            def step(opt=opt, params=params, masks=masks, set_grads=set_grads):
+                set_grads()  # the engine builds this dict every step too
+                fused_masked_step(opt, dict(zip(params, masks, strict=True)))
+
+            def rebuilt(step=step):
+                sp.clear_plan_cache()
+                step()
+
+            def best_us(fn, n=calls):
+                fn()
+                fn()
+                best = float("inf")
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    for _ in range(n):
+                        fn()
+                    best = min(best, (time.perf_counter() - start) / n * 1e6)
+                return best
+
+            grads_us = best_us(set_grads)
+            rows[f"{name} {size}"] = {
+                "tensors": len(shapes),
+                "set_grads_us": grads_us,
+                "cached_us": best_us(step) - grads_us,
+                "plan_rebuilt_us": best_us(rebuilt, max(5, calls // 20)) - grads_us,
+            }
+            del opt, params, grads, masks
+            gc.collect()
+    path = write_json("host_step_cpu.json", {"cpu": platform_cpu(), "runs": rows})
+    print("| case | tensors | host us/call, cached plan | plan rebuilt each call |")
+    print("|---|---|---|---|")
+    for case, r in rows.items():
+        print(f"| {case} | {r['tensors']} | {r['cached_us']:.0f} | {r['plan_rebuilt_us']:.0f} |")
+    print(f"(best of {repeats} x {calls} calls, set_grads subtracted; JSON: {path})")
+
+
+def platform_cpu() -> str:
+    import platform
+
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
+
+
 if __name__ == "__main__":
-    main()
+    if "--host-cpu" in sys.argv:
+        host_cpu()
+    else:
+        main()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -194,3 +195,76 @@ def test_unsupported_reasons():
     p.grad = torch.randn(4)
     with pytest.raises(ValueError, match="shape"):
         fused_masked_step(torch.optim.SGD([p]), {p: torch.ones(5, dtype=torch.bool)})
+
+
+def _set_grads(params, dtype, seed, skip=()):
+    for i, (p, g) in enumerate(zip(params, _grads(params, dtype, seed), strict=True)):
+        p.grad = None if i in skip else g
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of")
+@pytest.mark.parametrize("opt_cls,kw", OPTIMIZERS[:3])
+def test_cached_plan_follows_lr_masks_and_state_dict(opt_cls, kw):
+    """Steps through the cached plan: LR schedule, in-place mask changes, a new mask
+    object, load_state_dict, a missing gradient, then a plain step() continues."""
+    from sparse_training.kernels import _step_plan as sp
+
+    params, opt = _model(opt_cls, kw)
+    ref, opt_ref = _model(opt_cls, kw, dtype=torch.float64)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1 / (1 + e)) for o in (opt, opt_ref)]
+    masks = _masks(params)
+    mask_map = dict(zip(params, masks, strict=True))
+    plans = []
+    for step in range(6):
+        if step == 2:  # masks change values in place (same objects): same plan
+            masks[0].copy_(_masks(params, seed=5)[0])
+        if step == 3:  # a new mask object: a new plan
+            masks[1] = _masks(params, seed=6)[1].clone()
+            mask_map = dict(zip(params, masks, strict=True))
+        if step == 4:  # checkpoint round trip: new state dicts, a new plan
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        skip = (2,) if step == 5 else ()  # a parameter without gradient: slow path
+        _set_grads(params, torch.float32, 30 + step, skip)
+        _set_grads(ref, torch.float64, 30 + step, skip)
+        fused_masked_step(opt, mask_map)
+        masked_step_reference(opt_ref, dict(zip(ref, masks, strict=True)))
+        for s in scheds:
+            s.step()
+        plans.append(sp._PLANS.get(opt))
+    assert plans[2] is plans[1] and plans[3] is not plans[2] and plans[4] is not plans[3]
+    if opt_cls is not torch.optim.SGD:
+        assert plans[0] is not None and plans[1] is plans[0]
+        assert [float(opt.state[p]["step"]) for p in params] == [6.0, 6.0, 5.0]
+        assert [float(opt_ref.state[q]["step"]) for q in ref] == [6.0, 6.0, 5.0]
+    for p, q, k in zip(params, ref, masks, strict=True):
+        torch.testing.assert_close(p.double(), q, rtol=2e-6, atol=2e-6)
+        assert torch.equal(p[~k], torch.zeros_like(p[~k]))
+    # A plain (unmasked) torch step continues from the same state on both sides.
+    _set_grads(params, torch.float32, 40)
+    _set_grads(ref, torch.float64, 40)
+    opt.step()
+    opt_ref.step()
+    for p, q in zip(params, ref, strict=True):
+        torch.testing.assert_close(p.double(), q, rtol=1e-5, atol=1e-6)
+    if opt_cls is not torch.optim.SGD:
+        assert [float(opt.state[p]["step"]) for p in params] == [7.0, 7.0, 6.0]
+    sd = opt.state_dict()
+    assert set(sd["state"][0]) == set(opt_ref.state_dict()["state"][0])
+
+
+def test_cached_plan_rebuilt_for_new_param_groups_and_momentum():
+    from sparse_training.kernels import _step_plan as sp
+
+    params, opt = _model(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+    masks = dict(zip(params, _masks(params), strict=True))
+    for step in range(3):
+        _set_grads(params, torch.float32, 50 + step)
+        fused_masked_step(opt, masks)
+    plan = sp._PLANS[opt]
+    extra = torch.nn.Parameter(torch.randn(5))
+    opt.add_param_group({"params": [extra]})
+    _set_grads(params, torch.float32, 60)
+    extra.grad = torch.randn(5)
+    fused_masked_step(opt, masks)
+    assert sp._PLANS[opt] is not plan
+    assert extra.grad is not None  # not masked: left to optimizer.step()

@@ -273,23 +273,60 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# Device address tables by their contents: with an unchanged param list (and the
-# caching allocator handing the same gradient addresses back), a step reuses the
-# previous table instead of building and uploading it again.
-_TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-_TABLES_MAX = 16
+_DATA_PTR = torch.Tensor.data_ptr
+_TABLES_PER_BATCH = 4
 
 
-def _device_table(columns: list[list[int]], device: torch.device) -> torch.Tensor:
-    key = (device, *(tuple(c) for c in columns))
-    table = _TABLES.get(key)
-    if table is None:
-        table = _TABLES[key] = address_table(columns, device)
-        if len(_TABLES) > _TABLES_MAX:
-            _TABLES.popitem(last=False)
+@dataclass
+class _Launch:
+    """What one batch's launches share across steps (kept in ``StepBatch.launch``).
+
+    Built from a batch on its first launch. A cached plan (``_step_plan``) guarantees
+    that params, state, masks and the kernel-ready split stay valid; per call only the
+    gradients (their addresses: a device table per address set, a few kept), the step
+    values (bias corrections) and the launch config are read again.
+    """
+
+    kernel_idx: list[int] | None  # batch indices the kernel takes (None: all)
+    ref_idx: list[int]  # the rest: pure-torch reference
+    device: torch.device
+    static_columns: list[list[int]]  # p, a, b, k addresses of the kernel's tensors
+    numels: list[int]
+    static_aligned: bool
+    step_ptrs: list[int] | None  # device step counters (fused/capturable placement)
+    tables: OrderedDict
+    chunk_tables: dict
+
+
+def _prepare(batch: StepBatch) -> _Launch:
+    ready = [_kernel_ready(batch, i) for i in range(len(batch.params))]
+    kernel_idx = None if all(ready) else [i for i, r in enumerate(ready) if r]
+    ref_idx = [i for i, r in enumerate(ready) if not r]
+    sub = batch if kernel_idx is None else _split(batch, kernel_idx)
+    params = sub.params
+    state_a = sub.exp_avgs or sub.momentum_buffers or params
+    state_b = sub.exp_avg_sqs or params
+    static = [list(map(_DATA_PTR, ts)) for ts in (params, state_a, state_b, sub.masks)]
+    step_on_device = bool(sub.steps) and sub.steps[0].device.type != "cpu"
+    return _Launch(
+        kernel_idx=kernel_idx,
+        ref_idx=ref_idx,
+        device=params[0].device if params else torch.device("cpu"),
+        static_columns=static,
+        numels=[p.numel() for p in params],
+        static_aligned=all_aligned([a for col in static for a in col]),
+        step_ptrs=list(map(_DATA_PTR, sub.steps)) if step_on_device else None,
+        tables=OrderedDict(),
+        chunk_tables={},
+    )
+
+
+def _step_values(batch: StepBatch, kernel_idx: list[int] | None) -> list[float]:
+    if batch.step_buffer is not None:
+        values = batch.step_buffer.tolist()
     else:
-        _TABLES.move_to_end(key)
-    return table
+        values = torch.stack(batch.steps).tolist()
+    return values if kernel_idx is None else [values[i] for i in kernel_idx]
 
 
 def launch_masked_step(
@@ -301,7 +338,8 @@ def launch_masked_step(
     """Update one ``StepBatch`` with a single kernel launch.
 
     Tensors the kernel cannot take (non-contiguous, unusual dtypes) go through the
-    pure-torch reference instead.
+    pure-torch reference instead. The batch keeps what its next launch can reuse
+    (``batch.launch``); a batch of a cached plan only re-reads its gradients.
 
     Args:
         batch: Tensors of one param group, state created and steps advanced.
@@ -315,42 +353,51 @@ def launch_masked_step(
     config = config or DEFAULT_CONFIG
     if config.chunk % config.block:
         raise ValueError(f"chunk {config.chunk} is not a multiple of block {config.block}")
-    ready = [_kernel_ready(batch, i) for i in range(len(batch.params))]
-    if not all(ready):
-        apply_batch_reference(
-            _split(batch, [i for i, r in enumerate(ready) if not r]), grad_scale, found_inf
-        )
-        batch = _split(batch, [i for i, r in enumerate(ready) if r])
-    if not batch.params:
-        return
+    prep = batch.launch
+    if prep is None:
+        prep = batch.launch = _prepare(batch)
+    kernel_idx = prep.kernel_idx
+    if prep.ref_idx:
+        apply_batch_reference(_split(batch, prep.ref_idx), grad_scale, found_inf)
+        if not kernel_idx:
+            return
+    grads = batch.grads if kernel_idx is None else [batch.grads[i] for i in kernel_idx]
     fast = FAST_MATH
     hp = batch.hparams
-    device = batch.params[0].device
-    params = batch.params
-    state_a = batch.exp_avgs or batch.momentum_buffers or params
-    state_b = batch.exp_avg_sqs or params
-    addresses = [
-        [t.data_ptr() for t in ts] for ts in (params, batch.grads, state_a, state_b, batch.masks)
-    ]
-    numels = [p.numel() for p in params]
+    device = prep.device
+    numels = prep.numels
     adam = batch.algo == "adam"
-    step_on_device = bool(batch.steps) and batch.steps[0].device.type != "cpu"
+    step_on_device = prep.step_ptrs is not None
     bc_per_tensor = False
     step_size_all, bc2_all = hp["lr"], 1.0
     col6 = col7 = numels
+    grad_ptrs = list(map(_DATA_PTR, grads))
+    key: tuple = tuple(grad_ptrs)
     if adam and step_on_device:
-        col6 = [s.data_ptr() for s in batch.steps]
+        col6 = prep.step_ptrs
     elif adam:
-        values = torch.stack(batch.steps).tolist()
-        distinct = {t: _bias_corrections(t, hp, fast) for t in set(values)}
-        if len(distinct) == 1:  # the usual case: one pair of scalars, the table stays cached
-            step_size_all, bc2_all = distinct[values[0]]
+        values = _step_values(batch, kernel_idx)
+        first = values[0]
+        if values.count(first) == len(values):  # the usual case: one pair of scalars
+            step_size_all, bc2_all = _bias_corrections(first, hp, fast)
         else:
+            distinct = {t: _bias_corrections(t, hp, fast) for t in set(values)}
             bc_per_tensor = True
             col6 = [_f32_bits(distinct[t][0]) for t in values]
             col7 = [_f32_bits(distinct[t][1]) for t in values]
-    table = _device_table([*addresses, numels, col6, col7], device)
-    tensor_index, chunk_index = chunk_table(numels, config.chunk, device)
+            key = (key, tuple(col6), tuple(col7))
+    entry = prep.tables.get(key)
+    if entry is None:
+        p_col, a_col, b_col, k_col = prep.static_columns
+        table = address_table([p_col, grad_ptrs, a_col, b_col, k_col, numels, col6, col7], device)
+        entry = prep.tables[key] = (table, prep.static_aligned and all_aligned(grad_ptrs))
+        if len(prep.tables) > _TABLES_PER_BATCH:
+            prep.tables.popitem(last=False)
+    table, aligned = entry
+    chunks = prep.chunk_tables.get(config.chunk)
+    if chunks is None:
+        chunks = prep.chunk_tables[config.chunk] = chunk_table(numels, config.chunk, device)
+    tensor_index, chunk_index = chunks
     n_chunks = tensor_index.numel()
     grid = n_chunks
     if config.programs_per_sm:
@@ -365,7 +412,7 @@ def launch_masked_step(
         hp["lr"], step_size_all, bc2_all, 1 - hp["lr"] * hp["weight_decay"], hp["weight_decay"],
         1 - beta1, beta2, 1 - beta2, math.log2(beta1), math.log2(beta2),
         hp.get("eps", 0.0), momentum, 1 - hp.get("dampening", 0.0),
-        GRAD_DTYPE=_TORCH_TO_TL[batch.grads[0].dtype],
+        GRAD_DTYPE=_TORCH_TO_TL[grads[0].dtype],
         ALGO=_ADAM if adam else _SGD,
         DECOUPLED=hp.get("decoupled", False),
         HAS_MOMENTUM=momentum != 0,
@@ -376,7 +423,7 @@ def launch_masked_step(
         BC_PER_TENSOR=bc_per_tensor,
         HAS_SCALE=grad_scale is not None,
         HAS_FOUND_INF=found_inf is not None,
-        ALIGNED=all_aligned([a for col in addresses for a in col]),
+        ALIGNED=aligned,
         FAST=fast,
         COLUMNS=_COLUMNS, CHUNK=config.chunk, BLOCK=config.block,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -435,7 +482,7 @@ def fused_masked_step(
         ValueError: If the optimizer class or an option (amsgrad, capturable,
             differentiable) is unsupported, or a mask is malformed.
     """
-    run_masked_step(optimizer, masks, grad_scale, found_inf, _apply)
+    run_masked_step(optimizer, masks, grad_scale, found_inf, _apply, cache=True)
 
 
 def fused_unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
