@@ -97,8 +97,9 @@ def check_config(cfg: DictConfig) -> None:
     if unknown := [m for m in cfg.methods if m not in cfg.method_specs]:
         raise ConfigError(f"unknown methods {unknown}; defined: {list(cfg.method_specs)}")
     if cfg.wandb_mode not in ("auto", "online", "offline", "disabled"):
-        raise ConfigError(f"wandb_mode must be auto, online, offline or disabled, got "
-                         f"{cfg.wandb_mode!r}")
+        raise ConfigError(
+            f"wandb_mode must be auto, online, offline or disabled, got {cfg.wandb_mode!r}"
+        )
     if bad := [s for s in cfg.sparsities if not 0.0 <= float(s) < 1.0]:
         raise ConfigError(f"sparsities must lie in [0, 1), got {bad}")
     if cfg.logger not in ("wandb", "none"):
@@ -106,8 +107,10 @@ def check_config(cfg: DictConfig) -> None:
     for name in cfg.methods:
         spec = cfg.method_specs[name]
         if sorted(spec) != ["callback", "init", "train"]:
-            raise ConfigError(f"method {name} must have exactly the keys init, train and "
-                              f"callback, got {sorted(spec)}")
+            raise ConfigError(
+                f"method {name} must have exactly the keys init, train and "
+                f"callback, got {sorted(spec)}"
+            )
         if spec.init not in ("dense", "scratch"):
             raise ConfigError(f"method {name}: init must be dense or scratch, got {spec.init!r}")
         try:  # validate the callback arguments now rather than after the dense run
@@ -164,14 +167,24 @@ class Classifier(pl.LightningModule):
         self.log("test/acc", self.test_acc)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum,
-                                    nesterov=True, weight_decay=self.weight_decay)
+        optimizer = torch.optim.SGD(
+            self.parameters(),
+            lr=self.lr,
+            momentum=self.momentum,
+            nesterov=True,
+            weight_decay=self.weight_decay,
+        )
         # One-cycle: warm up, then anneal to ~0; the low-LR tail is where pruned nets recover.
         scheduler = torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=self.lr, total_steps=int(self.trainer.estimated_stepping_batches),
-            pct_start=self.warmup)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler,
-                                                         "interval": "step"}}
+            optimizer,
+            max_lr=self.lr,
+            total_steps=int(self.trainer.estimated_stepping_batches),
+            pct_start=self.warmup,
+        )
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
 
 
 @dataclass(frozen=True)
@@ -185,8 +198,12 @@ class Loaders:
 
     def train(self) -> DataLoader:
         """A shuffling loader with its own seeded generator: every run sees the same order."""
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True,
-                          generator=torch.Generator().manual_seed(self.seed))
+        return DataLoader(
+            self.train_set,
+            batch_size=self.batch_size,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(self.seed),
+        )
 
     def test(self) -> DataLoader:
         return DataLoader(self.test_set, batch_size=1000)
@@ -199,21 +216,30 @@ def make_loaders(data: MNIST, cfg: DictConfig) -> Loaders:
     return Loaders(
         train_set=TensorDataset(data.train_x[:n_train], data.train_y[:n_train]),
         test_set=TensorDataset(data.test_x[:n_test], data.test_y[:n_test]),
-        batch_size=cfg.batch_size, seed=cfg.seed,
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
     )
 
 
-def make_trainer(cfg: DictConfig, epochs: int, logger: Any, callbacks: list[pl.Callback]
-                 ) -> pl.Trainer:
+def make_trainer(
+    cfg: DictConfig, epochs: int, logger: Any, callbacks: list[pl.Callback]
+) -> pl.Trainer:
     steps_per_epoch = -(-(cfg.train_size or 60000) // cfg.batch_size)
     log_every = min(50, steps_per_epoch)  # small CI runs still log every epoch
     if cfg.progress_bar:  # redraw every 10 steps: a log file gets 47 lines per epoch, not 469
         callbacks = [*callbacks, TQDMProgressBar(refresh_rate=10)]
     return pl.Trainer(
-        max_epochs=epochs, accelerator="cpu", devices=1, logger=logger, callbacks=callbacks,
-        enable_checkpointing=False, enable_model_summary=False,
-        enable_progress_bar=cfg.progress_bar, log_every_n_steps=log_every,
-        limit_val_batches=0, num_sanity_val_steps=0,
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=logger,
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=cfg.progress_bar,
+        log_every_n_steps=log_every,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
         # Not deterministic=True: on CPU it makes training ~10x slower, and seeded CPU runs
         # already repeat exactly with the same thread count.
     )
@@ -249,8 +275,10 @@ def count(net: nn.Module) -> Counts:
         weights_total=sum(w.numel() for w in masked.values()),
         params_kept=sum(int(p.count_nonzero()) for p in params),
         params_total=sum(p.numel() for p in params),
-        per_layer={name.removeprefix("net."): 1.0 - int(w.count_nonzero()) / w.numel()
-                   for name, w in masked.items()},
+        per_layer={
+            name.removeprefix("net."): 1.0 - int(w.count_nonzero()) / w.numel()
+            for name, w in masked.items()
+        },
     )
 
 
@@ -267,7 +295,8 @@ def setup_wandb(cfg: DictConfig) -> None:
     os.environ.setdefault("WANDB_SILENT", "true")  # the sweep prints its own one line per run
     if cfg.wandb_mode == "auto":
         cfg.wandb_mode = os.environ.get("WANDB_MODE") or (
-            "online" if wandb.login(prompt=False) else "offline")
+            "online" if wandb.login(prompt=False) else "offline"
+        )
 
 
 def make_logger(cfg: DictConfig, group: str, name: str, config: dict[str, Any]) -> Any:
@@ -276,9 +305,15 @@ def make_logger(cfg: DictConfig, group: str, name: str, config: dict[str, Any]) 
         return False
     from pytorch_lightning.loggers import WandbLogger
 
-    return WandbLogger(project=cfg.wandb_project, group=group, name=name,
-                       job_type=name.split("@")[0], save_dir=cfg.out_dir, config=config,
-                       mode=cfg.wandb_mode)
+    return WandbLogger(
+        project=cfg.wandb_project,
+        group=group,
+        name=name,
+        job_type=name.split("@")[0],
+        save_dir=cfg.out_dir,
+        config=config,
+        mode=cfg.wandb_mode,
+    )
 
 
 def finish_logger(logger: Any, summary: dict[str, Any]) -> None:
@@ -288,26 +323,40 @@ def finish_logger(logger: Any, summary: dict[str, Any]) -> None:
         logger.experiment.finish()
 
 
-def log_summary_run(cfg: DictConfig, group: str, rows: list[dict[str, Any]],
-                    dense: dict[str, Any], plot: Path) -> Path:
+def log_summary_run(
+    cfg: DictConfig, group: str, rows: list[dict[str, Any]], dense: dict[str, Any], plot: Path
+) -> Path:
     """The summary run: the results table, accuracy-versus-sparsity chart and the PNG."""
     import wandb
 
-    run = wandb.init(project=cfg.wandb_project, group=group, name="summary", job_type="summary",
-                     dir=cfg.out_dir, mode=cfg.wandb_mode,
-                     config=OmegaConf.to_container(cfg, resolve=True))
+    run = wandb.init(
+        project=cfg.wandb_project,
+        group=group,
+        name="summary",
+        job_type="summary",
+        dir=cfg.out_dir,
+        mode=cfg.wandb_mode,
+        config=OmegaConf.to_container(cfg, resolve=True),
+    )
     columns = list(rows[0]) if rows else ["method", "sparsity", "accuracy"]
     results = wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])
     points = [[r["method"], r["sparsity"], r["accuracy"]] for r in rows]
     points += [["dense", s, dense["accuracy"]] for s in cfg.sparsities]
     points += [["reference finetune", s, ref[2]] for s, ref in REFERENCE.items()]
     curve = wandb.Table(columns=["method", "sparsity", "accuracy"], data=points)
-    run.log({
-        "results": results,
-        "accuracy_vs_sparsity": wandb.plot.line(curve, "sparsity", "accuracy", stroke="method",
-                                                title="MNIST LeNet-300-100: accuracy vs sparsity"),
-        "accuracy_vs_sparsity_png": wandb.Image(str(plot)),
-    })
+    run.log(
+        {
+            "results": results,
+            "accuracy_vs_sparsity": wandb.plot.line(
+                curve,
+                "sparsity",
+                "accuracy",
+                stroke="method",
+                title="MNIST LeNet-300-100: accuracy vs sparsity",
+            ),
+            "accuracy_vs_sparsity_png": wandb.Image(str(plot)),
+        }
+    )
     run.summary["dense_accuracy"] = dense["accuracy"]
     run_dir = Path(run.dir).parent
     run.finish()
@@ -320,8 +369,16 @@ def log_summary_run(cfg: DictConfig, group: str, rows: list[dict[str, Any]],
 
 def dense_key(cfg: DictConfig) -> str:
     """Hash of every setting the dense net depends on."""
-    keys = ("train_size", "batch_size", "seed", "dense_epochs", "lr", "warmup", "momentum",
-            "weight_decay")
+    keys = (
+        "train_size",
+        "batch_size",
+        "seed",
+        "dense_epochs",
+        "lr",
+        "warmup",
+        "momentum",
+        "weight_decay",
+    )
     settings = {k: cfg[k] for k in keys} | {"model": "lenet-300-100"}
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -349,8 +406,14 @@ def evaluate(cfg: DictConfig, model: Classifier, loaders: Loaders, logger: Any) 
     return trainer.test(model, loaders.test(), verbose=False)[0]["test/acc"]
 
 
-def run_method(cfg: DictConfig, method: str, sparsity: float, dense: dict[str, Tensor],
-               loaders: Loaders, group: str) -> dict[str, Any]:
+def run_method(
+    cfg: DictConfig,
+    method: str,
+    sparsity: float,
+    dense: dict[str, Tensor],
+    loaders: Loaders,
+    group: str,
+) -> dict[str, Any]:
     """Prune (and train) one configuration; returns its results row."""
     spec = cfg.method_specs[method]
     kwargs = callback_kwargs(cfg, method, sparsity)
@@ -359,9 +422,18 @@ def run_method(cfg: DictConfig, method: str, sparsity: float, dense: dict[str, T
     if spec.init == "dense":
         net.load_state_dict(dense)
     model = Classifier(net, cfg)
-    logger = make_logger(cfg, group, f"{method}@{sparsity:g}", {
-        "method": method, "sparsity": sparsity, "callback": kwargs,
-        "epochs": cfg.epochs if spec.train else 0, **{k: cfg[k] for k in ("lr", "batch_size")}})
+    logger = make_logger(
+        cfg,
+        group,
+        f"{method}@{sparsity:g}",
+        {
+            "method": method,
+            "sparsity": sparsity,
+            "callback": kwargs,
+            "epochs": cfg.epochs if spec.train else 0,
+            **{k: cfg[k] for k in ("lr", "batch_size")},
+        },
+    )
     start = time.perf_counter()
     if spec.train:
         trainer = make_trainer(cfg, cfg.epochs, logger, [SparsityCallback(**kwargs)])
@@ -374,12 +446,15 @@ def run_method(cfg: DictConfig, method: str, sparsity: float, dense: dict[str, T
     seconds = time.perf_counter() - start
     counts = count(net)
     row = {
-        "method": method, "sparsity": sparsity,
+        "method": method,
+        "sparsity": sparsity,
         "sparsity_layers": round(counts.sparsity_layers, 6),
         "sparsity_all": round(counts.sparsity_all, 6),
         "accuracy": round(accuracy, 6),
-        "weights_kept": counts.weights_kept, "weights_total": counts.weights_total,
-        "params_kept": counts.params_kept, "params_total": counts.params_total,
+        "weights_kept": counts.weights_kept,
+        "weights_total": counts.weights_total,
+        "params_kept": counts.params_kept,
+        "params_total": counts.params_total,
         # e.g. "fc1 99.5%, fc2 96.4%, fc3 51.1%": where the global threshold put the zeros
         "per_layer": ", ".join(f"{k} {v:.1%}" for k, v in counts.per_layer.items()),
         "seconds": round(seconds, 1),
@@ -392,22 +467,26 @@ def run_method(cfg: DictConfig, method: str, sparsity: float, dense: dict[str, T
 # Outputs: results.csv, results.json, results.md, accuracy_vs_sparsity.png
 
 
-def write_results(out: Path, rows: list[dict[str, Any]], dense: dict[str, Any],
-                  cfg: DictConfig) -> None:
+def write_results(
+    out: Path, rows: list[dict[str, Any]], dense: dict[str, Any], cfg: DictConfig
+) -> None:
     with open(out / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    (out / "results.json").write_text(json.dumps(
-        {"dense": dense, "rows": rows, "config": OmegaConf.to_container(cfg, resolve=True)},
-        indent=2) + "\n")
+    (out / "results.json").write_text(
+        json.dumps(
+            {"dense": dense, "rows": rows, "config": OmegaConf.to_container(cfg, resolve=True)},
+            indent=2,
+        )
+        + "\n"
+    )
     (out / "results.md").write_text(markdown_table(rows, dense, cfg))
 
 
 def _best(rows: list[dict[str, Any]], sparsity: float, cfg: DictConfig) -> dict[str, Any] | None:
     """The most accurate fine-tuned row at `sparsity` (the goal is about fine-tuned nets)."""
-    trained = [r for r in rows
-               if r["sparsity"] == sparsity and cfg.method_specs[r["method"]].train]
+    trained = [r for r in rows if r["sparsity"] == sparsity and cfg.method_specs[r["method"]].train]
     return max(trained or [None], key=lambda r: r["accuracy"] if r else 0.0)
 
 
@@ -416,12 +495,15 @@ def markdown_table(rows: list[dict[str, Any]], dense: dict[str, Any], cfg: DictC
     methods = list(dict.fromkeys(r["method"] for r in rows))
     n_test = cfg.test_size or 10000
     lines = [
-        "# MNIST sparsity sweep: LeNet-300-100", "",
+        "# MNIST sparsity sweep: LeNet-300-100",
+        "",
         f"Accuracy on {n_test:,} test images. original = the dense net (dense_epochs="
         f"{cfg.dense_epochs}); each method's column is its accuracy at that sparsity "
         f"(fine-tuning runs: epochs={cfg.epochs}). ref = the issue's reference table (a small FC net). Goal: "
-        "the best method of each row reaches the goal.", "",
-        "| sparsity | original | " + " | ".join(methods)
+        "the best method of each row reaches the goal.",
+        "",
+        "| sparsity | original | "
+        + " | ".join(methods)
         + " | ref original | ref prune | ref finetune | best fine-tuned vs goal |",
         "|---" * (len(methods) + 6) + "|",
     ]
@@ -433,13 +515,18 @@ def markdown_table(rows: list[dict[str, Any]], dense: dict[str, Any], cfg: DictC
         if best and s in GOAL:
             verdict = "meets" if best["accuracy"] >= GOAL[s] else "MISSES"
             met = f"{best['method']} {best['accuracy']:.4f} {verdict} {GOAL[s]}"
-        lines.append(f"| {s:.0%} | {dense['accuracy']:.4f} | "
-                     + " | ".join(acc.get(m, "") for m in methods)
-                     + f" | {' | '.join(ref)} | {met} |")
+        lines.append(
+            f"| {s:.0%} | {dense['accuracy']:.4f} | "
+            + " | ".join(acc.get(m, "") for m in methods)
+            + f" | {' | '.join(ref)} | {met} |"
+        )
     lines += [
-        "", "## Every run", "",
+        "",
+        "## Every run",
+        "",
         "sparsity (pruned layers) = zeros among the weights the callback masks; sparsity (all) "
-        "= zeros among every parameter, biases included.", "",
+        "= zeros among every parameter, biases included.",
+        "",
         "| method | target | sparsity (pruned layers) | sparsity (all) | weights kept | "
         "params kept | per layer | accuracy | seconds |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -450,9 +537,14 @@ def markdown_table(rows: list[dict[str, Any]], dense: dict[str, Any], cfg: DictC
             f"{r['sparsity_all']:.4%} | {r['weights_kept']:,} / {r['weights_total']:,} | "
             f"{r['params_kept']:,} / {r['params_total']:,} | {r['per_layer']} | "
             f"{r['accuracy']:.4f} | "
-            f"{r['seconds']:.1f} |")
-    lines += ["", f"Dense run: {dense['seconds']:.1f} s; sweep total {dense['sweep_seconds']:.0f} s "
-              "(wall time, including the dense run unless it came from the cache).", ""]
+            f"{r['seconds']:.1f} |"
+        )
+    lines += [
+        "",
+        f"Dense run: {dense['seconds']:.1f} s; sweep total {dense['sweep_seconds']:.0f} s "
+        "(wall time, including the dense run unless it came from the cache).",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -518,20 +610,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dense_model.net.load_state_dict(dense_state)
     logger = make_logger(cfg, group, "dense", {"method": "dense", "epochs": cfg.dense_epochs})
     dense_acc = evaluate(cfg, dense_model, loaders, logger)
-    dense = {"accuracy": round(dense_acc, 6), "seconds": round(dense_seconds, 1),
-             "params_total": count(dense_model.net).params_total}
+    dense = {
+        "accuracy": round(dense_acc, 6),
+        "seconds": round(dense_seconds, 1),
+        "params_total": count(dense_model.net).params_total,
+    }
     finish_logger(logger, dense)
-    print(f"dense LeNet-300-100: accuracy {dense_acc:.4f} ({dense_seconds:.0f}s to train)", flush=True)
+    print(
+        f"dense LeNet-300-100: accuracy {dense_acc:.4f} ({dense_seconds:.0f}s to train)", flush=True
+    )
 
     rows = []
     configs = [(s, m) for s in cfg.sparsities for m in cfg.methods]
     for i, (sparsity, method) in enumerate(configs, 1):
         row = run_method(cfg, method, float(sparsity), dense_state, loaders, group)
         rows.append(row)
-        print(f"[{i}/{len(configs)}] {method:<16} sparsity {sparsity:<4}: accuracy "
-              f"{row['accuracy']:.4f}, {row['params_kept']:,}/{row['params_total']:,} params "
-              f"kept ({row['sparsity_all']:.2%} zeros overall), {row['seconds']:.0f}s",
-              flush=True)
+        print(
+            f"[{i}/{len(configs)}] {method:<16} sparsity {sparsity:<4}: accuracy "
+            f"{row['accuracy']:.4f}, {row['params_kept']:,}/{row['params_total']:,} params "
+            f"kept ({row['sparsity_all']:.2%} zeros overall), {row['seconds']:.0f}s",
+            flush=True,
+        )
 
     dense["sweep_seconds"] = round(time.perf_counter() - sweep_start, 1)
     write_results(out, rows, dense, cfg)
@@ -540,8 +639,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if cfg.logger == "wandb":
         run_dir = log_summary_run(cfg, group, rows, dense, png)
         if cfg.wandb_mode == "offline":
-            print(f"W&B runs written offline under {run_dir.parent} (no API key); upload them "
-                  f"with: wandb sync {run_dir.parent}/offline-run-*")
+            print(
+                f"W&B runs written offline under {run_dir.parent} (no API key); upload them "
+                f"with: wandb sync {run_dir.parent}/offline-run-*"
+            )
         else:
             print(f"W&B: project {cfg.wandb_project}, group {group}")
     print(f"sweep took {dense['sweep_seconds']:.0f}s")

@@ -39,20 +39,34 @@ def test_default_config_is_the_issue_sweep() -> None:
 
 
 def test_command_line_overrides() -> None:
-    cfg = mnist_sweep.load_config(["sparsities=[0.9]", "methods=[gmp]", "epochs=3",
-                                   "out_dir=/tmp/x", "method_specs.gmp.callback.end=0.5"])
+    cfg = mnist_sweep.load_config(
+        [
+            "sparsities=[0.9]",
+            "methods=[gmp]",
+            "epochs=3",
+            "out_dir=/tmp/x",
+            "method_specs.gmp.callback.end=0.5",
+        ]
+    )
     assert list(cfg.sparsities) == [0.9] and list(cfg.methods) == ["gmp"] and cfg.epochs == 3
     assert cfg.out_dir == "/tmp/x"
     assert mnist_sweep.callback_kwargs(cfg, "gmp", 0.9)["end"] == 0.5
 
 
 def test_new_method_from_the_command_line() -> None:
-    cfg = mnist_sweep.load_config([
-        "methods=[gmp,linear]",
-        "method_specs.linear={init: dense, train: true, callback: {pattern: unstructured, "
-        "schedule: linear, end: 0.5}}"])
+    cfg = mnist_sweep.load_config(
+        [
+            "methods=[gmp,linear]",
+            "method_specs.linear={init: dense, train: true, callback: {pattern: unstructured, "
+            "schedule: linear, end: 0.5}}",
+        ]
+    )
     assert mnist_sweep.callback_kwargs(cfg, "linear", 0.8) == {
-        "pattern": "unstructured", "schedule": "linear", "end": 0.5, "sparsity": 0.8}
+        "pattern": "unstructured",
+        "schedule": "linear",
+        "end": 0.5,
+        "sparsity": 0.8,
+    }
 
 
 def test_other_yaml_as_base(tmp_path: Path) -> None:
@@ -62,19 +76,22 @@ def test_other_yaml_as_base(tmp_path: Path) -> None:
     assert cfg.epochs == 2 and cfg.seed == 3
 
 
-@pytest.mark.parametrize(("argv", "match"), [
-    (["epoch=3"], "epoch"),  # misspelt key: OmegaConf's struct mode names it
-    (["methods=[magic]"], r"unknown methods \['magic'\]; defined: \['oneshot'"),
-    (["sparsities=[1.0]"], r"sparsities must lie in \[0, 1\), got \[1.0\]"),
-    (["logger=tensorboard"], "logger must be wandb or none, got 'tensorboard'"),
-    (["wandb_mode=cloud"], "wandb_mode must be auto, online, offline or disabled"),
-    (["method_specs.gmp.init=random"], "method gmp: init must be dense or scratch"),
-    (["method_specs.gmp.trian=false"], r"method gmp must have exactly the keys init, train"),
-    (["method_specs.gmp.callback.ned=0.5"], r"method gmp: .*unexpected keyword argument 'ned'"),
-    (["sparsities=[]"], "sparsities and methods must each name at least one entry"),
-    (["method_specs.gmp.callback.schedule=cosine"], "unknown schedule 'cosine'"),
-    (["epochs"], r"key=value overrides, got \['epochs'\]"),
-])
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["epoch=3"], "epoch"),  # misspelt key: OmegaConf's struct mode names it
+        (["methods=[magic]"], r"unknown methods \['magic'\]; defined: \['oneshot'"),
+        (["sparsities=[1.0]"], r"sparsities must lie in \[0, 1\), got \[1.0\]"),
+        (["logger=tensorboard"], "logger must be wandb or none, got 'tensorboard'"),
+        (["wandb_mode=cloud"], "wandb_mode must be auto, online, offline or disabled"),
+        (["method_specs.gmp.init=random"], "method gmp: init must be dense or scratch"),
+        (["method_specs.gmp.trian=false"], r"method gmp must have exactly the keys init, train"),
+        (["method_specs.gmp.callback.ned=0.5"], r"method gmp: .*unexpected keyword argument 'ned'"),
+        (["sparsities=[]"], "sparsities and methods must each name at least one entry"),
+        (["method_specs.gmp.callback.schedule=cosine"], "unknown schedule 'cosine'"),
+        (["epochs"], r"key=value overrides, got \['epochs'\]"),
+    ],
+)
 def test_bad_config_fails_before_training(argv: list[str], match: str) -> None:
     with pytest.raises(mnist_sweep.ConfigError, match=match):
         mnist_sweep.load_config(argv)
@@ -82,8 +99,9 @@ def test_bad_config_fails_before_training(argv: list[str], match: str) -> None:
 
 def test_count_separates_pruned_layers_from_all_params() -> None:
     net = mnist_sweep.LeNet300100()
-    engine = mnist_sweep.SparsityEngine(net, mnist_sweep.SparsityConfig(
-        pattern="unstructured", sparsity=0.9, deny=["fc3"]))
+    engine = mnist_sweep.SparsityEngine(
+        net, mnist_sweep.SparsityConfig(pattern="unstructured", sparsity=0.9, deny=["fc3"])
+    )
     engine.update_masks(1.0)
     counts = mnist_sweep.count(net)
     assert counts.weights_total == 784 * 300 + 300 * 100  # fc3 is not masked
@@ -148,10 +166,22 @@ def offline_run(run_dir: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("sweep")
-    argv = [f"data_dir={MNIST_DIR}", f"out_dir={out}", f"cache_dir={out / 'cache'}",
-            "train_size=3000", "test_size=2000", "sparsities=[0.9]", "methods=[oneshot,gmp]",
-            "dense_epochs=3", "epochs=2", "batch_size=100", "progress_bar=false",
-            "method_specs.gmp.callback.frequency=10", "logger=wandb", "wandb_mode=offline"]
+    argv = [
+        f"data_dir={MNIST_DIR}",
+        f"out_dir={out}",
+        f"cache_dir={out / 'cache'}",
+        "train_size=3000",
+        "test_size=2000",
+        "sparsities=[0.9]",
+        "methods=[oneshot,gmp]",
+        "dense_epochs=3",
+        "epochs=2",
+        "batch_size=100",
+        "progress_bar=false",
+        "method_specs.gmp.callback.frequency=10",
+        "logger=wandb",
+        "wandb_mode=offline",
+    ]
     result = mnist_sweep.main(argv)
     return {"out": out, "argv": argv, **result}
 
@@ -207,7 +237,8 @@ def test_sweep_offline_wandb_runs(sweep: dict[str, Any]) -> None:
     table = json.loads((table_dir / summary["history"]["results/path"]).read_text())
     assert table["columns"][:3] == ["method", "sparsity", "sparsity_layers"]
     assert [row[table["columns"].index("accuracy")] for row in table["data"]] == [
-        r["accuracy"] for r in sweep["rows"]]
+        r["accuracy"] for r in sweep["rows"]
+    ]
     # The line plot: a custom chart over its own table, one stroke per method.
     assert summary["history"]["accuracy_vs_sparsity_table/_type"] == "table-file"
     chart = summary["config"]["_wandb/visualize/accuracy_vs_sparsity"]["panel_config"]
@@ -218,8 +249,7 @@ def test_sweep_offline_wandb_runs(sweep: dict[str, Any]) -> None:
 
 
 @needs_mnist
-def test_sweep_reuses_the_dense_cache(sweep: dict[str, Any], capsys: pytest.CaptureFixture
-                                      ) -> None:
+def test_sweep_reuses_the_dense_cache(sweep: dict[str, Any], capsys: pytest.CaptureFixture) -> None:
     out = sweep["out"] / "again"
     argv = [a for a in sweep["argv"] if not a.startswith(("out_dir=", "methods=", "logger="))]
     torch.manual_seed(123)  # the sweep seeds itself; outside state must not matter
