@@ -6,8 +6,10 @@ method one `pl.Trainer` run with a `SparsityCallback`, evaluated on the MNIST te
     oneshot            magnitude-prune the trained dense net and evaluate (no training)
     oneshot+finetune   prune once, then fine-tune with the masks fixed (the ASP recipe)
     gmp                gradual magnitude pruning (Zhu & Gupta) while fine-tuning
+    rigl               sparse from scratch, ERK layer sparsities, RigL drop and regrow
 
-Run the default sweep (6 sparsities x 3 methods; ~7 minutes on 2 CPU cores):
+Run the default sweep (6 sparsities x 4 methods; about 6 minutes on 2 dedicated CPU cores,
+see docs/results/mnist.md):
 
     python examples/mnist_sweep.py
 
