@@ -85,7 +85,7 @@ def masked_step_configs() -> list[StepConfig]:
 
 
 # Read at every launch; ``benchmarks/optimizer.py`` sets it while sweeping candidates.
-DEFAULT_CONFIG = StepConfig(block=512, num_warps=4, chunk=16384)
+DEFAULT_CONFIG = StepConfig(block=2048, num_warps=16, chunk=8192)
 
 # Fast math (one approximate sqrt and one approximate division per element, the
 # gradient scale and bias corrections as reciprocals computed once per program):
