@@ -62,7 +62,6 @@ def main() -> None:
     model = make_model(args.layers, args.width).to(device)
     weights = sum(m.weight.numel() for m in model if isinstance(m, nn.Linear))
     x = torch.randn(args.tokens, args.width, device=device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     autocast = torch.autocast(device, dtype=torch.bfloat16)
 
     def forward_backward() -> None:
@@ -70,26 +69,34 @@ def main() -> None:
             loss = model(x).float().square().mean()
         loss.backward()
 
-    def dense_step() -> None:
-        forward_backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+    def step_with(optimizer: torch.optim.Optimizer, engine: SparsityEngine | None) -> Callable:
+        def step() -> None:
+            forward_backward()
+            if engine is not None:
+                engine.before_optimizer_step(optimizer, step=1, clipping=False)
+            optimizer.step()
+            optimizer.zero_grad()
 
-    results = {"dense step": bench(dense_step, device, args.reps)}
-    engine = SparsityEngine(model, SparsityConfig("unstructured", sparsity=0.9,
-                                                  schedule="constant", regrow="rigl",
-                                                  score="random"))
-    engine.start(10_000)
-    engine.attach(optimizer)
-    engine.on_step_start(0)
+        return step
 
-    def masked_step() -> None:
-        forward_backward()
-        engine.mask_gradients()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+    def adamw() -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
 
-    results["masked step (grad mask + re-mask)"] = bench(masked_step, device, args.reps)
+    results = {"dense step (AdamW fused)": bench(step_with(adamw(), None), device, args.reps)}
+    engines = {}
+    for path, fused in (("hooks", False), ("fused", "auto")):
+        engine = SparsityEngine(model, SparsityConfig(  # the second adopts the first's masks
+            "unstructured", sparsity=0.9, schedule="constant", regrow="rigl", score="random",
+            fused=fused))
+        engine.start(10_000)
+        optimizer = adamw()
+        engine.attach(optimizer)
+        engine.on_step_start(0)
+        served = "Triton step" if optimizer in engine.fused_optimizers else "torch step"
+        results[f"masked step, {path} path ({served})"] = bench(step_with(optimizer, engine),
+                                                                device, args.reps)
+        engines[path] = engine
+    engine = engines["hooks"]
     forward_backward()  # dense gradients for RigL's grow score
     layers = engine.layers
     results["RigL drop/grow (all layers)"] = bench(lambda: engine.regrow(layers, 1), device,
@@ -109,7 +116,7 @@ def main() -> None:
         results[name] = bench(lambda e=update_engine: e.update_masks(1.0), device, args.reps)
 
     name = torch.cuda.get_device_name() if device == "cuda" else platform.machine()
-    step = results["dense step"]
+    step = results["dense step (AdamW fused)"]
     lines = [f"Mask update cost vs one training step: {args.layers}x BERT-base-shaped blocks "
              f"({weights / 1e6:.0f}M weights), {args.tokens} tokens, bf16 autocast, AdamW; "
              f"{name}, torch {torch.__version__}", "",
