@@ -36,7 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from sparse_training.config import SparsityConfig
 from sparse_training.masks import global_masks, pattern_mask
 from sparse_training.regrowth import cosine_fraction, drop_and_grow, random_scores, sr_ste_gradient
-from sparse_training.schedules import Schedule
+from sparse_training.schedules import Schedule, to_steps
 from sparse_training.selection import LayerPlan, plan_layers
 
 PARAM = "weight"
@@ -134,8 +134,8 @@ class SparsityEngine:
         """
         if not self.schedule.is_resolved:
             self.schedule = self.schedule.resolve(total_steps)
-        if self.config.regrow in ("rigl", "set") and isinstance(self.regrow_end, float):
-            self.regrow_end = Schedule(start=self.regrow_end).resolve(total_steps).start
+        if self.config.regrow in ("rigl", "set"):
+            self.regrow_end = to_steps(self.regrow_end, total_steps)
 
     def on_step_start(self, step: int) -> bool:
         """Apply the mask update due at optimizer step ``step``, if any; True if one ran.

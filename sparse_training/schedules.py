@@ -34,6 +34,21 @@ def check_step(value: Step, name: str) -> Step:
     return value
 
 
+def to_steps(value: Step, total_steps: int | None) -> int:
+    """Optimizer steps of ``value``: an int as it is, a float as that fraction of
+    ``total_steps``, rounded.
+
+    Raises:
+        ValueError: a fraction when the training length is unknown.
+    """
+    if isinstance(value, int):
+        return value
+    if total_steps is None:
+        raise ValueError(f"{value!r} is a fraction of training, but the training length is "
+                         f"unknown; set max_steps or max_epochs, or give steps as ints")
+    return int(value * total_steps + 0.5)
+
+
 @dataclass(frozen=True)
 class Schedule:
     """When masks change and how sparse they are.
@@ -74,24 +89,14 @@ class Schedule:
             ValueError: a fraction (or a gradual schedule without ``end``) and no finite
                 ``total_steps``, or start not before end once resolved.
         """
-
-        def steps(value: Step) -> int:
-            if isinstance(value, int):
-                return value
-            if total_steps is None:
-                raise ValueError(f"{value!r} is a fraction of training, but the training "
-                                 f"length is unknown; set max_steps or max_epochs, or give "
-                                 f"start and end as optimizer steps (ints)")
-            return int(value * total_steps + 0.5)
-
-        end = self.end
+        start, end = to_steps(self.start, total_steps), self.end
         if self.kind in GRADUAL:
-            end = steps(DEFAULT_GRADUAL_END if end is None else end)
-            if steps(self.start) >= end:
+            end = to_steps(DEFAULT_GRADUAL_END if end is None else end, total_steps)
+            if start >= end:
                 raise ValueError(f"start must come before end, got start={self.start!r} -> "
-                                 f"step {steps(self.start)}, end={self.end!r} -> step {end} "
+                                 f"step {start}, end={self.end!r} -> step {end} "
                                  f"of {total_steps} training steps")
-        return replace(self, start=steps(self.start), end=end)
+        return replace(self, start=start, end=end)
 
     @property
     def is_resolved(self) -> bool:
