@@ -52,7 +52,6 @@ def _parse_overrides(overrides: Mapping[str, Mapping[str, Any]] | None
         sparsity = settings.get("sparsity")
         if sparsity is not None:
             check_sparsity(sparsity, f"overrides[{regex!r}]['sparsity']")
-        _check_target(pattern, sparsity, f"overrides[{regex!r}]")
         parsed[regex] = LayerOverride(pattern, sparsity)
     return parsed
 
@@ -124,12 +123,32 @@ class SparsityConfig:
         set_(self, "deny", _regex_list(self.deny, "deny"))
         set_(self, "parsed_pattern", pattern)
         set_(self, "parsed_overrides", _parse_overrides(self.overrides))
+        self._check_overrides(pattern)
         set_(self, "parsed_schedule", Schedule(self.schedule, self.start, self.end,
                                                self.frequency))
 
+    def _check_overrides(self, pattern: Pattern) -> None:
+        """Each override must leave its layers a definite target: a sparsity for a
+        non-N:M pattern, and none that contradicts an N:M pattern (0 keeps a layer dense)."""
+        for regex, override in self.parsed_overrides.items():
+            layer_pattern = override.pattern or pattern
+            if override.sparsity == 0.0:
+                continue
+            if not layer_pattern.is_nm and override.sparsity is None and self.sparsity is None:
+                raise ValueError(f"overrides[{regex!r}]: pattern {layer_pattern.spec!r} needs "
+                                 f"a sparsity (the model-wide pattern {pattern.spec!r} gives "
+                                 f"none); add 'sparsity' to the override")
+            _check_target(layer_pattern, override.sparsity, f"overrides[{regex!r}]")
+
     def _check_regrowth(self, pattern: Pattern) -> None:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
         if self.score not in SCORES:
             raise ValueError(f"unknown score {self.score!r}; valid: {', '.join(SCORES)}")
+        if self.score == "random" and self.schedule not in ("oneshot", "constant"):
+            raise ValueError(f"score='random' draws one random mask; it needs schedule "
+                             f"'oneshot' or 'constant', got {self.schedule!r} (a gradual "
+                             f"schedule would prune trained weights at random)")
         if self.regrow is None:
             return
         if self.regrow not in REGROW:

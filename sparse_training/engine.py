@@ -77,17 +77,18 @@ class MaskedLayer:
         return getattr(self.module, MASK)
 
 
-def _register_mask(module: nn.Module) -> None:
+def _register_mask(name: str, module: nn.Module) -> None:
     weight = getattr(module, PARAM)
     existing = module._buffers.get(MASK)
     if existing is not None:  # masks of an earlier sparse run: keep them
         if existing.dtype != torch.bool or existing.shape != weight.shape:
-            raise ValueError(f"module {type(module).__name__} already has a {MASK!r} that is not "
-                             f"a bool mask of its weight's shape (torch.nn.utils.prune?); "
-                             f"remove it first")
+            raise ValueError(f"layer {name!r} already has a {MASK!r} ({existing.dtype}, "
+                             f"{tuple(existing.shape)}) that is not a bool mask of its weight's "
+                             f"shape {tuple(weight.shape)} (torch.nn.utils.prune?); remove it")
         return
     if hasattr(module, MASK):
-        raise ValueError(f"module {type(module).__name__} already has an attribute {MASK!r}")
+        raise ValueError(f"layer {name!r} already has an attribute {MASK!r} that is not a "
+                         f"buffer; rename it")
     module.register_buffer(MASK, torch.ones_like(weight, dtype=torch.bool), persistent=True)
     module.register_load_state_dict_pre_hook(_check_loaded_mask)
 
@@ -114,13 +115,15 @@ class SparsityEngine:
                        if p.selected]
         self.sr_ste = config.regrow == "sr-ste"
         for layer in self.layers:
-            _register_mask(layer.module)
+            _register_mask(layer.plan.name, layer.module)
             if self.sr_ste and DENSE not in layer.module._buffers:
                 layer.module.register_buffer(DENSE, layer.weight.detach().clone())
         self.schedule: Schedule = config.parsed_schedule
         self.regrow_end: int | float = config.regrow_end
         self.last_update: int | None = None
         self.last_regrow: int | None = None
+        self.regrown_slot: dict[str, int] = {}  # layer -> last regrowth period (step // freq)
+        self._dense_in_weights = False  # SR-STE: dense weights in the parameters right now
         self.target = 0.0
         self._stats: dict[str, float] | None = None
         self._attached: dict[Optimizer, tuple[list[MaskedLayer], RemovableHandle]] = {}
@@ -146,8 +149,11 @@ class SparsityEngine:
             raise RuntimeError("call SparsityEngine.start(total_steps) before training")
         due = self.schedule.latest_update_step(step)
         if self.sr_ste and due is not None:
-            self._sr_ste_remask(self.schedule.fraction(step), first=self.last_update is None)
+            created = self.last_update is None
+            self._sr_ste_remask(self.schedule.fraction(step), first=created)
             self.last_update = step
+            if created or (step - self.schedule.start) % self.schedule.frequency == 0:
+                self._check_across_ranks(step, broadcast=created)
             return True
         if due is None or (self.last_update is not None and due <= self.last_update):
             return False
@@ -173,8 +179,9 @@ class SparsityEngine:
             if self.last_update is not None:
                 self._sr_ste_restore_dense(layers)
             return
-        if self._regrowth_due(step) and self._gradients_finite(layers):
-            self.regrow(layers, step)
+        due = self._regrowth_due(step, layers)
+        if due and self._gradients_finite(due):
+            self.regrow(due, step)
         if clipping or optimizer not in self.fused_optimizers:
             self.mask_gradients(optimizer)
 
@@ -245,17 +252,25 @@ class SparsityEngine:
                 layer.weight.grad.masked_fill_(~layer.mask, 0)
 
     # -- regrowth ---------------------------------------------------------------------------
-    def _regrowth_due(self, step: int) -> bool:
-        return (self.config.regrow in ("rigl", "set") and self.last_update is not None
-                and step > self.schedule.start and step < self.regrow_end
-                and (step - self.schedule.start) % self.schedule.frequency == 0
-                and self.last_regrow != step)
+    def _slot(self, step: int) -> int:
+        return (step - self.schedule.start) // self.schedule.frequency
+
+    def _regrowth_due(self, step: int, layers: list[MaskedLayer]) -> list[MaskedLayer]:
+        """The layers due to regrow at ``step``: the first step of each ``frequency``-long
+        period after ``start`` and before ``regrow_end`` that reaches them (with several
+        optimizers each sees its own steps), sparse and with a gradient."""
+        if (self.config.regrow not in ("rigl", "set") or self.last_update is None
+                or not self.schedule.start < step < self.regrow_end):
+            return []
+        slot = self._slot(step)
+        return [layer for layer in layers if layer.plan.sparsity != 0.0  # dense: nothing to swap
+                and layer.weight.grad is not None
+                and self.regrown_slot.get(layer.plan.name, 0) < slot]
 
     @staticmethod
     def _gradients_finite(layers: list[MaskedLayer]) -> bool:
         """False when any gradient holds inf or NaN (an AMP overflow): no update then."""
-        grads = [layer.weight.grad for layer in layers if layer.weight.grad is not None]
-        return bool(grads) and bool(torch.stack([g.isfinite().all() for g in grads]).all())
+        return bool(torch.stack([layer.weight.grad.isfinite().all() for layer in layers]).all())
 
     @torch.no_grad()
     def regrow(self, layers: list[MaskedLayer], step: int) -> None:
@@ -264,8 +279,7 @@ class SparsityEngine:
         fraction = cosine_fraction(step, self.regrow_end, self.config.regrow_fraction)
         new_masks = {}
         for layer in layers:
-            if layer.plan.sparsity == 0.0:  # kept dense (e.g. by ERK): nothing to swap
-                continue
+            self.regrown_slot[layer.plan.name] = self._slot(step)
             grow = (layer.weight.grad if self.config.regrow == "rigl" else random_scores(
                 layer.weight.shape, self.config.seed, step, self.layers.index(layer),
                 layer.weight.device))
@@ -299,6 +313,15 @@ class SparsityEngine:
             if layer.weight.grad is not None:
                 sr_ste_gradient(layer.weight.grad, dense, layer.mask, self.config.sr_ste_decay)
             layer.weight.copy_(dense)
+        self._dense_in_weights = True
+
+    def on_step_end(self) -> None:
+        """After the batch: under SR-STE, a step that the AMP grad scaler skipped left the
+        dense weights in the parameters; mask them so that evaluation and checkpoints see
+        N:M weights."""
+        if self._dense_in_weights:
+            self.apply_masks()
+            self._dense_in_weights = False
 
     def _mean_target(self, fraction: float) -> float:
         total = sum(layer.plan.numel for layer in self.layers)
@@ -410,7 +433,8 @@ class SparsityEngine:
         draws depend on (seed, step) only, so no generator state is needed."""
         return {"start": self.schedule.start, "end": self.schedule.end,
                 "last_update": self.last_update, "target": self.target,
-                "regrow_end": self.regrow_end, "last_regrow": self.last_regrow}
+                "regrow_end": self.regrow_end, "last_regrow": self.last_regrow,
+                "regrown_slot": dict(self.regrown_slot)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.schedule = Schedule(self.schedule.kind, state["start"], state["end"],
@@ -419,14 +443,19 @@ class SparsityEngine:
         self.target = state["target"]
         self.regrow_end = state["regrow_end"]
         self.last_regrow = state["last_regrow"]
+        self.regrown_slot = dict(state["regrown_slot"])
         self._stats = None
 
 
 def mask_checksum(mask: Tensor) -> Tensor:
-    """Sum of (index + 1) over kept positions, int64: equal masks give equal sums, and a
-    moved position changes it."""
+    """Sum over kept positions of a mixing hash of the position (int64, wrapping; the
+    xor-shift-multiply rounds of splitmix64): equal masks give equal sums, and different
+    masks collide only by chance."""
     flat = mask.reshape(-1)
-    return (torch.arange(1, flat.numel() + 1, device=flat.device) * flat).sum()
+    keys = (torch.arange(flat.numel(), device=flat.device) + 1) * 0x1E3779B97F4A7C15
+    keys = (keys ^ (keys >> 30)) * 0x3F58476D1CE4E5B9
+    keys = keys ^ (keys >> 27)
+    return torch.where(flat, keys, 0).sum()
 
 
 def _fused_step(layers: list[MaskedLayer], optimizer: Optimizer, args: tuple[Any, ...],
@@ -460,6 +489,7 @@ def _after_step(engine: SparsityEngine, layers: list[MaskedLayer], optimizer: Op
         with torch.no_grad():
             for layer in layers:
                 getattr(layer.module, DENSE).copy_(layer.weight)
+        engine._dense_in_weights = False
     engine.apply_masks(layers)
 
 

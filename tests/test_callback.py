@@ -236,6 +236,10 @@ BAD_CONSTRUCTION = [
     (dict(overrides={"fc": {"density": 0.5}}), "overrides\\['fc'\\] must be a dict with keys"),
     (dict(overrides={"fc": {"pattern": "1:9:2d"}}), "transposable N:M supports M <= 5"),
     (dict(layer_types=("Linear",)), "layer_types must be torch.nn.Module subclasses"),
+    (dict(overrides={"fc": {"pattern": "unstructured"}}),
+     "overrides\\['fc'\\]: pattern 'unstructured' needs a sparsity"),
+    (dict(overrides={"fc": {"sparsity": 0.9}}),
+     "overrides\\['fc'\\]: pattern '2:4' implies sparsity 0.5"),
 ]
 
 
@@ -263,6 +267,30 @@ def test_bad_setup_raises_before_any_weight_changes(kwargs, message):
         SparsityCallback(**kwargs)  # construction errors count too
         make_trainer([SparsityCallback(**kwargs)], max_epochs=1).fit(model, make_loader())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items() if k in before)
+
+
+def test_layers_built_in_configure_model_are_an_error():
+    class Lazy(TinyNet):
+        def __init__(self):
+            super().__init__()
+            del self.net
+
+        def configure_model(self):
+            self.net = nn.Sequential(nn.Linear(16, 4))
+
+    with pytest.raises(ValueError, match="selected no layer .* builds in configure_model"):
+        make_trainer([SparsityCallback("2:4")], max_epochs=1).fit(Lazy(), make_loader())
+
+
+def test_a_reused_callback_prunes_a_fresh_model_after_a_resume(tmp_path):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    run_for(TinyNet(), [SparsityCallback("2:4"), checkpoint], max_epochs=1,
+            enable_checkpointing=True)
+    sparse = SparsityCallback("2:4")
+    run_for(TinyNet(), [sparse], max_epochs=2, ckpt_path=tmp_path / "last.ckpt")
+    fresh = TinyNet()
+    run_for(fresh, [sparse], max_epochs=1)
+    assert (fresh.net[0].weight == 0).float().mean() == 0.5
 
 
 def test_from_config_yaml_and_unknown_keys(tmp_path):

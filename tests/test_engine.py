@@ -149,7 +149,7 @@ def test_make_permanent_folds_and_removes_masks():
 def test_existing_foreign_mask_is_rejected():
     model = mlp()
     torch.nn.utils.prune.l1_unstructured(model[0], "weight", amount=0.5)
-    with pytest.raises(ValueError, match="already has a 'weight_mask' that is not a bool mask"):
+    with pytest.raises(ValueError, match=r"layer '0' already has a 'weight_mask' \(torch.float32"):
         SparsityEngine(model, SparsityConfig("2:4"))
 
 

@@ -213,7 +213,8 @@ def test_no_mask_update_on_non_finite_gradients():
     amp = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))  # skips inf steps
     trainer = make_trainer([sparse, Spy()], max_epochs=1, max_steps=7, plugins=[amp])
     trainer.fit(Overflow(), make_loader())
-    assert regrown[2] == 2 and regrown[4] == 2 and regrown[6] == 6  # step 4 skipped
+    # step 4 overflowed: no update there; the period's update runs at the next step
+    assert regrown[2] == 2 and regrown[4] == 2 and regrown[5] == 5 and regrown[6] == 6
 
 
 def rigl_settings():
@@ -241,6 +242,86 @@ def test_resume_restores_regrowth_exactly(tmp_path):
         assert torch.equal(a, b), name
 
 
+def test_rigl_skips_layers_without_gradient():
+    class WithUnusedHead(TinyNet):
+        def __init__(self):
+            super().__init__()
+            self.unused = nn.Linear(16, 16)
+
+    sparse = SparsityCallback("unstructured", sparsity=0.5, schedule="constant", regrow="rigl",
+                              frequency=2)
+    model = WithUnusedHead()
+    make_trainer([sparse], max_epochs=1).fit(model, make_loader())
+    assert "unused" not in sparse.engine.regrown_slot  # never regrown, never crashed
+    assert sparse.engine.regrown_slot["net.0"] >= 2
+
+
+class TwoOptimizerNet(TinyNet):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.manual_backward(loss)
+        for optimizer in self.optimizers():
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def configure_optimizers(self):
+        return (torch.optim.Adam(self.net[:2].parameters(), lr=1e-2),
+                torch.optim.Adam(self.net[2:].parameters(), lr=1e-2))
+
+
+def test_every_optimizer_regrows_once_per_period():
+    sparse = SparsityCallback("unstructured", sparsity=0.5, schedule="constant", regrow="rigl",
+                              frequency=3, regrow_end=10_000)
+    regrowths: dict[str, int] = {}
+
+    class Count(Callback):
+        def on_train_start(self, trainer, pl_module):
+            engine = sparse.engine
+            inner = engine.regrow
+
+            def counted(layers, step):
+                for layer in layers:
+                    regrowths[layer.plan.name] = regrowths.get(layer.plan.name, 0) + 1
+                inner(layers, step)
+
+            engine.regrow = counted
+
+    make_trainer([sparse, Count()], max_epochs=1).fit(TwoOptimizerNet(), make_loader())
+    # 8 batches x 2 optimizer steps: the first optimizer sees global steps 0, 2, ..., 14
+    # (periods 1-4 of length 3), the second 1, 3, ..., 15 (periods 1-5): one regrowth each
+    assert regrowths == {"net.0": 4, "net.2": 5, "net.4": 5}
+
+
+def test_sr_ste_masks_weights_after_a_skipped_step():
+    from sparse_training import SparsityConfig, SparsityEngine
+
+    model = nn.Sequential(nn.Linear(8, 8))
+    engine = SparsityEngine(model, SparsityConfig("2:4", schedule="constant", regrow="sr-ste"))
+    engine.start(10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine.attach(optimizer)
+    engine.on_step_start(0)
+    model(torch.randn(2, 8)).sum().backward()
+    engine.before_optimizer_step(optimizer, 0)  # dense weights back for the update...
+    assert (model[0].weight != 0).all()
+    engine.on_step_end()  # ...but the grad scaler skipped the step: masked again
+    assert (model[0].weight == 0).sum() == 32
+
+
+def test_checksum_tells_masks_with_equal_index_sums_apart():
+    from sparse_training.engine import mask_checksum
+
+    a, b = torch.tensor([1, 0, 0, 1], dtype=torch.bool), torch.tensor([0, 1, 1, 0],
+                                                                      dtype=torch.bool)
+    assert mask_checksum(a) != mask_checksum(b)
+    assert mask_checksum(a) == mask_checksum(a.clone())
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(regrow="grow"), "unknown regrow 'grow'; valid: None, rigl, set, sr-ste"),
     (dict(pattern="2:4:2d", regrow="rigl"), "does not support transposable patterns"),
@@ -248,6 +329,9 @@ def test_resume_restores_regrowth_exactly(tmp_path):
     (dict(regrow="rigl", regrow_fraction=0.0), r"regrow_fraction must be a number in \(0, 1\]"),
     (dict(regrow="set", regrow_end=2.0), r"regrow_end as a fraction of training must lie in"),
     (dict(score="gradient"), "unknown score 'gradient'; valid: magnitude, random"),
+    (dict(pattern="unstructured", sparsity=0.9, schedule="gmp", score="random"),
+     "score='random' draws one random mask; it needs schedule 'oneshot' or 'constant'"),
+    (dict(seed=1.5), "seed must be an int, got 1.5"),
     (dict(pattern="2:4", distribution="erk"), "distribution 'erk' needs an unstructured"),
 ])
 def test_bad_regrowth_settings(kwargs, message):

@@ -129,8 +129,14 @@ class SparsityCallback(Callback):
             return
         self.engine = SparsityEngine(pl_module, self.config)
         self._model = pl_module
-        if self._restored_state is not None:
+        if not self.engine.layers:
+            raise ValueError("SparsityCallback selected no layer (setup table below); layers "
+                             "that a LightningModule builds in configure_model are not seen, "
+                             "since masks are registered at setup, before configure_model: "
+                             "build them in __init__\n" + format_table(self.engine.plans))
+        if self._restored_state is not None:  # a state loaded before setup: once, here
             self.engine.load_state_dict(self._restored_state)
+            self._restored_state = None
         rank_zero_info(f"SparsityCallback: {len(self.engine.layers)} of "
                        f"{len(self.engine.plans)} candidate layers selected\n"
                        + format_table(self.engine.plans))
@@ -159,6 +165,7 @@ class SparsityCallback(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._engine().on_step_end()
         # the steps at which the Trainer's loggers write (``log_every_n_steps``): a
         # ``self.log`` costs about half a millisecond of Python, too much for every step
         if trainer.global_step % trainer.log_every_n_steps == 0:
@@ -185,6 +192,7 @@ class SparsityCallback(Callback):
         return self._engine().state_dict() if self.engine else dict(self._restored_state or {})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._restored_state = dict(state_dict)
         if self.engine is not None:
-            self.engine.load_state_dict(self._restored_state)
+            self.engine.load_state_dict(state_dict)
+        else:
+            self._restored_state = dict(state_dict)
