@@ -127,13 +127,13 @@ class SparsityCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.engine is not None and self._model is pl_module:
             return
-        self.engine = SparsityEngine(pl_module, self.config)
-        self._model = pl_module
-        if not self.engine.layers:
+        engine = SparsityEngine(pl_module, self.config)
+        if not engine.layers:
             raise ValueError("SparsityCallback selected no layer (setup table below); layers "
                              "that a LightningModule builds in configure_model are not seen, "
                              "since masks are registered at setup, before configure_model: "
-                             "build them in __init__\n" + format_table(self.engine.plans))
+                             "build them in __init__\n" + format_table(engine.plans))
+        self.engine, self._model = engine, pl_module
         if self._restored_state is not None:  # a state loaded before setup: once, here
             self.engine.load_state_dict(self._restored_state)
             self._restored_state = None
