@@ -15,11 +15,18 @@ Over the 2-D weights of BERT-large (the prunable ones; scores = |w|, fp32):
 
 Checks each kernel against its torch reference first. Prints one table and writes
 mask_compute.json to $OUT or benchmarks/results/.
+
+Without a GPU:  python benchmarks/mask_compute.py --host-cpu
+Host time per ``nm_topk_masks`` call over the 146 BERT-large shapes on this machine's
+CPU with the kernel launch stubbed out (TRITON_INTERPRET=1, tensors never touched):
+cached plan, and plan rebuilt every call; writes mask_host_cpu.json.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -91,21 +98,27 @@ def main() -> None:
 
     t = {}
     t["nm_kernel_multi"] = bench_ms(lambda: nm_topk_masks(scores, 2, 4))
-    plan = nmk._nm_plan(scores, 4)
-    out = torch.empty(plan[3], dtype=torch.uint8, device="cuda")
+    plan = nmk._nm_plan(scores, 4) or nmk._build_nm_plan(scores, 4)
+    out = torch.empty(plan.total, dtype=torch.uint8, device="cuda")
 
     def nm_kernel_alone():
-        nmk._nm_topk_kernel[(plan[1].numel(),)](
-            plan[0], plan[1], plan[2], out, 2, M=4, M_POW2=4, WORDS=True,
-            SCORE_DTYPE=nmk._TORCH_TO_TL[torch.float32], ALIGNED=plan[8], CHUNK_G=nmk._CHUNK_G,
+        nmk._nm_topk_kernel[(plan.grid,)](
+            plan.table, plan.tensor_index, plan.chunk_index, out, 2, M=4, M_POW2=4, WORDS=True,
+            SCORE_DTYPE=nmk._TORCH_TO_TL[torch.float32], ALIGNED=plan.aligned, CHUNK_G=nmk._CHUNK_G,
         )  # fmt: skip
 
     t["nm_kernel_alone"] = bench_ms(nm_kernel_alone)
-    assert torch.equal(
-        out.view(torch.bool)[: scores[0].numel()].view(scores[0].shape),
-        nm_topk_mask_reference(scores[0], 2, 4),
-    )
-    host = {"nm_kernel_multi": host_ms(lambda: nm_topk_masks(scores, 2, 4))}
+    assert torch.equal(plan.views(out.view(torch.bool))[0], nm_topk_mask_reference(scores[0], 2, 4))
+    host = {"nm_kernel_multi": host_ms(lambda: nm_topk_masks(scores, 2, 4), calls=200)}
+
+    def rebuilt():
+        nmk.clear_nm_plan_cache()
+        nm_topk_masks(scores, 2, 4)
+
+    host["nm_kernel_multi_plan_rebuilt"] = host_ms(rebuilt)
+    # Repeated calls: masks of successive calls must stay independent (fresh buffer each).
+    a, b = nm_topk_masks(scores[:2], 2, 4), nm_topk_masks(scores[:2], 2, 4)
+    checks["nm_calls_independent"] = a[0].data_ptr() != b[0].data_ptr() and torch.equal(a[0], b[0])
     t["nm_kernel_per_tensor"] = bench_ms(lambda: [nm_topk_mask(s, 2, 4) for s in scores])
     t["nm_torch_topk"] = bench_ms(lambda: [torch_nm(s, 2, 4) for s in scores])
     t["nm_floor"] = numel * 5 / bw / 1e6
@@ -139,5 +152,57 @@ def main() -> None:
     print(f"(JSON: {path})")
 
 
+class _NoLaunch:
+    """Stands in for the Triton kernel: ``kernel[grid](...)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def host_cpu(calls: int = 200, repeats: int = 7) -> None:
+    """Host time per ``nm_topk_masks`` call on the CPU, launch stubbed (see the docstring)."""
+    import platform
+
+    os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors take the kernel path (stubbed)
+    nmk._nm_topk_kernel = _NoLaunch()
+    shapes = [s for s in bert_large_shapes() if len(s) == 2 and s[0] % 16 == 0]
+    scores = [torch.empty(s) for s in shapes]
+
+    def best_us(fn, n=calls):
+        fn()
+        fn()
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            best = min(best, (time.perf_counter() - start) / n * 1e6)
+        return best
+
+    def rebuilt():
+        nmk.clear_nm_plan_cache()
+        nm_topk_masks(scores, 2, 4)
+
+    plan = nmk._nm_plan(scores, 4) or nmk._build_nm_plan(scores, 4)
+    out = torch.empty(plan.total, dtype=torch.bool)
+    row = {
+        "tensors": len(scores),
+        "cached_us": best_us(lambda: nm_topk_masks(scores, 2, 4)),
+        "plan_rebuilt_us": best_us(rebuilt, max(5, calls // 20)),
+        "validate_us": best_us(lambda: plan.matches(scores, 4)),
+        "views_us": best_us(lambda: plan.views(out)),
+        "empty_us": best_us(lambda: torch.empty(plan.total, dtype=torch.uint8)),
+    }
+    cpu = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
+    path = write_json("mask_host_cpu.json", {"cpu": cpu, "torch": torch.__version__, **row})
+    print(f"nm_topk_masks over {len(scores)} BERT-large shapes, launch stubbed ({cpu}):")
+    for key, value in row.items():
+        print(f"  {key}: {value:.1f}" if key != "tensors" else f"  {key}: {value}")
+    print(f"(best of {repeats} x {calls} calls; JSON: {path})")
+
+
 if __name__ == "__main__":
-    main()
+    if "--host-cpu" in sys.argv:
+        host_cpu()
+    else:
+        main()

@@ -43,6 +43,62 @@ def test_nm_single_and_errors():
         nm_topk_mask(torch.randn(3, 6), 2, 4)
 
 
+def test_nm_repeated_calls_independent_and_cache_invalidates():
+    from sparse_training.kernels import nm_mask as nmk
+
+    nmk.clear_nm_plan_cache()
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(8, 16), (8, 16), (5, 12), (8, 16), (3, 2, 4), (7, 4)]  # shared + padded shapes
+    scores = [torch.randn(s, generator=gen) for s in shapes]
+
+    def check(outs, scores):
+        assert len(outs) == len(scores)
+        for out, s in zip(outs, scores, strict=True):
+            assert out.shape == s.shape and out.is_contiguous()
+            assert torch.equal(out, nm_topk_mask_reference(s, 2, 4))
+
+    builds = nmk.plan_builds
+    first = nm_topk_masks(scores, 2, 4)
+    kept = [f.clone() for f in first]
+    check(first, scores)
+    for s in scores:  # same tensors, new values: the cached plan is reused
+        s.copy_(torch.randn(s.shape, generator=gen))
+    second = nm_topk_masks(scores, 2, 4)
+    check(second, scores)
+    assert nmk.plan_builds == builds + 1
+    # The first call's masks were not overwritten by the second call.
+    assert all(torch.equal(a, b) for a, b in zip(first, kept, strict=True))
+    assert first[0].data_ptr() != second[0].data_ptr()
+
+    # A score tensor replaced by another object (new address): new plan, right masks.
+    scores[2] = torch.randn(5, 12, generator=gen)
+    check(nm_topk_masks(scores, 2, 4), scores)
+    assert nmk.plan_builds == builds + 2
+    # Same object, new data and shape: new plan.
+    scores[5].data = torch.randn(2, 8, generator=gen)
+    check(nm_topk_masks(scores, 2, 4), scores)
+    assert nmk.plan_builds == builds + 3
+    shared = scores[0].data
+    scores[0].data = shared.view(16, 8)  # same object and address, new shape
+    check(nm_topk_masks(scores, 2, 4), scores)
+    assert nmk.plan_builds == builds + 4
+    scores[0].data = shared.t()  # same address and shape as a cached plan, not contiguous
+    check(nm_topk_masks(scores, 2, 4), scores)
+    # Back to an earlier list layout: that plan is still cached.
+    scores[0].data = shared
+    before = nmk.plan_builds
+    check(nm_topk_masks(scores, 2, 4), scores)
+    assert nmk.plan_builds == before
+    # A different group size with the same tensors gets its own plan.
+    check_48 = nm_topk_masks(scores[:2], 4, 8)
+    assert all(
+        torch.equal(a, nm_topk_mask_reference(s, 4, 8))
+        for a, s in zip(check_48, scores[:2], strict=True)
+    )
+    with pytest.raises(ValueError):
+        nm_topk_masks(scores, 5, 4)
+
+
 @pytest.mark.parametrize("kept", [1, 7, 500, 1999, 2373])
 def test_global_threshold_matches_kthvalue(kept):
     gen = torch.Generator().manual_seed(kept)

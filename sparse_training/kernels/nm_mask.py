@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
+from itertools import repeat
 
 import torch
 
@@ -71,66 +73,127 @@ def _nm_topk_kernel(
             tl.store(out_ptr + out_base + offs, keep.to(tl.uint8), mask=valid)
 
 
-_NM_TABLES: dict[tuple, tuple] = {}
+_CHUNK_G = 4096
+_MAX_PLANS = 16
+_DTYPE = operator.attrgetter("dtype")
 
 
-def _nm_plan(scores: list[torch.Tensor], m: int) -> tuple:
-    """Device tables and output layout of a launch, cached by addresses and shapes."""
-    key = (scores[0].device, m, tuple((s.data_ptr(), tuple(s.shape)) for s in scores))
-    plan = _NM_TABLES.get(key)
-    if plan is None:
-        device = scores[0].device
-        numels = [s.numel() for s in scores]
-        # 16-byte aligned slots, so the kernel's word stores stay aligned.
-        slots = [(size + 15) // 16 * 16 for size in numels]
-        offsets = [0]
-        for slot in slots:
-            offsets.append(offsets[-1] + slot)
-        addresses = [s.data_ptr() for s in scores]
+class _NmPlan:
+    """Everything about a launch that depends only on the score tensors' metadata.
+
+    Valid for a score list while the tensors have the same addresses, shapes and dtype
+    and are contiguous (``matches``); the values may change freely. The output buffer is
+    *not* part of the plan: every call allocates a fresh one, so masks returned by one
+    call are never overwritten by a later call. The table holds each tensor's output
+    offset (not address), so it stays valid for any buffer.
+
+    The output layout groups tensors of one shape into consecutive slots, so a group's
+    masks come out of one ``as_strided(...).unbind(0)`` (one C++ call for, e.g., the 96
+    1024x1024 matrices of BERT-large) instead of one Python ``view`` per tensor, and an
+    ``itemgetter`` puts them back in the caller's order.
+    """
+
+    __slots__ = (
+        "device", "m", "dtype", "ptrs", "sizes", "table", "tensor_index", "chunk_index",
+        "grid", "total", "aligned", "groups", "reorder", "count",
+    )  # fmt: skip
+
+    def __init__(self, scores: list[torch.Tensor], m: int) -> None:
+        self.device = scores[0].device
+        self.m = m
+        self.dtype = scores[0].dtype
+        self.ptrs = list(map(torch.Tensor.data_ptr, scores))
+        self.sizes = list(map(torch.Tensor.size, scores))
+        self.count = len(scores)
+        by_shape: dict[torch.Size, list[int]] = {}
+        for i, size in enumerate(self.sizes):
+            by_shape.setdefault(size, []).append(i)
+        offsets = [0] * len(scores)
+        position = [0] * len(scores)  # index of tensor i in the flat list of group views
+        self.groups = []
+        total = flat = 0
+        for size, members in by_shape.items():
+            numel = size.numel()
+            slot = (numel + 15) // 16 * 16  # 16-byte aligned slots: word stores stay aligned
+            strides = [1] * len(size)
+            for d in range(len(size) - 2, -1, -1):
+                strides[d] = strides[d + 1] * size[d + 1]
+            self.groups.append(((len(members), *size), (slot, *strides), total))
+            for i in members:
+                offsets[i] = total
+                position[i] = flat
+                total += slot
+                flat += 1
+        self.total = total
+        self.reorder = operator.itemgetter(*position)
+        numels = [size.numel() for size in self.sizes]
         groups = [k // m for k in numels]
-        table = address_table([addresses, offsets[:-1], groups], device)
-        tensor_index, chunk_index = chunk_table(groups, _CHUNK_G, device)
-        aligned = all_aligned(addresses) and (m * scores[0].element_size()) % 16 == 0
-        shapes = [tuple(s.shape) for s in scores]
-        padded = [slot != size for slot, size in zip(slots, numels, strict=True)]
-        plan = (
-            table,
-            tensor_index,
-            chunk_index,
-            offsets[-1],
-            slots,
-            shapes,
-            padded,
-            numels,
-            aligned,
+        self.table = address_table([self.ptrs, offsets, groups], self.device)
+        self.tensor_index, self.chunk_index = chunk_table(groups, _CHUNK_G, self.device)
+        self.grid = self.tensor_index.numel()
+        self.aligned = all_aligned(self.ptrs) and (m * scores[0].element_size()) % 16 == 0
+
+    def matches(self, scores: list[torch.Tensor], m: int) -> bool:
+        """Whether this plan is valid for ``scores`` (cheap: a few C-level maps)."""
+        return (
+            self.m == m
+            and self.count == len(scores)
+            and scores[0].data_ptr() == self.ptrs[0]
+            and scores[0].device == self.device
+            and list(map(torch.Tensor.data_ptr, scores)) == self.ptrs
+            and list(map(torch.Tensor.size, scores)) == self.sizes
+            and all(map(torch.Tensor.is_contiguous, scores))
+            and all(map(operator.is_, map(_DTYPE, scores), repeat(self.dtype, self.count)))
         )
-        if len(_NM_TABLES) >= 16:
-            _NM_TABLES.pop(next(iter(_NM_TABLES)))
-        _NM_TABLES[key] = plan
+
+    def views(self, out: torch.Tensor) -> list[torch.Tensor]:
+        """The per-tensor masks as views of ``out`` (bool, ``total`` elements)."""
+        flat: list[torch.Tensor] = []
+        for size, stride, offset in self.groups:
+            flat += out.as_strided(size, stride, offset).unbind(0)
+        return list(self.reorder(flat)) if self.count > 1 else flat
+
+
+_NM_PLANS: list[_NmPlan] = []  # most recently used first
+plan_builds = 0  # plans built so far (tests and benchmarks read it)
+
+
+def _nm_plan(scores: list[torch.Tensor], m: int) -> _NmPlan | None:
+    """The cached plan that matches ``scores``, or None."""
+    for i, plan in enumerate(_NM_PLANS):
+        if plan.matches(scores, m):
+            if i:
+                _NM_PLANS.insert(0, _NM_PLANS.pop(i))
+            return plan
+    return None
+
+
+def _build_nm_plan(scores: list[torch.Tensor], m: int) -> _NmPlan:
+    global plan_builds
+    plan = _NmPlan(scores, m)
+    plan_builds += 1
+    _NM_PLANS.insert(0, plan)
+    del _NM_PLANS[_MAX_PLANS:]
     return plan
 
 
-_CHUNK_G = 4096
+def clear_nm_plan_cache() -> None:
+    """Drop the cached launch plans (their device tables are freed with them)."""
+    _NM_PLANS.clear()
 
 
-def _launch_nm_topk(scores: list[torch.Tensor], n: int, m: int) -> list[torch.Tensor]:
-    table, tensor_index, chunk_index, total, slots, shapes, padded, numels, aligned = _nm_plan(
-        scores, m
-    )
-    out = torch.empty(total, dtype=torch.bool, device=scores[0].device)
-    m_pow2 = triton.next_power_of_2(m)
-    _nm_topk_kernel[(tensor_index.numel(),)](
-        table, tensor_index, chunk_index, out.view(torch.uint8), n,
-        M=m, M_POW2=m_pow2, WORDS=m == m_pow2 and m % 4 == 0,
-        SCORE_DTYPE=_TORCH_TO_TL[scores[0].dtype], ALIGNED=aligned, CHUNK_G=_CHUNK_G,
-    )  # fmt: skip
-    parts = torch.split(out, slots)
-    if not any(padded):
-        return [part.view(shape) for part, shape in zip(parts, shapes, strict=True)]
-    return [
-        (part[:size] if pad else part).view(shape)
-        for part, shape, pad, size in zip(parts, shapes, padded, numels, strict=True)
-    ]
+def _launch_nm_topk(
+    scores: list[torch.Tensor], n: int, m: int, plan: _NmPlan
+) -> list[torch.Tensor]:
+    out = torch.empty(plan.total, dtype=torch.uint8, device=plan.device)
+    if plan.grid:
+        m_pow2 = triton.next_power_of_2(m)
+        _nm_topk_kernel[(plan.grid,)](
+            plan.table, plan.tensor_index, plan.chunk_index, out, n,
+            M=m, M_POW2=m_pow2, WORDS=m == m_pow2 and m % 4 == 0,
+            SCORE_DTYPE=_TORCH_TO_TL[plan.dtype], ALIGNED=plan.aligned, CHUNK_G=_CHUNK_G,
+        )  # fmt: skip
+    return plan.views(out.view(torch.bool))
 
 
 def nm_topk_masks(scores: Sequence[torch.Tensor], n: int, m: int) -> list[torch.Tensor]:
@@ -153,21 +216,30 @@ def nm_topk_masks(scores: Sequence[torch.Tensor], n: int, m: int) -> list[torch.
         ValueError: If a last dim is not a multiple of ``m`` or ``n``/``m`` are out of range.
     """
     scores = list(scores)
+    if not scores:
+        return []
+    if not 0 <= n <= m:
+        raise ValueError(f"need 0 <= n <= m ({n}:{m})")
+    # Fast path: a cached plan for these addresses/shapes/dtype (shapes checked when built).
+    plan = _nm_plan(scores, m)
+    if plan is not None and (plan.device.type == "cuda" or kernels_run_on(plan.device)):
+        return _launch_nm_topk(scores, n, m, plan)
     for s in scores:
-        if s.dim() == 0 or s.shape[-1] % m != 0 or not 0 <= n <= m:
+        if s.dim() == 0 or s.shape[-1] % m != 0:
             raise ValueError(
                 f"need last dim % m == 0 and 0 <= n <= m (shape {tuple(s.shape)}, {n}:{m})"
             )
-    if not scores:
-        return []
     usable = (
         kernels_run_on(scores[0].device)
         and m <= 32
         and all(s.dtype == scores[0].dtype and s.dtype in _TORCH_TO_TL for s in scores)
+        and all(s.device == scores[0].device for s in scores)
     )
     if not usable:
         return [nm_topk_mask_reference(s, n, m) for s in scores]
-    return _launch_nm_topk([s.contiguous() for s in scores], n, m)
+    scores = [s.contiguous() for s in scores]
+    plan = _nm_plan(scores, m) or _build_nm_plan(scores, m)
+    return _launch_nm_topk(scores, n, m, plan)
 
 
 def nm_topk_mask(score: torch.Tensor, n: int, m: int) -> torch.Tensor:
