@@ -12,6 +12,13 @@ import triton
 from triton.testing import do_bench
 
 
+class NoLaunch:
+    """Stands in for a Triton kernel in host-time runs: ``kernel[grid](...)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
 def bench_ms(fn) -> float:
     """Median milliseconds of ``fn`` (triton.testing.do_bench, CUDA events)."""
     return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))

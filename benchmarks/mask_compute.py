@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import (  # noqa: E402
+    NoLaunch,
     bench_ms,
     bert_large_shapes,
     copy_bandwidth_gbs,
@@ -152,19 +153,12 @@ def main() -> None:
     print(f"(JSON: {path})")
 
 
-class _NoLaunch:
-    """Stands in for the Triton kernel: ``kernel[grid](...)`` does nothing."""
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
 def host_cpu(calls: int = 200, repeats: int = 7) -> None:
     """Host time per ``nm_topk_masks`` call on the CPU, launch stubbed (see the docstring)."""
     import platform
 
     os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors take the kernel path (stubbed)
-    nmk._nm_topk_kernel = _NoLaunch()
+    nmk._nm_topk_kernel = NoLaunch()
     shapes = [s for s in bert_large_shapes() if len(s) == 2 and s[0] % 16 == 0]
     scores = [torch.empty(s) for s in shapes]
 

@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import (  # noqa: E402
+    NoLaunch,
     bench_ms,
     bert_large_shapes,
     copy_bandwidth_gbs,
@@ -237,17 +238,10 @@ def main() -> None:
         )
 
 
-class _NoLaunch:
-    """Stands in for the Triton kernel: ``kernel[grid](...)`` does nothing."""
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
 def host_cpu(calls: int = 100, repeats: int = 5) -> None:
     """Host time per call on the CPU, launch stubbed (see the module docstring)."""
     os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors take the kernel path (stubbed)
-    ms._masked_step_kernel = _NoLaunch()
+    ms._masked_step_kernel = NoLaunch()
     sizes = {"64Mi": [(1024, 1024)] * 64, "BERT-large": bert_large_shapes()}
     rows = {}
     for (opt_cls, kw), name in ((ADAMW, "AdamW"), (SGD, "SGD")):
