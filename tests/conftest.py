@@ -43,6 +43,36 @@ class TinyNet(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
+class TwoOptimizerNet(TinyNet):
+    """Manual optimization with two optimizers (Adam for the first block, SGD for the rest):
+    ``global_step`` grows once per ``opt.step()``."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.manual_backward(nn.functional.cross_entropy(self(x), y))
+        for optimizer in self.optimizers():
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def configure_optimizers(self):
+        return (torch.optim.Adam(self.net[:2].parameters(), lr=1e-2),
+                torch.optim.SGD(self.net[2:].parameters(), lr=1e-2, momentum=0.9))
+
+
+def assert_masks_hold(engine, optimizers) -> None:
+    """Pruned weights, and every weight-shaped optimizer-state tensor there, are exactly 0."""
+    for layer in engine.layers:
+        assert not layer.weight[~layer.mask].any()
+        for optimizer in optimizers:
+            for value in optimizer.state.get(layer.weight, {}).values():
+                if torch.is_tensor(value) and value.shape == layer.weight.shape:
+                    assert not value[~layer.mask].any()
+
+
 def make_loader(n: int = 128, conv: bool = False, batch_size: int = 16, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 4, 4, 4, generator=g) if conv else torch.randn(n, 16, generator=g)

@@ -5,7 +5,7 @@ import logging
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import TinyNet, make_loader, make_trainer
+from conftest import TinyNet, TwoOptimizerNet, assert_masks_hold, make_loader, make_trainer
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
@@ -41,12 +41,7 @@ class MaskAudit(Callback):
         self.check_zeros(trainer)
 
     def check_zeros(self, trainer):
-        for layer in self.sparse.engine.layers:
-            assert not layer.weight[~layer.mask].any()
-            for optimizer in trainer.optimizers:
-                for value in optimizer.state.get(layer.weight, {}).values():
-                    if torch.is_tensor(value) and value.shape == layer.weight.shape:
-                        assert not value[~layer.mask].any()
+        assert_masks_hold(self.sparse.engine, trainer.optimizers)
 
 
 SCHEDULES = [
@@ -108,30 +103,11 @@ def test_gradient_clipping_sees_the_masked_norm():
     assert seen and not any(seen)  # masked before the clip reads the gradients
 
 
-class TwoOptimizers(TinyNet):
-    def __init__(self):
-        super().__init__()
-        self.automatic_optimization = False
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        for optimizer in self.optimizers():
-            optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(self(x), y)
-        self.manual_backward(loss)
-        for optimizer in self.optimizers():
-            optimizer.step()
-
-    def configure_optimizers(self):
-        return (torch.optim.Adam(self.net[:2].parameters(), lr=1e-2),
-                torch.optim.SGD(self.net[2:].parameters(), lr=1e-2, momentum=0.9))
-
-
 def test_several_optimizers():
     sparse = SparsityCallback("unstructured", sparsity=0.6, schedule="gmp", frequency=2)
     audit = MaskAudit(sparse)
     trainer = make_trainer([sparse, audit], max_epochs=2)
-    trainer.fit(TwoOptimizers(), make_loader())
+    trainer.fit(TwoOptimizerNet(), make_loader())
     assert audit.updates >= 3
     assert sparse.engine.sparsity == pytest.approx(0.6, abs=0.01)
 
