@@ -85,6 +85,8 @@ def main() -> None:
     results = {"dense step (AdamW fused)": bench(step_with(adamw(), None), device, args.reps)}
     engines = {}
     for path, fused in (("hooks", False), ("fused", "auto")):
+        if engines:
+            engines["hooks"].detach()  # one engine per tensor at a time
         engine = SparsityEngine(model, SparsityConfig(  # the second adopts the first's masks
             "unstructured", sparsity=0.9, schedule="constant", regrow="rigl", score="random",
             fused=fused))
@@ -96,15 +98,15 @@ def main() -> None:
         results[f"masked step, {path} path ({served})"] = bench(step_with(optimizer, engine),
                                                                 device, args.reps)
         engines[path] = engine
-    engine = engines["hooks"]
+    engine = engines["fused"]
     forward_backward()  # dense gradients for RigL's grow score
-    layers = engine.layers
-    results["RigL drop/grow (all layers)"] = bench(lambda: engine.regrow(layers, 1), device,
-                                                   args.reps)
+    results["RigL drop/grow (all layers)"] = bench(
+        lambda: engine.updater.regrow(engine, engine.slots, 1), device, args.reps)
+    engine.detach()
     set_engine = SparsityEngine(model, SparsityConfig("unstructured", sparsity=0.9,
                                                       regrow="set"))  # adopts the masks
     results["SET drop/grow (all layers)"] = bench(
-        lambda: set_engine.regrow(set_engine.layers, 1), device, args.reps)
+        lambda: set_engine.updater.regrow(set_engine, set_engine.slots, 1), device, args.reps)
     for name, config in {
         "magnitude top-k 90% (GMP update)": SparsityConfig("unstructured", sparsity=0.9),
         "2:4 update": SparsityConfig("2:4"),
@@ -112,8 +114,8 @@ def main() -> None:
                                                distribution="global"),
     }.items():
         other = make_model(args.layers, args.width).to(device)
-        update_engine = SparsityEngine(other, config)
-        results[name] = bench(lambda e=update_engine: e.update_masks(1.0), device, args.reps)
+        update_engine = SparsityEngine(other, config)  # a fresh model: no owner to detach
+        results[name] = bench(lambda e=update_engine: e.prune(), device, args.reps)
 
     name = torch.cuda.get_device_name() if device == "cuda" else platform.machine()
     step = results["dense step (AdamW fused)"]

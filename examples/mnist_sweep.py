@@ -443,7 +443,7 @@ def run_method(
     else:
         # No training: the engine behind SparsityCallback applies the final masks directly,
         # selecting layers by the same module names the callback would see.
-        SparsityEngine(model, SparsityConfig(**kwargs)).update_masks(1.0)
+        SparsityEngine(model, SparsityConfig(**kwargs)).prune()
     accuracy = evaluate(cfg, model, loaders, logger)
     seconds = time.perf_counter() - start
     counts = count(net)

@@ -1,10 +1,21 @@
-"""One validated settings object for the engine and the callback, and its YAML/dict form."""
+"""Every setting of a sparse run, written once: :class:`SparsityConfig`.
+
+``SparsityCallback`` takes exactly these keyword arguments (its signature is this
+dataclass's), :meth:`SparsityConfig.load` reads them from YAML or a dict, and a
+LightningCLI YAML gives them as ``init_args``. Validation happens here, before anything
+touches a model; every message names the bad value and the valid forms.
+"""
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import inspect
+import numbers
 import re
+import typing
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +35,25 @@ from sparse_training.selection import DEFAULT_LAYER_TYPES, LayerOverride
 
 OVERRIDE_KEYS = ("sparsity", "pattern")
 SCORES = ("magnitude", "random")
+FUSED = ("auto", True, False)
+LayerTypes = type[nn.Module] | str | Sequence[type[nn.Module] | str]
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _regex_list(value: Sequence[str] | None, name: str) -> tuple[str, ...]:
     if value is None:
         return ()
-    if isinstance(value, str) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"{name} must be a list of regex strings, e.g. [{value!r}], got {value!r}")
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence) or not all(
+            isinstance(v, str) for v in value):
+        raise ValueError(f"{name} must be a list of regex strings, e.g. [{value!r}], got "
+                         f"{value!r}")
     for regex in value:
         try:
             re.compile(regex)
@@ -39,10 +62,32 @@ def _regex_list(value: Sequence[str] | None, name: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _layer_type(entry: Any) -> type[nn.Module]:
+    """A module class from a class, a ``torch.nn`` name ("Linear") or an import path."""
+    cls = entry
+    if isinstance(entry, str):
+        module_name, _, class_name = entry.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name) if module_name else nn,
+                          class_name, None)
+        except ImportError:
+            cls = None
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(f"layer_types entry {entry!r} is not a torch.nn.Module subclass; give "
+                         f"classes, torch.nn names (e.g. 'Linear', 'Conv2d') or import paths "
+                         f"(e.g. 'transformers.pytorch_utils.Conv1D')")
+    return cls
+
+
 def _parse_overrides(overrides: Mapping[str, Mapping[str, Any]] | None
                      ) -> dict[str, LayerOverride]:
+    if overrides is None:
+        return {}
+    if not isinstance(overrides, Mapping):
+        raise ValueError(f"overrides must be a dict {{regex: {{'sparsity': ..., 'pattern': "
+                         f"...}}}}, got {overrides!r}")
     parsed = {}
-    for regex, settings in (overrides or {}).items():
+    for regex, settings in overrides.items():
         _regex_list([regex], "overrides")
         if not isinstance(settings, Mapping) or not settings or (
                 set(settings) - set(OVERRIDE_KEYS)):
@@ -51,7 +96,7 @@ def _parse_overrides(overrides: Mapping[str, Mapping[str, Any]] | None
         pattern = parse_pattern(settings["pattern"]) if "pattern" in settings else None
         sparsity = settings.get("sparsity")
         if sparsity is not None:
-            check_sparsity(sparsity, f"overrides[{regex!r}]['sparsity']")
+            sparsity = check_sparsity(sparsity, f"overrides[{regex!r}]['sparsity']")
         parsed[regex] = LayerOverride(pattern, sparsity)
     return parsed
 
@@ -64,9 +109,50 @@ def _check_target(pattern: Pattern | None, sparsity: float | None, where: str) -
                          f"got {sparsity!r}")
 
 
+def _check_choice(value: Any, name: str, valid: Sequence[Any]) -> None:
+    if not any(value is v or (isinstance(v, str) and value == v) for v in valid):
+        raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(map(repr, valid))}")
+
+
 @dataclass(frozen=True)
 class SparsityConfig:
-    """Every setting of a sparse run, validated at construction (see SparsityCallback)."""
+    """Every setting of a sparse run, validated at construction.
+
+    Args:
+        pattern: see :mod:`sparse_training.patterns` ("2:4", "unstructured", "block:4x4",
+            ...). Quote it in YAML: an unquoted 2:4 is read as the base-60 number 124.
+        sparsity: target fraction of zeros per selected tensor; implied by N:M when None.
+        schedule: "oneshot" | "gmp" | "linear" | "constant" (:mod:`sparse_training.schedules`).
+        start: first mask update, in optimizer steps (int) or as a fraction of training
+            (float). 0 prunes at the first step; ASP's recipe (train dense, prune, fine-tune)
+            prunes a trained model: load trained weights, or start later.
+        end: last update of a gradual schedule; None means 0.75 of training.
+        frequency: optimizer steps between mask updates of gradual and regrowth schedules.
+        allow: regexes searched in tensor names; when given, only matching tensors.
+        deny: regexes searched in tensor names; matching tensors stay dense.
+        dense_ratio: the first fraction of the eligible blocks (repeated units such as
+            ``encoder.layer.0``, in module order) stays dense.
+        overrides: ``{regex: {"sparsity": .., "pattern": ..}}`` per-tensor settings.
+        distribution: "uniform" | "erk" | "global" (one magnitude threshold across tensors).
+        layer_types: module classes whose weight tensors may be masked (every parameter of
+            two or more dimensions they own); classes, ``torch.nn`` names or import paths.
+        log_layers: also log ``sparsity/<tensor>`` for every selected tensor.
+        score: what the schedule's mask updates keep: "magnitude" (largest |w|) or
+            "random" (a random mask seeded by (seed, step): static sparse training).
+        regrow: None | "rigl" | "set" | "sr-ste" (:mod:`sparse_training.regrowth`).
+        regrow_fraction: alpha, the share of active weights swapped at the first update.
+        regrow_end: no more regrowth from this step (int) or fraction (float) on.
+        sr_ste_decay: lambda of SR-STE's decay of the pruned weights.
+        seed: seeds every random draw together with the step, equal on every rank.
+        check_masks: under torch.distributed, compare mask checksums across ranks after
+            every update and raise on a mismatch (one small all-reduce per update).
+        fused: the masked optimizer step in fused Triton kernels: "auto" uses them on
+            CUDA for ``torch.optim.AdamW``, ``Adam`` and ``SGD``, True requires them (an
+            error where they cannot serve), False never uses them.
+
+    Raises:
+        ValueError: for any bad value, naming it and the valid forms.
+    """
 
     pattern: str = "2:4"
     sparsity: float | None = None
@@ -79,7 +165,7 @@ class SparsityConfig:
     dense_ratio: float = 0.0
     overrides: Mapping[str, Mapping[str, Any]] | None = None
     distribution: str = "uniform"
-    layer_types: tuple[type[nn.Module], ...] = DEFAULT_LAYER_TYPES
+    layer_types: LayerTypes = DEFAULT_LAYER_TYPES
     log_layers: bool = False
     score: str = "magnitude"
     regrow: str | None = None
@@ -89,38 +175,44 @@ class SparsityConfig:
     seed: int = 0
     check_masks: bool = True
     fused: bool | str = "auto"
-    parsed_pattern: Pattern = field(init=False, repr=False)
-    parsed_schedule: Schedule = field(init=False, repr=False)
-    parsed_overrides: dict[str, LayerOverride] = field(init=False, repr=False)
+    parsed_pattern: Pattern = field(init=False, repr=False, compare=False)
+    parsed_schedule: Schedule = field(init=False, repr=False, compare=False)
+    parsed_overrides: dict[str, LayerOverride] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen dataclass: normalized fields are set once, here
+        if _is_int(self.pattern):
+            n, m = divmod(int(self.pattern), 60)
+            raise ValueError(f"pattern must be a string, got the number {self.pattern}: YAML "
+                             f"reads an unquoted {n}:{m} as the base-60 number {self.pattern};"
+                             f" quote it: pattern: \"{n}:{m}\"")
         pattern = parse_pattern(self.pattern)
         if self.sparsity is not None:
-            check_sparsity(self.sparsity)
+            set_(self, "sparsity", check_sparsity(self.sparsity))
         elif not pattern.is_nm:
             raise ValueError(f"pattern {pattern.spec!r} needs a sparsity in [0, 1); only N:M "
                              f"patterns imply one")
         _check_target(pattern, self.sparsity, "SparsityCallback")
-        if self.distribution not in DISTRIBUTIONS:
-            raise ValueError(f"unknown distribution {self.distribution!r}; valid: "
-                             f"{', '.join(DISTRIBUTIONS)}")
+        _check_choice(self.distribution, "distribution", DISTRIBUTIONS)
         if pattern.is_nm and self.distribution != "uniform":
             raise ValueError(f"distribution {self.distribution!r} needs an unstructured or "
                              f"block pattern; N:M ({pattern.spec!r}) fixes each group's count")
-        if isinstance(self.dense_ratio, bool) or not isinstance(self.dense_ratio, int | float) \
-                or not 0.0 <= self.dense_ratio < 1.0:
+        if not _is_real(self.dense_ratio) or not 0.0 <= self.dense_ratio < 1.0:
             raise ValueError(f"dense_ratio must be a number in [0, 1), got {self.dense_ratio!r}")
+        for flag in ("log_layers", "check_masks"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        _check_choice(self.fused, "fused", FUSED)
         self._check_regrowth(pattern)
-        if not (self.fused == "auto" or isinstance(self.fused, bool)):
-            raise ValueError(f"fused must be 'auto', True or False, got {self.fused!r}")
-        types = tuple(self.layer_types)
-        if not types or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
-            raise ValueError(f"layer_types must be torch.nn.Module subclasses, got "
-                             f"{self.layer_types!r}")
-        set_ = object.__setattr__  # frozen dataclass: derived fields are set once, here
-        set_(self, "layer_types", types)
+        types = self.layer_types
+        types = (types,) if isinstance(types, type | str) else types
+        if not isinstance(types, Sequence) or not types:
+            raise ValueError(f"layer_types must be a non-empty list of torch.nn.Module "
+                             f"classes, got {self.layer_types!r}")
+        set_(self, "layer_types", tuple(_layer_type(t) for t in types))
         set_(self, "allow", _regex_list(self.allow, "allow"))
         set_(self, "deny", _regex_list(self.deny, "deny"))
+        set_(self, "dense_ratio", float(self.dense_ratio))
         set_(self, "parsed_pattern", pattern)
         set_(self, "parsed_overrides", _parse_overrides(self.overrides))
         self._check_overrides(pattern)
@@ -128,8 +220,8 @@ class SparsityConfig:
                                                self.frequency))
 
     def _check_overrides(self, pattern: Pattern) -> None:
-        """Each override must leave its layers a definite target: a sparsity for a
-        non-N:M pattern, and none that contradicts an N:M pattern (0 keeps a layer dense)."""
+        """Each override must leave its tensors a definite target: a sparsity for a
+        non-N:M pattern, and none that contradicts an N:M pattern (0 keeps them dense)."""
         for regex, override in self.parsed_overrides.items():
             layer_pattern = override.pattern or pattern
             if override.sparsity == 0.0:
@@ -141,42 +233,56 @@ class SparsityConfig:
             _check_target(layer_pattern, override.sparsity, f"overrides[{regex!r}]")
 
     def _check_regrowth(self, pattern: Pattern) -> None:
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+        if not _is_int(self.seed):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
-        if self.score not in SCORES:
-            raise ValueError(f"unknown score {self.score!r}; valid: {', '.join(SCORES)}")
+        _check_choice(self.score, "score", SCORES)
         if self.score == "random" and self.schedule not in ("oneshot", "constant"):
             raise ValueError(f"score='random' draws one random mask; it needs schedule "
                              f"'oneshot' or 'constant', got {self.schedule!r} (a gradual "
                              f"schedule would prune trained weights at random)")
         if self.regrow is None:
             return
-        if self.regrow not in REGROW:
-            raise ValueError(f"unknown regrow {self.regrow!r}; valid: None, {', '.join(REGROW)}")
+        _check_choice(self.regrow, "regrow", (None, *REGROW))
         if pattern.transposable:
             raise ValueError(f"regrow={self.regrow!r} does not support transposable patterns "
                              f"({pattern.spec!r}); use the plain N:M pattern")
         if self.regrow == "sr-ste" and not pattern.is_nm:
             raise ValueError(f"regrow='sr-ste' trains N:M masks; got pattern {pattern.spec!r}")
-        if isinstance(self.regrow_fraction, bool) or not isinstance(
-                self.regrow_fraction, int | float) or not 0.0 < self.regrow_fraction <= 1.0:
+        if not _is_real(self.regrow_fraction) or not 0.0 < self.regrow_fraction <= 1.0:
             raise ValueError(f"regrow_fraction must be a number in (0, 1], got "
                              f"{self.regrow_fraction!r}")
         check_step(self.regrow_end, "regrow_end")
-        if isinstance(self.sr_ste_decay, bool) or not isinstance(
-                self.sr_ste_decay, int | float) or self.sr_ste_decay < 0:
+        if not _is_real(self.sr_ste_decay) or self.sr_ste_decay < 0:
             raise ValueError(f"sr_ste_decay must be a number >= 0, got {self.sr_ste_decay!r}")
 
+    # -- the settings as data ----------------------------------------------------------------
     @classmethod
-    def keys(cls) -> tuple[str, ...]:
-        """The settings a config file may hold."""
+    def names(cls) -> tuple[str, ...]:
+        """The settings a config may hold."""
         return tuple(f.name for f in fields(cls) if f.init)
+
+    @classmethod
+    def from_settings(cls, *args: Any, **settings: Any) -> SparsityConfig:
+        """``SparsityConfig(*args, **settings)``, with an unknown key named together with
+        the nearest valid one.
+
+        Raises:
+            TypeError: an unknown key.
+        """
+        for key in settings:
+            if key not in cls.names():
+                near = difflib.get_close_matches(key, cls.names(), n=1)
+                hint = f"; did you mean {near[0]!r}?" if near else ""
+                raise TypeError(f"unknown setting {key!r}{hint} Valid settings: "
+                                f"{', '.join(cls.names())}")
+        return cls(*args, **settings)
 
     @classmethod
     def load(cls, source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
         """Read settings from a YAML file or a dict (OmegaConf); unknown keys are an error.
 
-        ``layer_types`` is given as names of ``torch.nn`` classes, e.g. ``[Linear, Conv2d]``.
+        Raises:
+            ValueError: not a mapping, or an unknown key (the nearest valid one named).
         """
         from omegaconf import OmegaConf
 
@@ -185,16 +291,29 @@ class SparsityConfig:
         settings = OmegaConf.to_container(conf, resolve=True)
         if not isinstance(settings, dict):
             raise ValueError(f"a sparsity config must be a mapping, got {settings!r}")
-        if unknown := sorted(set(settings) - set(cls.keys())):
-            raise ValueError(f"unknown config keys {unknown}; valid keys: {', '.join(cls.keys())}")
-        if "layer_types" in settings:
-            settings["layer_types"] = tuple(_nn_class(n) for n in settings["layer_types"])
+        try:
+            cls.from_settings(**{k: v for k, v in settings.items() if k not in cls.names()})
+        except TypeError as error:
+            raise ValueError(str(error)) from None
         return settings
 
+    def as_dict(self) -> dict[str, Any]:
+        """The settings as plain values (classes as import paths): what a checkpoint keeps
+        to compare with the settings it is resumed with."""
+        plain = {k: v for k, v in asdict(self).items() if k in self.names()}
+        plain["layer_types"] = [f"{t.__module__}.{t.__qualname__}" for t in self.layer_types]
+        plain["allow"], plain["deny"] = list(self.allow), list(self.deny)
+        plain["overrides"] = {k: dict(v) for k, v in (self.overrides or {}).items()}
+        return plain
 
-def _nn_class(name: str) -> type[nn.Module]:
-    cls = getattr(nn, str(name), None)
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise ValueError(f"layer_types entry {name!r} is not a torch.nn module class "
-                         f"(e.g. Linear, Conv2d)")
-    return cls
+
+def settings_signature() -> tuple[inspect.Signature, dict[str, Any]]:
+    """The constructor signature (with ``self``) and resolved annotations of the settings,
+    for classes that take them as keyword arguments (``SparsityCallback``), so that
+    ``help()``, ``inspect`` and LightningCLI see every setting."""
+    signature = inspect.signature(SparsityConfig)
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    hints = typing.get_type_hints(SparsityConfig)
+    annotations = {k: hints[k] for k in SparsityConfig.names()}
+    return signature.replace(parameters=[self_param, *signature.parameters.values()],
+                             return_annotation=None), {**annotations, "return": None}

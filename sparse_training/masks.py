@@ -6,13 +6,14 @@ pruning) and is summed over each block. Ties are broken by ``torch.topk``, so ev
 keeps exactly the promised count, whatever the values. NaN scores rank lowest.
 
 Weights are read through their 2-D view ``(rows, in_features)`` (:func:`as_matrix`): a
-Linear weight as it is, a Conv weight ``(out, in, *kernel)`` with its input channels last,
-``(out * prod(kernel), in)``, so N:M groups run along input channels as in NVIDIA ASP.
+Linear weight as it is, a Conv weight ``(out, in, *kernel)`` in NVIDIA ASP's ``(r, s, k, c)``
+order, ``(prod(kernel) * out, in)``, so N:M groups run along input channels as in ASP.
 """
 
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Sequence
 from functools import cache
 
@@ -25,12 +26,18 @@ NM_KERNEL_MAX_M = 32  # the Triton N:M kernel holds one group in registers
 
 
 def as_matrix(tensor: Tensor) -> Tensor:
-    """The 2-D view ``(rows, in_features)`` of a Linear or Conv weight (input dim last)."""
+    """The 2-D view ``(rows, in_features)`` of a weight, input dimension last.
+
+    A Linear-like ``(out, in)`` weight as it is; a Conv weight ``(out, in, *kernel)`` as
+    ``(*kernel, out, in)`` flattened to ``(prod(kernel) * out, in)``: NVIDIA ASP's
+    ``(r, s, k, c)`` order, so consecutive rows are consecutive output channels at one
+    kernel tap and a transposable MxM tile is N:M along output channels too.
+    """
     if tensor.dim() == 1:
         return tensor.unsqueeze(0)
     if tensor.dim() == 2:
         return tensor
-    moved = tensor.movedim(1, -1)  # (out, *kernel, in)
+    moved = tensor.permute(*range(2, tensor.dim()), 0, 1)  # (*kernel, out, in)
     return moved.reshape(-1, tensor.shape[1])
 
 
@@ -39,7 +46,8 @@ def from_matrix(matrix: Tensor, shape: torch.Size) -> Tensor:
     if len(shape) <= 2:
         return matrix.reshape(shape)
     out, inp, *kernel = shape
-    return matrix.reshape(out, *kernel, inp).movedim(-1, 1)
+    dims = len(shape)
+    return matrix.reshape(*kernel, out, inp).permute(dims - 2, dims - 1, *range(dims - 2))
 
 
 def kept_count(total: int, sparsity: float) -> int:
@@ -211,8 +219,9 @@ def global_masks(
 
 
 def check_sparsity(sparsity: float, name: str = "sparsity") -> float:
-    """Return ``sparsity`` as a float if it lies in [0, 1), else raise ValueError."""
-    if isinstance(sparsity, bool) or not isinstance(sparsity, int | float) or not (
+    """Return ``sparsity`` as a float if it is a real number (numpy scalars included) in
+    [0, 1), else raise ValueError."""
+    if isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Real) or not (
             0.0 <= sparsity < 1.0):
         raise ValueError(f"{name} must be a number in [0, 1), got {sparsity!r}")
     return float(sparsity)

@@ -14,6 +14,7 @@ optimizer steps (``trainer.global_step``), never batches.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, replace
 
 SCHEDULES = ("oneshot", "gmp", "linear", "constant")
@@ -24,14 +25,18 @@ Step = int | float
 
 
 def check_step(value: Step, name: str) -> Step:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    """``value`` as a Python int (optimizer steps) or float (fraction of training), numpy
+    scalars included; ValueError for anything else."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be an int (optimizer steps) or a float in [0, 1] "
                          f"(fraction of training), got {value!r}")
-    if isinstance(value, int) and value < 0:
-        raise ValueError(f"{name} must be >= 0 optimizer steps, got {value}")
-    if isinstance(value, float) and not 0.0 <= value <= 1.0:
+    if isinstance(value, numbers.Integral):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0 optimizer steps, got {value}")
+        return int(value)
+    if not 0.0 <= value <= 1.0:
         raise ValueError(f"{name} as a fraction of training must lie in [0, 1], got {value}")
-    return value
+    return float(value)
 
 
 def to_steps(value: Step, total_steps: int | None) -> int:
@@ -69,18 +74,29 @@ class Schedule:
     def __post_init__(self) -> None:
         if self.kind not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.kind!r}; valid: {', '.join(SCHEDULES)}")
-        if isinstance(self.frequency, bool) or not isinstance(self.frequency, int) or (
-                self.frequency < 1):
+        if isinstance(self.frequency, bool) or not isinstance(self.frequency, numbers.Integral) \
+                or self.frequency < 1:
             raise ValueError(f"frequency must be an int >= 1, got {self.frequency!r}")
-        check_step(self.start, "start")
+        object.__setattr__(self, "frequency", int(self.frequency))
+        object.__setattr__(self, "start", check_step(self.start, "start"))
         if self.end is not None:
             if self.kind not in GRADUAL:
                 raise ValueError(f"end applies to gradual schedules ({', '.join(GRADUAL)}), "
                                  f"not to {self.kind!r}; got end={self.end!r}")
-            check_step(self.end, "end")
+            object.__setattr__(self, "end", check_step(self.end, "end"))
             if type(self.start) is type(self.end) and self.start >= self.end:
                 raise ValueError(f"start must come before end, got start={self.start!r}, "
                                  f"end={self.end!r}")
+
+    def update_steps(self, total_steps: int | None, limit: int = 8) -> str:
+        """The resolved mask-update steps, for the log: "0, 100, ..., 900 (10 updates)"."""
+        if self.kind not in GRADUAL:
+            return f"{self.start} (one update)"
+        steps = list(range(self.start, self.end, self.frequency)) + [self.end]
+        if total_steps is not None:
+            steps = [s for s in steps if s < total_steps]
+        shown = steps if len(steps) <= limit else [*steps[:3], "...", *steps[-2:]]
+        return f"{', '.join(map(str, shown))} ({len(steps)} updates)"
 
     def resolve(self, total_steps: int | None) -> Schedule:
         """This schedule with fractions turned into steps of a run of ``total_steps``.

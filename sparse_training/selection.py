@@ -1,11 +1,24 @@
-"""Layer selection: which weights get masks, with what pattern and target, and why.
+"""Selection: which weight tensors get masks, with what pattern and target, and why.
 
-:func:`plan_layers` walks ``model.named_modules()`` once and decides for every candidate
-(a module of ``layer_types``, or any module owning a weight of two or more dimensions), in
-this order: type, ``deny``, ``allow``, ``overrides`` (explicit per-layer settings win over
-the next rule), ``dense_ratio`` (the first fraction of the eligible layers stays dense), and
-shape (a layer whose shape cannot take its pattern is skipped, or an error when a name rule
-asked for it). The result is a list of :class:`LayerPlan`, the setup table's rows.
+:func:`plan_tensors` decides for every weight-like tensor of the model
+(:func:`sparse_training.tensors.find_weight_tensors`: any parameter of two or more
+dimensions, tied ones once), in this order:
+
+1. **type**: a tensor is eligible when a module owning it is one of ``layer_types``;
+2. ``deny``: a regex found in any of the tensor's names keeps it dense;
+3. ``allow``: when given, only tensors with a name matching one of them;
+4. ``overrides``: the first regex matching a name sets the pattern and/or sparsity
+   (explicit per-tensor settings win over the next two rules);
+5. ``dense_ratio``: the first fraction of the eligible *blocks* stays dense, a block
+   being the repeated unit that owns the tensor (the name up to its first numeric part:
+   ``encoder.layer.0`` for BERT, ``net.2`` in a ``Sequential``);
+6. **shape**: a tensor whose 2-D view cannot take its pattern, or an N:M tensor with fewer
+   outputs than M (a task head, such as a 2-output QA head), stays dense; a tensor named
+   by ``allow`` or ``overrides`` raises instead.
+
+Regexes are searched (``re.search``) in the qualified tensor names, e.g.
+``bert.encoder.layer.0.attention.self.query.weight``; every regex must match some
+weight-like tensor. The result is a list of :class:`TensorPlan`, the setup table's rows.
 """
 
 from __future__ import annotations
@@ -20,33 +33,35 @@ from torch import nn
 from sparse_training.distributions import PER_LAYER
 from sparse_training.masks import as_matrix
 from sparse_training.patterns import Pattern
+from sparse_training.tensors import WeightTensor
 
-DEFAULT_LAYER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+DEFAULT_LAYER_TYPES: tuple[type[nn.Module], ...] = (
+    nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention, nn.RNNBase)
 
 
 @dataclass(frozen=True)
 class LayerOverride:
-    """Per-layer settings from ``overrides``; None fields follow the model-wide ones."""
+    """Per-tensor settings from ``overrides``; None fields follow the model-wide ones."""
 
     pattern: Pattern | None = None
     sparsity: float | None = None
 
 
 @dataclass(frozen=True)
-class LayerPlan:
+class TensorPlan:
     """One row of the setup table.
 
     Attributes:
-        name: qualified module name (``model.named_modules()``).
-        kind: the module's class name.
-        shape: the weight's shape.
-        selected: whether the weight gets a mask.
+        names: every qualified name of the tensor (several when tied); ``name`` is the first.
+        kind: class of the module owning it.
+        shape: the tensor's shape.
+        selected: whether the tensor gets a mask.
         reason: why it is selected or skipped.
-        pattern: the layer's pattern (selected layers).
+        pattern: the tensor's pattern (selected tensors).
         sparsity: final target; None under the global distribution.
     """
 
-    name: str
+    names: tuple[str, ...]
     kind: str
     shape: tuple[int, ...]
     selected: bool
@@ -55,114 +70,147 @@ class LayerPlan:
     sparsity: float | None = None
 
     @property
+    def name(self) -> str:
+        return self.names[0]
+
+    @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
 
-def _first_match(patterns: Sequence[str], name: str) -> str | None:
-    return next((p for p in patterns if re.search(p, name)), None)
+def block_of(name: str) -> str:
+    """The repeated unit a tensor belongs to: its name up to the first all-digit part
+    (``bert.encoder.layer.3.attention.self.query.weight`` -> ``bert.encoder.layer.3``),
+    or its module's name when there is none."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ".".join(parts[:-1])
 
 
-def _unmatched_error(kind: str, regex: str, names: Sequence[str]) -> ValueError:
-    shown = ", ".join(repr(n) for n in names[:12]) + (", ..." if len(names) > 12 else "")
-    return ValueError(f"{kind} regex {regex!r} matches no layer; layers are: {shown}")
+def _first_match(regexes: Sequence[str], names: Sequence[str]) -> str | None:
+    return next((r for r in regexes if any(re.search(r, n) for n in names)), None)
+
+
+def _check_every_regex_matches(kind: str, regexes: Sequence[str], names: list[str]) -> None:
+    for regex in regexes:
+        if not any(re.search(regex, n) for n in names):
+            shown = ", ".join(repr(n) for n in names[:12]) + (", ..." if len(names) > 12 else "")
+            raise ValueError(f"{kind} regex {regex!r} matches no weight tensor; they are: "
+                             f"{shown or 'none'} (regexes are searched in these names)")
 
 
 def _final_sparsity(pattern: Pattern, sparsity: float | None) -> float | None:
     return pattern.nm_sparsity if pattern.is_nm else sparsity
 
 
-def plan_layers(
-    model: nn.Module,
+def _shape_problem(tensor: WeightTensor, pattern: Pattern) -> str | None:
+    return pattern.shape_error(*as_matrix(tensor.param).shape)
+
+
+def _head_problem(tensor: WeightTensor, pattern: Pattern) -> str | None:
+    outputs = tensor.param.shape[0]
+    if pattern.is_nm and outputs < pattern.m:
+        return (f"{outputs} outputs < M = {pattern.m}: a task head? name it in allow or "
+                f"overrides to prune it")
+    return None
+
+
+def plan_tensors(
+    tensors: Sequence[WeightTensor],
     *,
     pattern: Pattern,
     sparsity: float | None,
     layer_types: tuple[type[nn.Module], ...] = DEFAULT_LAYER_TYPES,
-    allow: Sequence[str] | None = None,
-    deny: Sequence[str] | None = None,
+    allow: Sequence[str] = (),
+    deny: Sequence[str] = (),
     dense_ratio: float = 0.0,
     overrides: Mapping[str, LayerOverride] | None = None,
     distribution: str = "uniform",
-) -> list[LayerPlan]:
-    """Decide, for every candidate layer of ``model``, whether and how it is masked.
+) -> list[TensorPlan]:
+    """Decide, for every weight tensor, whether and how it is masked (module docstring).
 
     Raises:
-        ValueError: an ``allow`` or ``overrides`` regex that matches no candidate layer, or
-            a layer named by one whose shape cannot take its pattern.
+        ValueError: an ``allow``, ``deny`` or ``overrides`` regex that matches no weight
+            tensor, or a tensor named by ``allow``/``overrides`` that cannot take its
+            pattern.
     """
-    allow, deny, overrides = list(allow or []), list(deny or []), dict(overrides or {})
-    candidates = [(name, module) for name, module in model.named_modules()
-                  if isinstance(module, layer_types) or (
-                      isinstance(getattr(module, "weight", None), nn.Parameter)
-                      and module.weight.dim() >= 2)]
-    names = [name for name, _ in candidates]
-    for regex in allow:
-        if not any(re.search(regex, n) for n in names):
-            raise _unmatched_error("allow", regex, names)
-    for regex in overrides:
-        if not any(re.search(regex, n) for n in names):
-            raise _unmatched_error("overrides", regex, names)
+    overrides = dict(overrides or {})
+    all_names = [n for t in tensors for n in t.names]
+    _check_every_regex_matches("allow", allow, all_names)
+    _check_every_regex_matches("deny", deny, all_names)
+    _check_every_regex_matches("overrides", list(overrides), all_names)
 
-    rows: list[LayerPlan | None] = []
+    def row(tensor: WeightTensor, selected: bool, reason: str, layer_pattern=None,
+            target=None) -> TensorPlan:
+        if len(tensor.names) > 1:
+            reason += f" (tied: {', '.join(tensor.names[1:])})"
+        return TensorPlan(tensor.names, tensor.kind, tuple(tensor.param.shape), selected,
+                          reason, layer_pattern, target)
+
+    rows: list[TensorPlan | None] = []
     eligible: list[int] = []
-    for name, module in candidates:
-        shape = tuple(module.weight.shape)
-        kind = type(module).__name__
-        if not isinstance(module, layer_types):
-            rows.append(LayerPlan(name, kind, shape, False, f"type {kind} not in layer_types"))
-        elif (regex := _first_match(deny, name)) is not None:
-            rows.append(LayerPlan(name, kind, shape, False, f"deny {regex!r}"))
-        elif allow and _first_match(allow, name) is None:
-            rows.append(LayerPlan(name, kind, shape, False, "matches no allow regex"))
+    for tensor in tensors:
+        if not any(isinstance(module, layer_types) for module, _ in tensor.owners):
+            rows.append(row(tensor, False, f"type {tensor.kind} not in layer_types"))
+        elif (regex := _first_match(deny, tensor.names)) is not None:
+            rows.append(row(tensor, False, f"deny {regex!r}"))
+        elif allow and _first_match(allow, tensor.names) is None:
+            rows.append(row(tensor, False, "matches no allow regex"))
         else:
             eligible.append(len(rows))
             rows.append(None)
 
-    n_dense = math.floor(dense_ratio * len(eligible) + 0.5)
-    following: list[int] = []  # selected layers that take the model-wide target
-    for rank, index in enumerate(eligible):
-        name, module = candidates[index]
-        shape, kind = tuple(module.weight.shape), type(module).__name__
-        override_regex = _first_match(list(overrides), name)
+    blocks = list(dict.fromkeys(block_of(tensors[i].name) for i in eligible))
+    dense_blocks = set(blocks[: math.floor(dense_ratio * len(blocks) + 0.5)])
+    following: list[int] = []  # selected tensors that take the model-wide target
+    for index in eligible:
+        tensor = tensors[index]
+        override_regex = _first_match(list(overrides), tensor.names)
         override = overrides.get(override_regex, LayerOverride())
         layer_pattern = override.pattern or pattern
-        if override_regex is None and rank < n_dense:
-            rows[index] = LayerPlan(name, kind, shape, False,
-                                    f"dense_ratio {dense_ratio}: first {n_dense} of "
-                                    f"{len(eligible)} eligible layers stay dense")
+        named = override_regex is not None or _first_match(allow, tensor.names) is not None
+        if override_regex is None and block_of(tensor.name) in dense_blocks:
+            rows[index] = row(tensor, False, f"dense_ratio {dense_ratio}: block "
+                              f"{block_of(tensor.name)!r} is one of the first "
+                              f"{len(dense_blocks)} of {len(blocks)} blocks")
         elif override.sparsity == 0.0:
-            rows[index] = LayerPlan(name, kind, shape, False,
-                                    f"override {override_regex!r}: sparsity 0")
-        elif problem := layer_pattern.shape_error(*as_matrix(module.weight).shape):
-            if override_regex is not None or _first_match(allow, name) is not None:
-                raise ValueError(f"layer {name!r} (weight {shape}) was asked for by name but "
-                                 f"cannot take pattern {layer_pattern.spec!r}: {problem}")
-            rows[index] = LayerPlan(name, kind, shape, False,
-                                    f"shape cannot take {layer_pattern.spec!r}: {problem}")
+            rows[index] = row(tensor, False, f"override {override_regex!r}: sparsity 0")
+        elif (problem := _shape_problem(tensor, layer_pattern)) and named:
+            raise ValueError(f"tensor {tensor.name!r} (shape {tuple(tensor.param.shape)}) was "
+                             f"asked for by name but cannot take pattern "
+                             f"{layer_pattern.spec!r}: {problem}")
+        elif problem:
+            rows[index] = row(tensor, False, f"shape cannot take {layer_pattern.spec!r}: "
+                                             f"{problem}")
+        elif not named and (problem := _head_problem(tensor, layer_pattern)):
+            rows[index] = row(tensor, False, problem)
         elif override_regex is not None:
             target = sparsity if override.sparsity is None else override.sparsity
-            rows[index] = LayerPlan(name, kind, shape, True, f"override {override_regex!r}",
-                                    layer_pattern, _final_sparsity(layer_pattern, target))
+            rows[index] = row(tensor, True, f"override {override_regex!r}", layer_pattern,
+                              _final_sparsity(layer_pattern, target))
         else:
             following.append(index)
-            rows[index] = LayerPlan(name, kind, shape, True, "selected", layer_pattern,
-                                    _final_sparsity(layer_pattern, sparsity))
+            rows[index] = row(tensor, True, "selected", layer_pattern,
+                              _final_sparsity(layer_pattern, sparsity))
 
     if following and not pattern.is_nm:
         if distribution in PER_LAYER:
             targets = PER_LAYER[distribution]([rows[i].shape for i in following], sparsity)
-        else:  # "global": one threshold at every update, no fixed per-layer value
+        else:  # "global": one threshold at every update, no fixed per-tensor value
             targets = [None] * len(following)
         for index, target in zip(following, targets, strict=True):
-            row = rows[index]
-            rows[index] = LayerPlan(row.name, row.kind, row.shape, True,
-                                    f"selected ({distribution})", row.pattern, target)
+            old = rows[index]
+            rows[index] = TensorPlan(old.names, old.kind, old.shape, True,
+                                     old.reason.replace("selected", f"selected ({distribution})",
+                                                        1), old.pattern, target)
     return rows
 
 
-def format_table(plans: Sequence[LayerPlan]) -> str:
-    """The setup table: one line per candidate layer, selected or skipped, and why."""
-    header = ("layer", "type", "shape", "pattern", "sparsity", "density", "decision")
+def format_table(plans: Sequence[TensorPlan]) -> str:
+    """The setup table: one line per weight tensor, selected or skipped, and why."""
+    header = ("tensor", "type", "shape", "pattern", "sparsity", "density", "decision")
     lines = [header]
     for p in plans:
         if not p.selected:
@@ -171,10 +219,10 @@ def format_table(plans: Sequence[LayerPlan]) -> str:
             target = density = "global"
         else:
             target, density = f"{p.sparsity:.4f}", f"{1 - p.sparsity:.4f}"
-        lines.append((p.name or "<root>", p.kind, "x".join(map(str, p.shape)),
+        lines.append((p.name, p.kind, "x".join(map(str, p.shape)),
                       p.pattern.spec if p.pattern else "-", target, density, p.reason))
-    widths = [max(len(row[c]) for row in lines) for c in range(len(header))]
-    text = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-            for row in lines]
+    widths = [max(len(r[c]) for r in lines) for c in range(len(header))]
+    text = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
+            for r in lines]
     text.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(text)

@@ -10,8 +10,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from sparse_training.masks import as_matrix, kept_count, pool_blocks
 
 
 class TinyNet(pl.LightningModule):
@@ -65,12 +68,93 @@ class TwoOptimizerNet(TinyNet):
 
 def assert_masks_hold(engine, optimizers) -> None:
     """Pruned weights, and every weight-shaped optimizer-state tensor there, are exactly 0."""
-    for layer in engine.layers:
-        assert not layer.weight[~layer.mask].any()
+    for slot in engine.slots:
+        assert not slot.param[~slot.mask].any(), slot.name
         for optimizer in optimizers:
-            for value in optimizer.state.get(layer.weight, {}).values():
-                if torch.is_tensor(value) and value.shape == layer.weight.shape:
-                    assert not value[~layer.mask].any()
+            for value in optimizer.state.get(slot.param, {}).values():
+                if torch.is_tensor(value) and value.shape == slot.param.shape:
+                    assert not value[~slot.mask].any(), slot.name
+
+
+def assert_reported_is_forward(engine) -> None:
+    """The one rule: the sparsity the engine reports (per tensor and global) is the zero
+    fraction of the weights the forward pass uses, and no pruned weight is nonzero there."""
+    forward = forward_sparsity(engine)
+    for slot in engine.slots:
+        assert not slot.forward_weight()[~slot.mask].any(), slot.name
+        assert engine.tensor_sparsity[slot.name] == pytest.approx(forward[slot.name],
+                                                                  abs=1e-12), slot.name
+    assert engine.sparsity == pytest.approx(forward["global"], abs=1e-9)
+
+
+class MaskAudit(Callback):
+    """Checks a SparsityCallback while it trains: after every mask update the exact
+    structure and counts; after every step zeros in weights and optimizer state and the
+    reported sparsity equal to the forward weights' zero fraction; and every value the
+    callback logged equal to the forward weights' sparsity when it was logged."""
+
+    def __init__(self, sparse) -> None:
+        self.sparse, self.updates, self.steps, self.logged_checks = sparse, 0, 0, 0
+        self.expected: dict | None = None  # forward sparsity at the last logging step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.check_logged(trainer)
+        engine = self.sparse.engine
+        if engine.updater.last_update != trainer.global_step:
+            return
+        self.updates += 1
+        fraction = engine.updater.schedule.fraction(trainer.global_step)
+        for slot in engine.slots:
+            pattern, mask = slot.plan.pattern, as_matrix(slot.mask)
+            if pattern.is_nm:
+                kept = pattern.kept_per_group(slot.plan.sparsity * fraction)
+                blocks = pool_blocks(mask.float(), pattern.block_rows, pattern.block_cols)
+                assert ((blocks == 0) | (blocks == pattern.block_rows * pattern.block_cols)).all()
+                groups = (blocks > 0).reshape(-1, pattern.m)
+                assert (groups.sum(-1) == kept).all(), slot.name
+            elif slot.plan.sparsity is not None:
+                block = pattern.block_rows * pattern.block_cols
+                kept_blocks = kept_count(mask.numel() // block, slot.plan.sparsity * fraction)
+                assert int(mask.sum()) == kept_blocks * block, slot.name
+        self.check(trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps += 1
+        self.check(trainer)
+        every = trainer.log_every_n_steps
+        if every and trainer.global_step % every == 0:  # the callback logged at this step
+            self.expected = forward_sparsity(self.sparse.engine)
+
+    def on_train_end(self, trainer, pl_module):
+        self.check_logged(trainer)
+
+    def check(self, trainer):
+        engine = self.sparse.engine
+        assert_masks_hold(engine, [] if engine.updater.dense_state else trainer.optimizers)
+        assert_reported_is_forward(engine)
+
+    def check_logged(self, trainer):
+        """Lightning publishes what was logged at a batch end before the next batch."""
+        if self.expected is None:
+            return
+        for name, value in self.expected.items():
+            key = f"sparsity/{name}"
+            if key in trainer.callback_metrics:
+                assert float(trainer.callback_metrics[key]) == pytest.approx(value, abs=1e-6)
+                self.logged_checks += 1
+        self.expected = None
+
+
+def forward_sparsity(engine) -> dict[str, float]:
+    """Zero fraction of every selected tensor's forward weight, and over all of them."""
+    result, zeros, total = {}, 0, 0
+    for slot in engine.slots:
+        forward = slot.forward_weight()
+        result[slot.name] = float((forward == 0).sum()) / forward.numel()
+        zeros += int((forward == 0).sum())
+        total += forward.numel()
+    result["global"] = zeros / total
+    return result
 
 
 def make_loader(n: int = 128, conv: bool = False, batch_size: int = 16, seed: int = 0):

@@ -30,10 +30,10 @@ class Recorder(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         engine = self.sparse.engine
-        self.rows.append({"step": trainer.global_step, "last_regrow": engine.last_regrow,
+        self.rows.append({"step": trainer.global_step, "last_regrow": engine.updater.last_regrow,
                           "checksums": [int(mask_checksum(layer.mask))
-                                        for layer in engine.layers],
-                          "counts": [int(layer.mask.sum()) for layer in engine.layers]})
+                                        for layer in engine.slots],
+                          "counts": [int(layer.mask.sum()) for layer in engine.slots]})
 
 
 def run(regrow: str, out: Path) -> None:
@@ -48,7 +48,7 @@ def run(regrow: str, out: Path) -> None:
     rank = trainer.global_rank
     engine = sparse.engine
     if rank == 1:  # a rank that went its own way must be caught
-        engine.layers[0].mask.view(-1)[0] ^= True
+        engine.slots[0].mask.view(-1)[0] ^= True
     try:
         engine._check_across_ranks(step=-1, broadcast=False)
         mismatch_caught = False

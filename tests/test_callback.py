@@ -5,44 +5,11 @@ import logging
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import TinyNet, TwoOptimizerNet, assert_masks_hold, make_loader, make_trainer
+from conftest import MaskAudit, TinyNet, TwoOptimizerNet, make_loader, make_trainer
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
 from sparse_training import SparsityCallback, make_permanent
-from sparse_training.masks import as_matrix, kept_count
-
-
-class MaskAudit(Callback):
-    """After every mask update: exact counts, zero weights, zero optimizer state."""
-
-    def __init__(self, sparse: SparsityCallback) -> None:
-        self.sparse, self.updates = sparse, 0
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        engine = self.sparse.engine
-        if engine.last_update != trainer.global_step:
-            return
-        self.updates += 1
-        fraction = engine.schedule.fraction(trainer.global_step)
-        for layer in engine.layers:
-            pattern, mask = layer.plan.pattern, layer.mask
-            if pattern.is_nm:
-                kept = pattern.kept_per_group(layer.plan.sparsity * fraction)
-                groups = as_matrix(mask).reshape(-1, pattern.m)
-                assert (groups.sum(-1) == kept).all()
-            elif layer.plan.sparsity is not None:
-                block = pattern.block_rows * pattern.block_cols
-                kept_blocks = kept_count(mask.numel() // block, layer.plan.sparsity * fraction)
-                assert int(mask.sum()) == kept_blocks * block
-        self.check_zeros(trainer)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.check_zeros(trainer)
-
-    def check_zeros(self, trainer):
-        assert_masks_hold(self.sparse.engine, trainer.optimizers)
-
 
 SCHEDULES = [
     dict(pattern="2:4"),
@@ -76,9 +43,9 @@ def test_conv_net_and_gradient_accumulation_count_optimizer_steps():
     audit = MaskAudit(sparse)
     trainer = make_trainer([sparse, audit], max_epochs=1, accumulate_grad_batches=2)
     trainer.fit(TinyNet(conv=True), make_loader(conv=True))
-    assert trainer.global_step == 4 and sparse.engine.last_update == 3
-    names = [layer.plan.name for layer in sparse.engine.layers]
-    assert names == ["net.0", "net.2"]  # input channels 4 and 8 take 2:4; the head is denied
+    assert trainer.global_step == 4 and sparse.engine.updater.last_update == 3
+    names = [slot.name for slot in sparse.engine.slots]
+    assert names == ["net.0.weight", "net.2.weight"]  # 4 and 8 input channels; head denied
 
 
 def test_bf16_autocast_on_cpu():
@@ -122,11 +89,12 @@ def test_setup_table_lists_every_candidate(caplog):
     with caplog.at_level(logging.INFO):
         make_trainer([sparse], max_epochs=1).fit(WithEmbedding(), make_loader())
     table = caplog.text
-    assert "1 of 4 candidate layers selected" in table
+    assert "1 of 4 weight tensors selected; mask updates at steps 0 (one update)" in table
     assert "type Embedding not in layer_types" in table
     assert "deny 'net.4'" in table
-    assert "dense_ratio 0.5: first 1 of 2 eligible layers stay dense" in table
-    assert [layer.plan.name for layer in sparse.engine.layers] == ["net.2"]
+    assert "dense_ratio 0.5: block 'net.0' is one of the first 1 of 2 blocks" in table
+    assert [slot.name for slot in sparse.engine.slots] == ["net.2.weight"]
+    assert "SparsityCallback: 50.00% of 1,024 weights in 1 tensors are zero" in table
 
 
 def test_overrides_and_log_layers():
@@ -135,9 +103,9 @@ def test_overrides_and_log_layers():
                                          r"net\.4": {"sparsity": 0.0}})
     trainer = make_trainer([sparse], max_epochs=1)
     trainer.fit(TinyNet(), make_loader())
-    assert trainer.callback_metrics["sparsity/net.0"] == pytest.approx(0.75)
-    assert trainer.callback_metrics["sparsity/net.2"] == pytest.approx(0.5)
-    assert "sparsity/net.4" not in trainer.callback_metrics
+    assert trainer.callback_metrics["sparsity/net.0.weight"] == pytest.approx(0.75)
+    assert trainer.callback_metrics["sparsity/net.2.weight"] == pytest.approx(0.5)
+    assert "sparsity/net.4.weight" not in trainer.callback_metrics
 
 
 def run_for(model, callbacks, max_epochs, ckpt_path=None, **kwargs):
@@ -165,97 +133,70 @@ def test_resume_mid_schedule_is_bit_exact(tmp_path):
     sparse = SparsityCallback(**sparse_settings())
     run_for(resumed, [sparse], max_epochs=2, ckpt_path=tmp_path / "last.ckpt")
 
-    assert sparse.engine.last_update == 10  # steps 6..11 ran after the resume
+    assert sparse.engine.updater.last_update == 10  # steps 6..11 ran after the resume
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items(),
                                  strict=True):
         assert torch.equal(a, b), name
 
 
-def test_checkpoint_with_wrong_masks_is_rejected(tmp_path):
+def test_checkpoint_with_wrong_masks_is_rejected_before_anything_changes(tmp_path):
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
     run_for(TinyNet(), [SparsityCallback("2:4"), checkpoint], max_epochs=1,
             enable_checkpointing=True)
     saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
-    saved["state_dict"]["net.2.weight_mask"] = torch.ones(3, 4, dtype=torch.bool)
+    (state,) = [v for k, v in saved["callbacks"].items() if k.startswith("SparsityCallback")]
+    state["masks"]["net.2.weight"]["shape"] = [3, 4]
     torch.save(saved, tmp_path / "bad.ckpt")
-    with pytest.raises(ValueError, match="checkpoint mask 'net.2.weight_mask'"):
-        run_for(TinyNet(), [SparsityCallback("2:4")], max_epochs=2,
-                ckpt_path=tmp_path / "bad.ckpt")
-
-
-def test_make_permanent_after_fit():
     model = TinyNet()
-    run_for(model, [SparsityCallback("2:4")], max_epochs=1)
+    with pytest.raises(ValueError, match=r"mask 'net.2.weight' has shape \[3, 4\]"):
+        run_for(model, [SparsityCallback("2:4")], max_epochs=2, ckpt_path=tmp_path / "bad.ckpt")
+    # Lightning restored the checkpoint's weights, all of them; no mask was installed
+    assert all(torch.equal(saved["state_dict"][k], v) for k, v in model.state_dict().items())
+    assert not any(name.endswith("_mask") for name, _ in model.named_buffers())
+
+
+def test_a_sparse_checkpoint_loads_with_a_plain_strict_call(tmp_path):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trained = TinyNet()
+    run_for(trained, [SparsityCallback("2:4"), checkpoint], max_epochs=1,
+            enable_checkpointing=True)
+    loaded = TinyNet.load_from_checkpoint(tmp_path / "last.ckpt")  # strict, no callback
+    assert torch.equal(loaded.net[0].weight, trained.net[0].weight)
+    assert (loaded.net[0].weight == 0).float().mean() == 0.5
+
+
+def test_make_permanent_after_fit_and_a_second_fit():
+    model = TinyNet()
+    sparse = SparsityCallback("2:4")
+    run_for(model, [sparse], max_epochs=1)
     make_permanent(model)
-    assert set(model.state_dict()) == set(TinyNet().state_dict())
+    assert not any(name.endswith("_mask") for name, _ in model.named_buffers())
     assert (model.net[0].weight == 0).float().mean() == 0.5
+    run_for(model, [sparse], max_epochs=1)  # fresh masks, pruned again at step 0
+    assert sparse.engine.installed and sparse.engine.sparsity == 0.5
 
 
-BAD_CONSTRUCTION = [
-    (dict(pattern="2-4"), "unknown pattern '2-4'; valid forms"),
-    (dict(pattern="5:4"), "N must satisfy 1 <= N <= M"),
-    (dict(pattern="unstructured"), "needs a sparsity in"),
-    (dict(pattern="unstructured", sparsity=1.0), r"sparsity must be a number in \[0, 1\)"),
-    (dict(pattern="unstructured", sparsity=-0.1), r"sparsity must be a number in \[0, 1\)"),
-    (dict(pattern="2:4", sparsity=0.7), "pattern '2:4' implies sparsity 0.5"),
-    (dict(schedule="cubic"), "unknown schedule 'cubic'; valid: oneshot, gmp, linear, constant"),
-    (dict(schedule="gmp", start=50, end=10), "start must come before end"),
-    (dict(schedule="gmp", start=0.8, end=0.2), "start must come before end"),
-    (dict(schedule="gmp", start=1.5), r"start as a fraction of training must lie in \[0, 1\]"),
-    (dict(schedule="oneshot", end=10), "end applies to gradual schedules"),
-    (dict(frequency=0), "frequency must be an int >= 1, got 0"),
-    (dict(allow="fc1"), "allow must be a list of regex strings"),
-    (dict(deny=["("]), "deny regex '\\(' is invalid"),
-    (dict(dense_ratio=1.0), r"dense_ratio must be a number in \[0, 1\)"),
-    (dict(distribution="erdos"), "unknown distribution 'erdos'; valid: uniform, erk, global"),
-    (dict(distribution="global"), "distribution 'global' needs an unstructured or block"),
-    (dict(overrides={"fc": {"density": 0.5}}), "overrides\\['fc'\\] must be a dict with keys"),
-    (dict(overrides={"fc": {"pattern": "1:9:2d"}}), "transposable N:M supports M <= 5"),
-    (dict(layer_types=("Linear",)), "layer_types must be torch.nn.Module subclasses"),
-    (dict(overrides={"fc": {"pattern": "unstructured"}}),
-     "overrides\\['fc'\\]: pattern 'unstructured' needs a sparsity"),
-    (dict(overrides={"fc": {"sparsity": 0.9}}),
-     "overrides\\['fc'\\]: pattern '2:4' implies sparsity 0.5"),
-]
-
-
-@pytest.mark.parametrize(("kwargs", "message"), BAD_CONSTRUCTION,
-                         ids=[m[:30] for _, m in BAD_CONSTRUCTION])
-def test_bad_construction_raises(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        SparsityCallback(**kwargs)
-
-
-BAD_SETUP = [
-    (dict(allow=["encoder"]), "allow regex 'encoder' matches no layer; layers are: 'net.0'"),
-    (dict(overrides={"head": {"sparsity": 0.5}}), "overrides regex 'head' matches no layer"),
-    (dict(pattern="2:32", allow=[r"net\.0"]),
-     "layer 'net.0' .* was asked for by name but cannot take pattern '2:32'"),
-    (dict(schedule="gmp", end=10_000.0), r"end as a fraction of training must lie in"),
-]
-
-
-@pytest.mark.parametrize(("kwargs", "message"), BAD_SETUP, ids=[m[:30] for _, m in BAD_SETUP])
-def test_bad_setup_raises_before_any_weight_changes(kwargs, message):
-    model = TinyNet()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match=message):
-        SparsityCallback(**kwargs)  # construction errors count too
-        make_trainer([SparsityCallback(**kwargs)], max_epochs=1).fit(model, make_loader())
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items() if k in before)
-
-
-def test_layers_built_in_configure_model_are_an_error():
+def test_layers_built_in_configure_model_on_the_meta_device():
     class Lazy(TinyNet):
         def __init__(self):
             super().__init__()
             del self.net
 
         def configure_model(self):
-            self.net = nn.Sequential(nn.Linear(16, 4))
+            if hasattr(self, "net"):
+                return
+            with torch.device("meta"):
+                self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+            self.net.to_empty(device="cpu")  # uninitialized bytes until reset_parameters
+            for layer in (self.net[0], self.net[2]):
+                layer.reset_parameters()
 
-    with pytest.raises(ValueError, match="selected no layer .* builds in configure_model"):
-        make_trainer([SparsityCallback("2:4")], max_epochs=1).fit(Lazy(), make_loader())
+    sparse = SparsityCallback("2:4")
+    audit = MaskAudit(sparse)
+    model = Lazy()
+    make_trainer([sparse, audit], max_epochs=1).fit(model, make_loader())
+    assert [s.name for s in sparse.engine.slots] == ["net.0.weight", "net.2.weight"]
+    assert audit.updates == 1 and sparse.engine.sparsity == 0.5
 
 
 def test_a_reused_callback_prunes_a_fresh_model_after_a_resume(tmp_path):
@@ -276,9 +217,9 @@ def test_from_config_yaml_and_unknown_keys(tmp_path):
     sparse = SparsityCallback.from_config(path)
     assert sparse.config.layer_types == (nn.Linear,)
     assert sparse.config.parsed_pattern.block_rows == 2
-    with pytest.raises(ValueError, match=r"unknown config keys \['sparsty'\]; valid keys: pattern"):
+    with pytest.raises(ValueError, match=r"unknown setting 'sparsty'; did you mean 'sparsity'"):
         SparsityCallback.from_config({"sparsty": 0.5})
-    with pytest.raises(ValueError, match="layer_types entry 'Dense' is not a torch.nn module"):
+    with pytest.raises(ValueError, match="layer_types entry 'Dense' is not a torch.nn.Module"):
         SparsityCallback.from_config({"layer_types": ["Dense"]})
 
 
@@ -303,4 +244,78 @@ def test_metrics_reach_the_loggers(tmp_path):
     logged = [float(r["sparsity/global"]) for r in rows if r.get("sparsity/global")]
     assert len(logged) >= 8 and logged == sorted(logged)  # GMP only grows
     assert logged[-1] == pytest.approx(0.6, abs=0.01)
-    assert any(r.get("sparsity/net.2") for r in rows)
+    assert any(r.get("sparsity/net.2.weight") for r in rows)
+
+
+def test_resume_with_a_changed_schedule_warns_and_keeps_the_checkpoints(tmp_path):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    run_for(TinyNet(), [SparsityCallback(**sparse_settings()), checkpoint], max_epochs=1,
+            enable_checkpointing=True)
+    sparse = SparsityCallback(**{**sparse_settings(), "end": 8})
+    with pytest.warns(UserWarning, match=r"keeps the checkpoint's schedule; ignored: end=10 "
+                                         r"in the checkpoint, 8 now"):
+        run_for(TinyNet(), [sparse], max_epochs=2, ckpt_path=tmp_path / "last.ckpt")
+    assert sparse.engine.updater.schedule.end == 10
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (dict(sparsity=0.7), r"sparsity=0.8 in the checkpoint, 0.7 now"),
+    (dict(deny=[r"net\.4"]), r"deny=\[\] in the checkpoint, \['net\\\\.4'\] now"),
+])
+def test_resume_with_changed_masks_settings_says_what_changed(tmp_path, change, message):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    run_for(TinyNet(), [SparsityCallback(**sparse_settings()), checkpoint], max_epochs=1,
+            enable_checkpointing=True)
+    model = TinyNet()
+    with pytest.raises(ValueError, match=r"cannot resume: the checkpoint's masks were made "
+                                         r"with other settings: " + message):
+        run_for(model, [SparsityCallback(**{**sparse_settings(), **change})], max_epochs=2,
+                ckpt_path=tmp_path / "last.ckpt")
+    # Lightning restored the checkpoint's weights, all of them; no mask was installed
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    assert not any(name.endswith("_mask") for name, _ in model.named_buffers())
+
+
+def test_a_second_fit_runs_the_schedule_again_and_regrows():
+    sparse = SparsityCallback("unstructured", sparsity=0.8, schedule="constant", regrow="rigl",
+                              frequency=2, regrow_end=1.0)
+    model = TinyNet()
+    run_for(model, [sparse], max_epochs=1)
+    first = sparse.engine.updater.last_regrow
+    run_for(model, [sparse], max_epochs=1)  # a new Trainer: steps count from 0 again
+    assert first is not None and sparse.engine.updater.last_regrow is not None
+    assert sparse.engine.updater.last_regrow <= first  # it regrew during the second fit
+    assert sparse.engine.sparsity == pytest.approx(0.8, abs=0.01)
+
+
+def test_two_callbacks_with_disjoint_selections_and_an_overlap():
+    first = SparsityCallback("2:4", allow=[r"net\.0"])
+    second = SparsityCallback("unstructured", sparsity=0.75, allow=[r"net\.2"])
+    model = TinyNet()
+    run_for(model, [first, second], max_epochs=1)
+    assert first.engine.tensor_sparsity == {"net.0.weight": 0.5}
+    assert second.engine.tensor_sparsity == {"net.2.weight": 0.75}
+    overlapping = SparsityCallback("1:4", allow=[r"net\.(0|4)"])
+    with pytest.raises(ValueError, match=r"'net.0.weight' .* already masked by another"):
+        run_for(TinyNet(), [SparsityCallback("2:4", allow=[r"net\.0"]), overlapping],
+                max_epochs=1)
+
+
+def test_log_every_n_steps_zero_and_a_short_gmp_warns():
+    sparse = SparsityCallback("unstructured", sparsity=0.5, schedule="gmp", frequency=100)
+    with pytest.warns(UserWarning, match=r"only 2 mask updates fit between start=0 and end=9 "
+                                         r"at frequency=100"):
+        run_for(TinyNet(), [sparse], max_epochs=2, log_every_n_steps=0)
+    assert sparse.engine.sparsity == 0.5
+
+
+def test_unused_selected_tensors_are_named():
+    class WithUnused(TinyNet):
+        def __init__(self):
+            super().__init__()
+            self.pooler = nn.Linear(16, 16)
+
+    with pytest.warns(UserWarning, match=r"1 selected tensors got no gradient in the first step"
+                                         r" .*\['pooler.weight'\]; deny them"):
+        run_for(WithUnused(), [SparsityCallback("2:4")], max_epochs=1)

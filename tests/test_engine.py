@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import assert_masks_hold
+from conftest import assert_masks_hold, assert_reported_is_forward
 from torch import nn
 
 from sparse_training import SparsityConfig, SparsityEngine, make_permanent
@@ -18,7 +18,20 @@ OPTIMIZERS = {
     "sgd": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.1),
     "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.5),
     "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2),
+    "lbfgs-like noise": lambda p: NoisySGD(p, lr=1e-2),
 }
+
+
+class NoisySGD(torch.optim.SGD):
+    """An optimizer that moves every weight, zeros included: the re-mask must catch it."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(torch.randn_like(p), alpha=1e-3)
+        return loss
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
@@ -32,35 +45,36 @@ def test_gmp_loop_keeps_zeros_and_state(name):
     engine.attach(optimizer)
     for step in range(20):
         updated = engine.on_step_start(step)
-        x = torch.randn(8, 16)
-        model(x).square().mean().backward()
-        engine.mask_gradients()
+        model(torch.randn(8, 16)).square().mean().backward()
+        engine.before_optimizer_step(optimizer, step)
         optimizer.step()
         optimizer.zero_grad()
         assert_masks_hold(engine, [optimizer])
+        assert_reported_is_forward(engine)
         if updated:
-            expected = engine.schedule.fraction(step) * 0.75
-            for layer in engine.layers:
-                kept = int(layer.mask.sum())
-                assert kept == layer.weight.numel() - int(expected * layer.weight.numel() + 0.5)
-    assert engine.last_update == 12
+            expected = engine.updater.schedule.fraction(step) * 0.75
+            for slot in engine.slots:
+                kept = int(slot.mask.sum())
+                assert kept == slot.param.numel() - int(expected * slot.param.numel() + 0.5)
+    assert engine.updater.last_update == 12
     assert engine.sparsity == pytest.approx(0.75, abs=1e-3)
 
 
 def test_mask_update_zeroes_state_that_training_filled():
     torch.manual_seed(0)
     model = mlp()
-    engine = SparsityEngine(model, SparsityConfig("2:4"))
+    engine = SparsityEngine(model, SparsityConfig("2:4", start=3))
     engine.start(10)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     engine.attach(optimizer)
-    for _ in range(3):  # dense steps fill exp_avg everywhere
+    for step in range(3):  # dense steps fill exp_avg everywhere
+        assert not engine.on_step_start(step)
         model(torch.randn(4, 16)).sum().backward()
         optimizer.step()
         optimizer.zero_grad()
     state = optimizer.state[model[0].weight]
     assert state["exp_avg"].ne(0).all()
-    engine.update_masks(1.0)
+    assert engine.on_step_start(3)
     assert_masks_hold(engine, [optimizer])
     assert (model[0].weight_mask.reshape(32, -1, 4).sum(-1) == 2).all()
 
@@ -80,14 +94,14 @@ def test_skipped_amp_step_changes_nothing():
     before = [p.detach().clone() for p in model.parameters()]
     scaler.scale(model(torch.randn(4, 16)).sum() * float("inf")).backward()
     scaler.unscale_(optimizer)
-    engine.mask_gradients(optimizer)
+    engine.before_optimizer_step(optimizer, 0)
     scaler.step(optimizer)
     scaler.update()
     assert calls == []
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
 
 
-def test_only_the_optimizers_own_layers_are_touched():
+def test_only_the_optimizers_own_tensors_are_touched():
     model = mlp()
     engine = SparsityEngine(model, SparsityConfig("2:4"))
     engine.start(1)
@@ -95,31 +109,42 @@ def test_only_the_optimizers_own_layers_are_touched():
     second = torch.optim.SGD(model[2].parameters(), lr=0.1)
     engine.attach(first)
     engine.attach(second)
-    assert [layer.plan.name for layer in engine._layers_of(first)] == ["0"]
-    assert [layer.plan.name for layer in engine._layers_of(second)] == ["2"]
+    assert [slot.name for slot in engine._slots_of(first)] == ["0.weight"]
+    assert [slot.name for slot in engine._slots_of(second)] == ["2.weight"]
     engine.detach()
     assert engine._attached == {}
 
 
-def test_state_dict_round_trip_and_mask_mismatch():
+def test_state_dict_round_trip_and_plain_model_state():
+    torch.manual_seed(0)
     model = mlp()
     engine = SparsityEngine(model, SparsityConfig("2:4"))
     engine.start(5)
     engine.on_step_start(0)
-    saved = model.state_dict()
+    assert set(model.state_dict()) == set(mlp().state_dict())  # masks stay out of it
+    saved, weights = engine.state_dict(), model.state_dict()
+    engine.detach()
     other = mlp()
-    SparsityEngine(other, SparsityConfig("2:4"))
-    other.load_state_dict(saved)
+    other.load_state_dict(weights)  # strict: the sparse weights load into a plain model
+    restored = SparsityEngine(other, SparsityConfig("2:4"), state=saved)
     assert torch.equal(other[0].weight_mask, model[0].weight_mask)
+    assert restored.updater.last_update == 0
 
-    bad = dict(saved)
-    bad["0.weight_mask"] = torch.ones(3, 3, dtype=torch.bool)
-    with pytest.raises(ValueError, match=r"checkpoint mask '0.weight_mask' .* does not fit"):
-        other.load_state_dict(bad)
-    dense = {k: v for k, v in saved.items() if not k.endswith("_mask")}
-    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"0.weight_mask\""):
-        other.load_state_dict(dense)
-    other.load_state_dict(dense, strict=False)  # explicit partial loads stay possible
+
+def test_a_state_that_does_not_fit_changes_nothing():
+    model = mlp()
+    engine = SparsityEngine(model, SparsityConfig("2:4"))
+    engine.start(5)
+    engine.on_step_start(0)
+    saved = engine.state_dict()
+    saved["masks"]["2.weight"]["shape"] = [3, 3]
+    engine.detach()
+    other = mlp()
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(ValueError, match=r"mask '2.weight' has shape \[3, 3\], the tensor"):
+        SparsityEngine(other, SparsityConfig("2:4"), state=saved)
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+    assert not any(name.endswith("_mask") for name, _ in other.named_buffers())
 
 
 def test_make_permanent_folds_and_removes_masks():
@@ -131,18 +156,45 @@ def test_make_permanent_folds_and_removes_masks():
     x = torch.randn(4, 16)
     expected = model(x)
     make_permanent(model)
-    assert not any(name.endswith("_mask") for name in model.state_dict())
+    assert not any(name.endswith("_mask") for name, _ in model.named_buffers())
+    assert not engine.installed
     assert torch.equal(model(x), expected)
     assert (model[0].weight == 0).float().mean() == 0.5
-    plain = mlp()
-    plain.load_state_dict(model.state_dict())  # a plain model takes the exported weights
 
 
-def test_existing_foreign_mask_is_rejected():
+def test_torch_prune_and_foreign_mask_attributes_are_refused():
     model = mlp()
     torch.nn.utils.prune.l1_unstructured(model[0], "weight", amount=0.5)
-    with pytest.raises(ValueError, match=r"layer '0' already has a 'weight_mask' \(torch.float32"):
+    with pytest.raises(ValueError, match=r"'0.weight_orig' .* torch.nn.utils.prune"):
         SparsityEngine(model, SparsityConfig("2:4"))
+    other = mlp()
+    other[2].register_buffer("weight_mask", torch.ones(3))
+    with pytest.raises(ValueError, match=r"'weight_mask' \(torch.float32, \(3,\)\) is not a bool"):
+        SparsityEngine(other, SparsityConfig("2:4"))
+
+
+def test_two_engines_on_one_tensor_are_refused_until_detached():
+    model = mlp()
+    first = SparsityEngine(model, SparsityConfig("2:4", allow=[r"^0\."]))
+    second = SparsityEngine(model, SparsityConfig("2:4", allow=[r"^2\."]))  # disjoint: fine
+    with pytest.raises(ValueError, match=r"'0.weight' .* already masked by another"):
+        SparsityEngine(model, SparsityConfig("1:4", allow=[r"^0\."]))
+    first.detach()
+    SparsityEngine(model, SparsityConfig("2:4", allow=[r"^0\."]))
+    second.detach()
+
+
+def test_meta_weights_are_refused():
+    with torch.device("meta"):
+        model = mlp()
+    with pytest.raises(ValueError, match="on the meta device: materialize the model"):
+        SparsityEngine(model, SparsityConfig("2:4"))
+    model.to_empty(device="cpu")
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    engine = SparsityEngine(model, SparsityConfig("2:4"))
+    assert all(slot.mask.all() for slot in engine.slots)  # real masks, not leftover bytes
 
 
 def test_compile_sees_no_hooks():

@@ -41,8 +41,8 @@ def test_fused_matches_the_hook_path(optimizer):
             assert torch.equal(a, b), name
         else:
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)  # fp32 rounding
-    for layer in sparse.engine.layers:
-        assert not layer.weight[~layer.mask].any()
+    for layer in sparse.engine.slots:
+        assert not layer.param[~layer.mask].any()
 
 
 def test_fused_with_clipping_masks_gradients_first():
@@ -68,5 +68,5 @@ def test_fused_true_names_why_it_cannot_serve():
 
 
 def test_fused_setting_is_validated():
-    with pytest.raises(ValueError, match="fused must be 'auto', True or False, got 'yes'"):
+    with pytest.raises(ValueError, match="unknown fused 'yes'; valid: 'auto', True, False"):
         SparsityCallback("2:4", fused="yes")

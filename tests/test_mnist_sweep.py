@@ -102,7 +102,7 @@ def test_count_separates_pruned_layers_from_all_params() -> None:
     engine = mnist_sweep.SparsityEngine(
         net, mnist_sweep.SparsityConfig(pattern="unstructured", sparsity=0.9, deny=["fc3"])
     )
-    engine.update_masks(1.0)
+    engine.prune()
     counts = mnist_sweep.count(net)
     assert counts.weights_total == 784 * 300 + 300 * 100  # fc3 is not masked
     assert counts.sparsity_layers == pytest.approx(0.9, abs=1e-5)

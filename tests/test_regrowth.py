@@ -98,18 +98,18 @@ class CountAudit(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         engine = self.sparse.engine
-        if engine.last_update is None:
+        if engine.updater.last_update is None:
             return
-        counts = {layer.plan.name: int(layer.mask.sum()) for layer in engine.layers}
-        masks = {layer.plan.name: layer.mask.clone() for layer in engine.layers}
+        counts = {layer.name: int(layer.mask.sum()) for layer in engine.slots}
+        masks = {layer.name: layer.mask.clone() for layer in engine.slots}
         if self.counts is None:
             self.counts, self.masks = counts, masks
         assert counts == self.counts  # regrowth never drifts
         self.changes += any(not torch.equal(masks[k], self.masks[k]) for k in masks)
         self.masks = masks
         # SR-STE keeps dense optimizer state; the others zero it at pruned positions
-        assert_masks_hold(engine, [] if engine.sr_ste else trainer.optimizers)
-        for layer in engine.layers:
+        assert_masks_hold(engine, [] if engine.updater.dense_state else trainer.optimizers)
+        for layer in engine.slots:
             if layer.plan.pattern.is_nm:
                 groups = as_matrix(layer.mask).reshape(-1, layer.plan.pattern.m)
                 assert (groups.sum(-1) == layer.plan.pattern.n).all()
@@ -149,7 +149,7 @@ def test_regrowth_with_gmp_graNet_style():
     trainer = make_trainer([sparse], max_epochs=4)
     trainer.fit(TinyNet(), teacher_loader(n=256))
     assert sparse.engine.sparsity == pytest.approx(0.8, abs=0.005)
-    assert sparse.engine.last_regrow is not None
+    assert sparse.engine.updater.last_regrow is not None
 
 
 class ResBlock(nn.Module):
@@ -178,8 +178,9 @@ def test_resnet_with_nm_regrowth(regrow):
     model = TinyResNet()
     trainer = make_trainer([sparse, audit], max_epochs=3)
     trainer.fit(model, make_loader(conv=True, n=96))
-    names = [layer.plan.name for layer in sparse.engine.layers]
-    assert names == ["net.1.conv1", "net.1.conv2", "net.2.conv1", "net.2.conv2"]  # stem dense
+    names = [slot.name for slot in sparse.engine.slots]
+    assert names == ["net.1.conv1.weight", "net.1.conv2.weight", "net.2.conv1.weight",
+                     "net.2.conv2.weight"]  # the stem block stays dense
     assert audit.changes >= 1
 
 
@@ -189,10 +190,10 @@ def test_sr_ste_keeps_dense_weights_and_remasks_every_step():
     model = TinyNet(lr=3e-2)
     trainer = make_trainer([sparse, audit], max_epochs=4)
     trainer.fit(model, teacher_loader(n=256))
-    layer = sparse.engine.layers[0]
-    dense = layer.module.weight_dense
-    assert dense[~layer.mask].ne(0).float().mean() > 0.9  # pruned weights live on, densely
-    assert torch.equal(layer.weight, dense.masked_fill(~layer.mask, 0))
+    slot = sparse.engine.slots[0]
+    dense = sparse.engine.updater.dense[slot.name]
+    assert dense[~slot.mask].ne(0).float().mean() > 0.9  # pruned weights live on, densely
+    assert torch.equal(slot.param, dense.masked_fill(~slot.mask, 0))
     assert audit.changes >= 2  # masks follow the dense weights
     assert accuracy(model, teacher_loader(seed=1)) > 0.5
 
@@ -209,13 +210,15 @@ def test_no_mask_update_on_non_finite_gradients():
 
     class Spy(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            regrown.append(sparse.engine.last_regrow)
+            regrown.append(sparse.engine.updater.last_regrow)
 
     amp = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))  # skips inf steps
     trainer = make_trainer([sparse, Spy()], max_epochs=1, max_steps=7, plugins=[amp])
     trainer.fit(Overflow(), make_loader())
-    # step 4 overflowed: no update there; the period's update runs at the next step
-    assert regrown[2] == 2 and regrown[4] == 2 and regrown[5] == 5 and regrown[6] == 6
+    # regrowth from the first step; step 4 overflowed: no update there, the period's update
+    # runs at the next step
+    assert regrown[0] == 0 and regrown[2] == 2 and regrown[4] == 2 and regrown[5] == 5
+    assert regrown[6] == 6
 
 
 def rigl_settings():
@@ -237,13 +240,13 @@ def test_resume_restores_regrowth_exactly(tmp_path):
     sparse = SparsityCallback(**rigl_settings())
     make_trainer([sparse], max_epochs=2).fit(resumed, make_loader(n=96),
                                              ckpt_path=tmp_path / "last.ckpt")
-    assert sparse.engine.last_regrow == 10
+    assert sparse.engine.updater.last_regrow == 10
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items(),
                                  strict=True):
         assert torch.equal(a, b), name
 
 
-def test_rigl_skips_layers_without_gradient():
+def test_rigl_skips_tensors_without_gradient():
     class WithUnusedHead(TinyNet):
         def __init__(self):
             super().__init__()
@@ -251,10 +254,18 @@ def test_rigl_skips_layers_without_gradient():
 
     sparse = SparsityCallback("unstructured", sparsity=0.5, schedule="constant", regrow="rigl",
                               frequency=2)
+    masks = []
+
+    class Spy(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            masks.append({s.name: s.mask.clone() for s in sparse.engine.slots})
+
     model = WithUnusedHead()
-    make_trainer([sparse], max_epochs=1).fit(model, make_loader())
-    assert "unused" not in sparse.engine.regrown_slot  # never regrown, never crashed
-    assert sparse.engine.regrown_slot["net.0"] >= 2
+    with pytest.warns(UserWarning, match="got no gradient in the first step"):
+        make_trainer([sparse, Spy()], max_epochs=1).fit(model, make_loader())
+    assert all(torch.equal(m["unused.weight"], masks[0]["unused.weight"]) for m in masks)
+    assert not all(torch.equal(m["net.0.weight"], masks[0]["net.0.weight"]) for m in masks)
+    assert sparse.engine.updater.regrown_period["net.0.weight"] == 2  # steps 0, 2, 4 < 6
 
 
 def test_every_optimizer_regrows_once_per_period():
@@ -264,20 +275,20 @@ def test_every_optimizer_regrows_once_per_period():
 
     class Count(Callback):
         def on_train_start(self, trainer, pl_module):
-            engine = sparse.engine
-            inner = engine.regrow
+            updater = sparse.engine.updater
+            inner = updater.regrow
 
-            def counted(layers, step):
-                for layer in layers:
-                    regrowths[layer.plan.name] = regrowths.get(layer.plan.name, 0) + 1
-                inner(layers, step)
+            def counted(engine, slots, step):
+                for slot in slots:
+                    regrowths[slot.name] = regrowths.get(slot.name, 0) + 1
+                inner(engine, slots, step)
 
-            engine.regrow = counted
+            updater.regrow = counted
 
     make_trainer([sparse, Count()], max_epochs=1).fit(TwoOptimizerNet(), make_loader())
     # 8 batches x 2 optimizer steps: the first optimizer sees global steps 0, 2, ..., 14
-    # (periods 1-4 of length 3), the second 1, 3, ..., 15 (periods 1-5): one regrowth each
-    assert regrowths == {"net.0": 4, "net.2": 5, "net.4": 5}
+    # (periods 0-4 of length 3), the second 1, 3, ..., 15 (periods 0-5): one regrowth each
+    assert regrowths == {"net.0.weight": 5, "net.2.weight": 6, "net.4.weight": 6}
 
 
 def test_sr_ste_masks_weights_after_a_skipped_step():
@@ -303,20 +314,3 @@ def test_checksum_tells_masks_with_equal_index_sums_apart():
                                                                       dtype=torch.bool)
     assert mask_checksum(a) != mask_checksum(b)
     assert mask_checksum(a) == mask_checksum(a.clone())
-
-
-@pytest.mark.parametrize(("kwargs", "message"), [
-    (dict(regrow="grow"), "unknown regrow 'grow'; valid: None, rigl, set, sr-ste"),
-    (dict(pattern="2:4:2d", regrow="rigl"), "does not support transposable patterns"),
-    (dict(pattern="unstructured", sparsity=0.5, regrow="sr-ste"), "sr-ste' trains N:M masks"),
-    (dict(regrow="rigl", regrow_fraction=0.0), r"regrow_fraction must be a number in \(0, 1\]"),
-    (dict(regrow="set", regrow_end=2.0), r"regrow_end as a fraction of training must lie in"),
-    (dict(score="gradient"), "unknown score 'gradient'; valid: magnitude, random"),
-    (dict(pattern="unstructured", sparsity=0.9, schedule="gmp", score="random"),
-     "score='random' draws one random mask; it needs schedule 'oneshot' or 'constant'"),
-    (dict(seed=1.5), "seed must be an int, got 1.5"),
-    (dict(pattern="2:4", distribution="erk"), "distribution 'erk' needs an unstructured"),
-])
-def test_bad_regrowth_settings(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        SparsityCallback(**kwargs)

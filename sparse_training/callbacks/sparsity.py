@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -11,100 +11,56 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
-from torch import nn
 from torch.optim import Optimizer
 
-from sparse_training.config import SparsityConfig
+from sparse_training.config import SparsityConfig, settings_signature
 from sparse_training.engine import SparsityEngine
-from sparse_training.regrowth import DEFAULT_ALPHA, DEFAULT_REGROW_END, DEFAULT_SR_STE_DECAY
-from sparse_training.schedules import Step
-from sparse_training.selection import DEFAULT_LAYER_TYPES, format_table
+from sparse_training.schedules import GRADUAL
+from sparse_training.selection import format_table
+from sparse_training.state import check_settings
+
+MIN_GRADUAL_UPDATES = 3  # fewer and a gradual schedule is a few jumps: warn
 
 
 class SparsityCallback(Callback):
     """Train sparse with any LightningModule: masks that hold, schedules, exact resume.
 
-    At ``setup`` the layers are selected, a bool mask buffer is registered beside each
-    selected weight and the selection table is logged. Masks are updated at the start of
-    the optimizer steps the schedule names; gradients are masked in
-    ``on_before_optimizer_step`` (after AMP unscaling, before gradient clipping), where
-    regrowth also reads the dense gradients; weights are re-masked after every optimizer
-    step that ran.
+    Takes the settings of :class:`~sparse_training.SparsityConfig` as keyword arguments
+    (listed below). At the start of every ``fit`` (after ``configure_model``, so layers
+    built there count) the weight tensors are selected, a mask buffer is registered
+    beside each selected one and the setup table is logged with the resolved mask-update
+    steps. Masks are updated at the start of the optimizer steps the schedule names;
+    gradients are masked in ``on_before_optimizer_step`` (after AMP unscaling, before
+    gradient clipping), where regrowth also reads the dense gradients; pruned weights are
+    zeroed after every optimizer step that ran. The masks and the schedule's progress go
+    into Lightning's checkpoints as this callback's state; the model's ``state_dict``
+    stays plain. ``fit`` ends with a one-line summary.
 
-    Args:
-        pattern: see :mod:`sparse_training.patterns` ("2:4", "unstructured", "block:4x4", ...).
-        sparsity: target fraction of zeros per selected layer; implied by N:M when None.
-        schedule: "oneshot" | "gmp" | "linear" | "constant" (:mod:`sparse_training.schedules`).
-        start: first update, optimizer steps (int) or fraction of
-            ``trainer.estimated_stepping_batches`` (float).
-        end: last update of a gradual schedule; None means 0.75 of training.
-        frequency: optimizer steps between mask updates of a gradual schedule.
-        allow: regexes searched in module names; when given, only matching layers.
-        deny: regexes searched in module names; matching layers stay dense.
-        dense_ratio: the first fraction of the eligible layers, in module order, stays dense.
-        overrides: ``{regex: {"sparsity": .., "pattern": ..}}`` per-layer settings.
-        distribution: "uniform" | "erk" | "global" (one magnitude threshold across layers).
-        layer_types: module classes whose ``weight`` may be masked.
-        log_layers: also log ``sparsity/<layer>`` for every selected layer.
-        score: what the schedule's mask updates keep: "magnitude" (largest |w|) or
-            "random" (a random mask, seeded by (seed, step): static sparse training).
-        regrow: None | "rigl" | "set" | "sr-ste" (:mod:`sparse_training.regrowth`).
-        regrow_fraction: alpha, the share of active weights swapped at step 0 (RigL: 0.3).
-        regrow_end: no more regrowth from this step (int) or fraction (float) on.
-        sr_ste_decay: lambda of SR-STE's decay of the pruned weights.
-        seed: seeds every random draw together with the step, equal on every rank.
-        check_masks: under torch.distributed, compare mask checksums across ranks after
-            every update and raise on a mismatch (one small all-reduce per update).
-        fused: the masked optimizer step in fused Triton kernels
-            (:mod:`sparse_training.kernels`): "auto" uses it on CUDA for
-            ``torch.optim.AdamW``, ``Adam`` and ``SGD``, True requires it (an error where it
-            cannot serve), False never uses it.
+    A later ``fit`` with the same callback: resuming (``ckpt_path``) restores the
+    checkpoint's masks and schedule; a new Trainer without ``ckpt_path`` runs the
+    schedule again from its start, beginning with the current masks; the same Trainer
+    fitting on continues where it stopped.
 
     Raises:
-        ValueError: at construction for a bad setting, at setup for a regex that matches no
-            layer or a named layer that cannot take its pattern; always before any weight
-            changes. The message names the value and the valid forms.
+        ValueError: at construction for a bad setting; at the start of ``fit`` for a
+            regex that matches no tensor, a tensor named by ``allow``/``overrides`` that
+            cannot take its pattern, a selection that overlaps another callback's, or a
+            checkpoint that does not fit; always before any weight or mask changes. The
+            message names the value and the valid forms.
+        TypeError: an unknown setting (the nearest valid one is named).
 
     Example::
 
-        trainer = pl.Trainer(max_epochs=3, callbacks=[SparsityCallback("2:4")])
+        trainer = pl.Trainer(max_epochs=3, callbacks=[SparsityCallback(pattern="2:4")])
         trainer.fit(model, loader)
     """
 
-    def __init__(
-        self,
-        pattern: str = "2:4",
-        sparsity: float | None = None,
-        schedule: str = "oneshot",
-        start: Step = 0,
-        end: Step | None = None,
-        frequency: int = 100,
-        allow: Sequence[str] | None = None,
-        deny: Sequence[str] | None = None,
-        dense_ratio: float = 0.0,
-        overrides: Mapping[str, Mapping[str, Any]] | None = None,
-        distribution: str = "uniform",
-        layer_types: tuple[type[nn.Module], ...] = DEFAULT_LAYER_TYPES,
-        log_layers: bool = False,
-        score: str = "magnitude",
-        regrow: str | None = None,
-        regrow_fraction: float = DEFAULT_ALPHA,
-        regrow_end: Step = DEFAULT_REGROW_END,
-        sr_ste_decay: float = DEFAULT_SR_STE_DECAY,
-        seed: int = 0,
-        check_masks: bool = True,
-        fused: bool | str = "auto",
-    ) -> None:
-        self.config = SparsityConfig(
-            pattern=pattern, sparsity=sparsity, schedule=schedule, start=start, end=end,
-            frequency=frequency, allow=allow, deny=deny, dense_ratio=dense_ratio,
-            overrides=overrides, distribution=distribution, layer_types=layer_types,
-            log_layers=log_layers, score=score, regrow=regrow, regrow_fraction=regrow_fraction,
-            regrow_end=regrow_end, sr_ste_decay=sr_ste_decay, seed=seed,
-            check_masks=check_masks, fused=fused)
+    def __init__(self, *args: Any, **settings: Any) -> None:
+        self.config = SparsityConfig.from_settings(*args, **settings)
         self.engine: SparsityEngine | None = None
-        self._model: nn.Module | None = None
-        self._restored_state: dict[str, Any] | None = None
+        self._restored: dict[str, Any] | None = None
+        self._unused_checked = False
+        self._fitting = False  # between on_fit_start and teardown
 
     @classmethod
     def from_config(cls, source: str | Path | Mapping[str, Any]) -> SparsityCallback:
@@ -114,61 +70,88 @@ class SparsityCallback(Callback):
     @property
     def state_key(self) -> str:
         c = self.config
-        return self._generate_state_key(pattern=c.pattern, sparsity=c.sparsity,
-                                        schedule=c.schedule, regrow=c.regrow, allow=c.allow,
-                                        deny=c.deny)
+        return self._generate_state_key(allow=list(c.allow), deny=list(c.deny),
+                                        layer_types=[t.__name__ for t in c.layer_types])
 
     def _engine(self) -> SparsityEngine:
         if self.engine is None:
-            raise RuntimeError("SparsityCallback was not set up: add it to a Trainer")
+            raise RuntimeError("SparsityCallback was not set up: add it to a Trainer and fit")
         return self.engine
 
-    # -- hooks ------------------------------------------------------------------------------
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self.engine is not None and self._model is pl_module:
-            return
-        engine = SparsityEngine(pl_module, self.config)
-        if not engine.layers:
-            raise ValueError("SparsityCallback selected no layer (setup table below); layers "
-                             "that a LightningModule builds in configure_model are not seen, "
-                             "since masks are registered at setup, before configure_model: "
-                             "build them in __init__\n" + format_table(engine.plans))
-        self.engine, self._model = engine, pl_module
-        if self._restored_state is not None:  # a state loaded before setup: once, here
-            self.engine.load_state_dict(self._restored_state)
-            self._restored_state = None
-        rank_zero_info(f"SparsityCallback: {len(self.engine.layers)} of "
-                       f"{len(self.engine.plans)} candidate layers selected\n"
-                       + format_table(self.engine.plans))
-
+    # -- fit start ---------------------------------------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        engine = self._engine()
+        restored, self._restored = self._restored, None
+        engine = self.engine
+        if engine is None or engine.model is not pl_module or not engine.installed:
+            if engine is not None:
+                engine.detach()
+            self.engine = engine = SparsityEngine(pl_module, self.config, state=restored)
+        elif restored is not None:
+            engine.load_state_dict(restored)
+        elif trainer.global_step == 0 and engine.updater.last_update is not None:
+            engine.restart()
+            rank_zero_info("SparsityCallback: a new fit runs the schedule again from its start,"
+                           " beginning with the current masks")
+        if not engine.slots:
+            raise ValueError("SparsityCallback selected no weight tensor (setup table below)\n"
+                             + format_table(engine.plans))
+        if trainer.ckpt_path is not None and restored is None:
+            rank_zero_warn("SparsityCallback: the checkpoint holds no SparsityCallback state; "
+                           "the schedule starts at the resumed step")
         total = trainer.estimated_stepping_batches
         total = None if math.isinf(total) else int(total)
         engine.start(total)
-        last = engine.schedule.end if engine.schedule.end is not None else engine.schedule.start
-        if total is not None and last >= total:
-            rank_zero_warn(f"SparsityCallback: the schedule's last update (step {last}) comes "
-                           f"after the last training step ({total - 1}); the final "
-                           f"sparsity will not be reached")
+        self._warn_about_schedule(total)
+        rank_zero_info(f"SparsityCallback: {len(engine.slots)} of {len(engine.plans)} weight "
+                       f"tensors selected; mask updates at steps "
+                       f"{engine.updater.schedule.update_steps(total)}\n"
+                       + format_table(engine.plans))
+        self._unused_checked = False
         for optimizer in trainer.optimizers:
             engine.attach(optimizer)
+        self._fitting = True
 
+    def _warn_about_schedule(self, total: int | None) -> None:
+        schedule = self._engine().updater.schedule
+        last = schedule.end if schedule.kind in GRADUAL else schedule.start
+        if total is not None and last >= total:
+            rank_zero_warn(f"SparsityCallback: the schedule's last update (step {last}) comes "
+                           f"after the last training step ({total - 1}); the final sparsity "
+                           f"will not be reached")
+        elif schedule.kind in GRADUAL:
+            updates = len(range(schedule.start, schedule.end, schedule.frequency)) + 1
+            if updates < MIN_GRADUAL_UPDATES:
+                rank_zero_warn(f"SparsityCallback: only {updates} mask updates fit between "
+                               f"start={schedule.start} and end={schedule.end} at frequency="
+                               f"{schedule.frequency}: the {schedule.kind!r} schedule is a jump;"
+                               f" lower frequency for a gradual ramp")
+
+    # -- steps ----------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                              batch: Any, batch_idx: int) -> None:
         self._engine().on_step_start(trainer.global_step)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: Optimizer) -> None:
-        self._engine().before_optimizer_step(optimizer, trainer.global_step,
-                                             clipping=trainer.gradient_clip_val is not None)
+        engine = self._engine()
+        if not self._unused_checked:
+            self._unused_checked = True
+            unused = [s.name for s in engine._slots_of(optimizer) if s.param.grad is None]
+            if unused:
+                rank_zero_warn(f"SparsityCallback: {len(unused)} selected tensors got no "
+                               f"gradient in the first step (unused by the loss, like a "
+                               f"pooler?): {unused}; deny them to keep them dense and out of "
+                               f"the sparsity figures")
+        engine.before_optimizer_step(optimizer, trainer.global_step,
+                                     clipping=trainer.gradient_clip_val is not None)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
         self._engine().on_step_end()
-        # the steps at which the Trainer's loggers write (``log_every_n_steps``): a
-        # ``self.log`` costs about half a millisecond of Python, too much for every step
-        if trainer.global_step % trainer.log_every_n_steps == 0:
+        # at the loggers' cadence (``log_every_n_steps``; 0: never on steps): a ``self.log``
+        # costs about half a millisecond of Python, too much for every step
+        every = trainer.log_every_n_steps
+        if every and trainer.global_step % every == 0:
             self._log(pl_module, on_step=True)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -178,21 +161,61 @@ class SparsityCallback(Callback):
         engine = self._engine()
         metrics = {"sparsity/global": engine.sparsity, "sparsity/target": engine.target}
         if self.config.log_layers:
-            metrics.update({f"sparsity/{name}": s for name, s in engine.layer_sparsity.items()})
+            metrics.update({f"sparsity/{name}": s for name, s in engine.tensor_sparsity.items()})
         # CPU tensors: a Python float would be copied to the GPU, a sync at every call
         pl_module.log_dict({k: torch.tensor(v) for k, v in metrics.items()}, on_step=on_step,
                            on_epoch=not on_step)
 
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        engine = self._engine()
+        weights = sum(s.plan.numel for s in engine.slots)
+        rank_zero_info(f"SparsityCallback: {engine.sparsity:.2%} of {weights:,} weights in "
+                       f"{len(engine.slots)} tensors are zero (target now {engine.target:.2%},"
+                       f" final {engine.final_sparsity:.2%}); last mask update at step "
+                       f"{engine.updater.last_update}")
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._fitting = False
         if self.engine is not None:
             self.engine.detach()
 
     # -- checkpointing ----------------------------------------------------------------------
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        """A checkpoint whose SparsityCallback state is filed under another key was saved
+        with another selection: say what changed instead of silently starting over."""
+        states = checkpoint.get("callbacks") or {}
+        if self.state_key in states:
+            return
+        claimed = {c.state_key for c in trainer.callbacks if isinstance(c, SparsityCallback)}
+        unclaimed = [k for k in states if str(k).startswith("SparsityCallback")
+                     and k not in claimed]
+        if len(unclaimed) == 1:
+            check_settings(states[unclaimed[0]].get("settings", {}), self.config.as_dict())
+        if unclaimed:
+            raise ValueError(f"cannot resume: the checkpoint's sparsity state is filed under "
+                             f"{unclaimed}, made with another selection than this callback's "
+                             f"{self.state_key!r}")
+
     def state_dict(self) -> dict[str, Any]:
-        return self._engine().state_dict() if self.engine else dict(self._restored_state or {})
+        if self.engine is not None:
+            return self.engine.state_dict()
+        return dict(self._restored or {})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.engine is not None:
-            self.engine.load_state_dict(state_dict)
-        else:
-            self._restored_state = dict(state_dict)
+        if self._fitting:  # strategies that restore checkpoints after on_fit_start
+            self._engine().load_state_dict(state_dict)
+        else:  # the usual order: installed at on_fit_start, once the model is final
+            self._restored = dict(state_dict)
+
+
+def _settings_docs() -> str:
+    text = SparsityConfig.__doc__ or ""
+    return text[text.index("    Args:"):text.index("    Raises:")] if "    Args:" in text else ""
+
+
+_signature, _annotations = settings_signature()
+SparsityCallback.__init__.__signature__ = _signature  # type: ignore[attr-defined]
+SparsityCallback.__init__.__annotations__ = _annotations
+SparsityCallback.__doc__ = (SparsityCallback.__doc__ or "").replace(
+    "    Raises:\n", _settings_docs() + "    Raises:\n", 1)

@@ -2,6 +2,7 @@
 
 Public API:
     fused_masked_step, fused_unsupported_reason, masked_step_reference,
+    zero_pruned_, zero_pruned_reference,
     nm_topk_mask, nm_topk_masks, nm_topk_mask_reference,
     global_magnitude_threshold, global_magnitude_threshold_reference,
     pack_mask, unpack_mask.
@@ -17,11 +18,13 @@ from .reference import (
     global_magnitude_threshold_reference,
     masked_step_reference,
     nm_topk_mask_reference,
+    zero_pruned_reference,
 )
 
 if HAS_TRITON:
     from .global_threshold import global_magnitude_threshold
     from .masked_step import fused_masked_step, fused_unsupported_reason
+    from .masked_zero import zero_pruned_
     from .nm_mask import nm_topk_mask, nm_topk_masks
 else:
     from ._step_plan import device_unsupported_reason
@@ -29,6 +32,7 @@ else:
     fused_masked_step = masked_step_reference
     global_magnitude_threshold = global_magnitude_threshold_reference
     nm_topk_mask = nm_topk_mask_reference
+    zero_pruned_ = zero_pruned_reference
 
     def nm_topk_masks(scores, n, m):
         """N:M masks of several tensors (reference fallback without Triton)."""
@@ -50,4 +54,6 @@ __all__ = [
     "nm_topk_masks",
     "pack_mask",
     "unpack_mask",
+    "zero_pruned_",
+    "zero_pruned_reference",
 ]

@@ -16,6 +16,14 @@ from ._step_plan import StepBatch, run_masked_step
 from .bitpack import unpack_mask
 
 
+def zero_pruned_reference(tensors: Sequence[torch.Tensor],
+                          masks: Sequence[torch.Tensor]) -> None:
+    """In place, for every pair: ``tensor[~mask] = 0`` (one ``torch.where`` each)."""
+    for tensor, mask in zip(tensors, masks, strict=True):
+        torch.where(mask, tensor, torch.zeros((), dtype=tensor.dtype, device=tensor.device),
+                    out=tensor)
+
+
 def dense_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Bool mask of ``like``'s shape from a bool or bit-packed uint8 mask."""
     return mask if mask.dtype == torch.bool else unpack_mask(mask, like.shape)

@@ -1,0 +1,155 @@
+"""Every weight-like tensor of a model, found once, by identity.
+
+A *weight-like tensor* is a parameter of two or more dimensions, whatever its name:
+``weight``, ``nn.MultiheadAttention.in_proj_weight``, ``nn.LSTM.weight_hh_l0``, a custom
+``kernel``. :func:`find_weight_tensors` returns one :class:`WeightTensor` per tensor:
+
+- **Tied parameters** (one ``Parameter`` object under several names, e.g. an LM head that
+  shares the embedding's weight) are one entry listing every name; one mask covers them.
+- **Parametrized weights** (``torch.nn.utils.parametrize``: ``weight_norm``,
+  ``spectral_norm``, ...) are listed under their forward name (``fc.weight``); the tensor
+  that is masked and updated is the stored original of the forward weight's shape
+  (``fc.parametrizations.weight.original``, or ``original1``, the direction ``v`` of
+  weight norm). :func:`zeros_pass_through` checks that zeros of the original stay zeros
+  of the forward weight, which holds for weight and spectral norm and not in general.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+
+@dataclass(frozen=True, eq=False)
+class WeightTensor:
+    """One weight-like tensor of a model.
+
+    Attributes:
+        names: every qualified forward name (``model.named_parameters`` style, the
+            parametrized ``fc.weight`` rather than its original); the first is canonical.
+        owners: the (module, attribute) pair of each name; ``getattr`` gives the tensor
+            the forward pass uses.
+        store: the (module, attribute) holding the stored parameter (the original of a
+            parametrized weight); the mask buffer is registered beside it.
+        parametrized: whether the forward weight is computed from ``store``.
+    """
+
+    names: tuple[str, ...]
+    owners: tuple[tuple[nn.Module, str], ...]
+    store: tuple[nn.Module, str]
+    parametrized: bool
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    @property
+    def param(self) -> nn.Parameter:
+        """The stored parameter: what the optimizer updates and the mask covers."""
+        module, attr = self.store
+        return module._parameters[attr]
+
+    @property
+    def kind(self) -> str:
+        """Class name of the first owning module (``Linear``, ``LSTM``, ...)."""
+        module = self.owners[0][0]
+        cls = type(module)
+        if parametrize.is_parametrized(module):  # ParametrizedLinear -> Linear
+            cls = cls.__bases__[0]
+        return cls.__name__
+
+    def forward_weight(self) -> Tensor:
+        """The tensor the forward pass uses (a parametrization is evaluated, without
+        side effects such as spectral norm's power iteration)."""
+        module, attr = self.owners[0]
+        if not self.parametrized:
+            return getattr(module, attr)
+        with torch.no_grad(), _eval(module.parametrizations[attr]):
+            return getattr(module, attr)
+
+
+@contextlib.contextmanager
+def _eval(module: nn.Module) -> Iterator[None]:
+    """Evaluation mode inside the block; the previous modes restored after it."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def _parametrized(module_name: str, module: nn.Module) -> Iterator[tuple[str, str, str]]:
+    """(forward name, attribute, original attribute) for each parametrized weight of
+    ``module`` whose forward weight has two or more dimensions."""
+    if not parametrize.is_parametrized(module):
+        return
+    for attr, plist in module.parametrizations.items():
+        originals = ["original"] if plist.is_tensor else sorted(
+            name for name in plist._parameters if name.startswith("original"))
+        with torch.no_grad(), _eval(plist):
+            shape = getattr(module, attr).shape
+        if len(shape) < 2:
+            continue
+        same = [o for o in originals if plist._parameters[o].shape == shape]
+        if len(same) != 1:
+            raise ValueError(
+                f"parametrized weight {_join(module_name, attr)!r} ({type(plist[0]).__name__})"
+                f" has {len(same)} stored originals of its shape {tuple(shape)}; a mask needs "
+                f"exactly one: deny it, or remove the parametrization")
+        yield _join(module_name, attr), attr, same[0]
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def find_weight_tensors(model: nn.Module) -> list[WeightTensor]:
+    """Every weight-like tensor of ``model``, in module order, ties merged by identity.
+
+    Raises:
+        ValueError: a parametrized weight whose stored originals are ambiguous.
+    """
+    names: dict[int, list[str]] = {}
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    stores: dict[int, tuple[tuple[nn.Module, str], bool]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, parametrize.ParametrizationList):
+            continue  # its originals are listed under their forward names
+        entries = [(_join(module_name, attr), attr, (module, attr), False)
+                   for attr, p in module._parameters.items() if p is not None and p.dim() >= 2]
+        entries += [(name, attr, (module.parametrizations[attr], original), True)
+                    for name, attr, original in _parametrized(module_name, module)]
+        for name, attr, store, is_parametrized in entries:
+            key = id(store[0]._parameters[store[1]])
+            names.setdefault(key, []).append(name)
+            owners.setdefault(key, []).append((module, attr))
+            stores.setdefault(key, (store, is_parametrized))
+    return [WeightTensor(tuple(names[k]), tuple(owners[k]), *stores[k]) for k in names]
+
+
+@torch.no_grad()
+def zeros_pass_through(tensor: WeightTensor) -> bool:
+    """Whether zeroing positions of the stored original zeroes the same positions of the
+    forward weight (probed once with half the positions zeroed; state left untouched)."""
+    if not tensor.parametrized:
+        return True
+    plist_owner, original = tensor.store
+    stored = plist_owner._parameters[original]
+    if stored.is_meta:
+        return True  # checked again once the weights exist
+    generator = torch.Generator(device=stored.device).manual_seed(0)
+    keep = torch.rand(stored.shape, generator=generator, device=stored.device) < 0.5
+    saved = stored.detach().clone()
+    try:
+        stored.masked_fill_(~keep, 0)
+        forward = tensor.forward_weight()
+        return forward.shape == keep.shape and not forward[~keep].any()
+    finally:
+        stored.copy_(saved)

@@ -1,0 +1,275 @@
+"""Mask updaters: when and how masks change, as small pieces of one lifecycle.
+
+The engine calls its updater at four points of every optimizer step (jaxpruner's split of
+one updater into overridable steps):
+
+- ``on_step_start(engine, step)``: before the forward pass; scheduled mask updates;
+- ``before_step(engine, slots, step)``: after backward, before ``optimizer.step``, while
+  the gradients are still dense (regrowth reads them);
+- ``after_step(engine, slots)``: after an ``optimizer.step`` that ran;
+- ``on_step_end(engine)``: after the batch, whether or not the step ran.
+
+An algorithm is a class chosen by the ``regrow`` setting (:data:`UPDATERS`):
+
+- :class:`ScheduledMasks`: magnitude (or seeded random) masks on a schedule: one-shot
+  (ASP), GMP (Zhu & Gupta 2017), linear, constant;
+- :class:`RigL` and :class:`SET`: :class:`DropAndGrow` with a grow score, |gradient| (Evci
+  et al. 2020) or random (Mocanu et al. 2018), on top of the schedule;
+- :class:`SparseRefinedSTE`: dense weights kept aside, the N:M mask re-derived every step
+  and the sparse-refined decay added to the gradient (Zhou et al. 2021).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from sparse_training.masks import global_masks, pattern_mask
+from sparse_training.regrowth import cosine_fraction, drop_and_grow, random_scores, sr_ste_gradient
+from sparse_training.schedules import Schedule, to_steps
+
+if TYPE_CHECKING:
+    from sparse_training.config import SparsityConfig
+    from sparse_training.engine import SparsityEngine
+    from sparse_training.slots import MaskedSlot
+
+
+class ScheduledMasks:
+    """Masks recomputed at the schedule's update steps from |w| (or seeded random scores).
+
+    Attributes:
+        dense_state: whether the optimizer state stays dense (SR-STE); the fused step,
+            which zeroes state at pruned positions, cannot serve it then.
+        masks_gradients: whether the engine zeroes pruned gradients before the step.
+    """
+
+    dense_state = False
+    masks_gradients = True
+
+    def __init__(self, config: SparsityConfig) -> None:
+        self.config = config
+        self.schedule: Schedule = config.parsed_schedule
+        self.last_update: int | None = None
+        self.target = 0.0
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self, total_steps: int | None) -> None:
+        """Turn fractions of training into steps (a restored schedule keeps its steps)."""
+        if not self.schedule.is_resolved:
+            self.schedule = self.schedule.resolve(total_steps)
+
+    def restart(self) -> None:
+        """Forget the progress of an earlier fit: the schedule runs again from its start."""
+        self.schedule, self.last_update, self.target = self.config.parsed_schedule, None, 0.0
+
+    def on_step_start(self, engine: SparsityEngine, step: int) -> bool:
+        """Apply the update due at ``step`` if it has not run; True if masks changed."""
+        due = self.schedule.latest_update_step(step)
+        if due is None or (self.last_update is not None and due <= self.last_update):
+            return False
+        created = self.last_update is None
+        self.update_masks(engine, self.schedule.fraction(due), due, created)
+        self.last_update = due
+        return True
+
+    def before_step(self, engine: SparsityEngine, slots: list[MaskedSlot], step: int) -> None:
+        """Between backward and the optimizer step (nothing for plain schedules)."""
+
+    def after_step(self, engine: SparsityEngine, slots: list[MaskedSlot]) -> None:
+        """After an optimizer step that ran (nothing for plain schedules)."""
+
+    def on_step_end(self, engine: SparsityEngine) -> None:
+        """After the batch (nothing for plain schedules)."""
+
+    # -- masks ------------------------------------------------------------------------------
+    def score(self, engine: SparsityEngine, slot: MaskedSlot, step: int) -> Tensor | None:
+        """What a scheduled update keeps: None (|w|) or seeded random scores."""
+        if self.config.score == "magnitude":
+            return None
+        return random_scores(slot.param.shape, self.config.seed, step,
+                             engine.slots.index(slot), slot.param.device)
+
+    @torch.no_grad()
+    def update_masks(self, engine: SparsityEngine, fraction: float, step: int,
+                     created: bool) -> None:
+        """Every mask at ``fraction`` of its tensor's final sparsity."""
+        new_masks: dict[str, Tensor] = {}
+        pooled = [s for s in engine.slots if s.plan.sparsity is None]  # global distribution
+        if pooled:
+            masks = global_masks([s.param for s in pooled], self.config.parsed_pattern,
+                                 self.config.sparsity * fraction,
+                                 [self.score(engine, s, step) for s in pooled])
+            new_masks.update({s.name: m for s, m in zip(pooled, masks, strict=True)})
+        for slot in engine.slots:
+            if slot.plan.sparsity is not None:
+                new_masks[slot.name] = pattern_mask(slot.param, slot.plan.pattern,
+                                                    slot.plan.sparsity * fraction,
+                                                    self.score(engine, slot, step))
+        engine.set_masks(new_masks, step, broadcast=created)
+        self.target = engine.final_sparsity * fraction
+
+    # -- state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        s = self.schedule
+        return {"schedule": [s.kind, s.start, s.end, s.frequency],
+                "last_update": self.last_update, "target": self.target}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.schedule = Schedule(*state["schedule"])
+        self.last_update, self.target = state["last_update"], state["target"]
+
+
+class DropAndGrow(ScheduledMasks):
+    """Regrowth on top of the schedule: at the first step of every ``frequency``-long
+    period from ``start`` until ``regrow_end``, each tensor swaps the cosine-decayed share
+    f(t) = alpha/2 (1 + cos(pi t / T_end)) of its active blocks: the smallest |w| out, the
+    largest :meth:`grow_score` in, exactly as many (:func:`regrowth.drop_and_grow`)."""
+
+    def __init__(self, config: SparsityConfig) -> None:
+        super().__init__(config)
+        self.regrow_end: int | float = config.regrow_end
+        self.last_regrow: int | None = None
+        self.regrown_period: dict[str, int] = {}  # tensor -> last period it regrew in
+        self._period_done = -1  # every tensor has regrown in this period
+
+    def start(self, total_steps: int | None) -> None:
+        super().start(total_steps)
+        self.regrow_end = to_steps(self.regrow_end, total_steps)
+
+    def restart(self) -> None:
+        super().restart()
+        self.regrow_end, self.last_regrow = self.config.regrow_end, None
+        self.regrown_period, self._period_done = {}, -1
+
+    def grow_score(self, engine: SparsityEngine, slot: MaskedSlot, step: int) -> Tensor:
+        raise NotImplementedError
+
+    def before_step(self, engine: SparsityEngine, slots: list[MaskedSlot], step: int) -> None:
+        start = self.schedule.start
+        if self.last_update is None or not start <= step < self.regrow_end:
+            return
+        period = (step - start) // self.schedule.frequency
+        if period <= self._period_done:
+            return
+        due = [s for s in slots if self.regrown_period.get(s.name, -1) < period]
+        # dense tensors have nothing to swap, unused ones no gradient: they count as done
+        swap = [s for s in due if s.plan.sparsity != 0.0 and s.param.grad is not None]
+        if swap and not bool(torch.stack([s.param.grad.isfinite().all() for s in swap]).all()):
+            return  # an AMP overflow step: no swaps; the next step of the period retries
+        for slot in due:
+            self.regrown_period[slot.name] = period
+        if swap:
+            self.regrow(engine, swap, step)
+        if len(self.regrown_period) == len(engine.slots) and all(
+                p == period for p in self.regrown_period.values()):
+            self._period_done = period
+
+    @torch.no_grad()
+    def regrow(self, engine: SparsityEngine, slots: list[MaskedSlot], step: int) -> None:
+        fraction = cosine_fraction(step, self.regrow_end, self.config.regrow_fraction)
+        new_masks = {s.name: drop_and_grow(s.mask, s.param, self.grow_score(engine, s, step),
+                                           s.plan.pattern, fraction) for s in slots}
+        engine.set_masks(new_masks, step, broadcast=False)
+        self.last_regrow = step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "regrow_end": self.regrow_end,
+                "last_regrow": self.last_regrow, "regrown_period": dict(self.regrown_period)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.regrow_end, self.last_regrow = state["regrow_end"], state["last_regrow"]
+        self.regrown_period, self._period_done = dict(state["regrown_period"]), -1
+
+
+class RigL(DropAndGrow):
+    """Grow where the dense gradient is largest (Evci et al. 2020, "Rigging the Lottery")."""
+
+    def grow_score(self, engine: SparsityEngine, slot: MaskedSlot, step: int) -> Tensor:
+        return slot.param.grad
+
+
+class SET(DropAndGrow):
+    """Grow at random, seeded by (seed, step, tensor) (Mocanu et al. 2018)."""
+
+    def grow_score(self, engine: SparsityEngine, slot: MaskedSlot, step: int) -> Tensor:
+        return random_scores(slot.param.shape, self.config.seed, step,
+                             engine.slots.index(slot), slot.param.device)
+
+
+class SparseRefinedSTE(ScheduledMasks):
+    """SR-STE: the optimizer updates dense weights (kept aside between steps); at every
+    step the forward pass sees them N:M-masked by magnitude, and the gradient gets the
+    sparse-refined term: g <- g + lambda (1 - mask) w (Zhou et al. 2021)."""
+
+    dense_state = True
+    masks_gradients = False
+
+    def __init__(self, config: SparsityConfig) -> None:
+        super().__init__(config)
+        self.dense: dict[str, Tensor] = {}
+        self._dense_in_params = False
+
+    def restart(self) -> None:
+        super().restart()
+        self.dense, self._dense_in_params = {}, False
+
+    @torch.no_grad()
+    def on_step_start(self, engine: SparsityEngine, step: int) -> bool:
+        due = self.schedule.latest_update_step(step)
+        if due is None:
+            return False
+        created = not self.dense
+        if created:
+            self.dense = {s.name: s.param.detach().clone() for s in engine.slots}
+        elif next(iter(self.dense.values())).device != engine.slots[0].param.device:
+            self.dense = {s.name: self.dense[s.name].to(s.param.device) for s in engine.slots}
+        fraction = self.schedule.fraction(step)
+        masks = {}
+        for slot in engine.slots:
+            slot.param.copy_(self.dense[slot.name])
+            masks[slot.name] = pattern_mask(slot.param, slot.plan.pattern,
+                                            slot.plan.sparsity * fraction)
+        check = created or (step - self.schedule.start) % self.schedule.frequency == 0
+        engine.set_masks(masks, step, broadcast=created, reset_state=False, check=check)
+        self.target = engine.final_sparsity * fraction
+        self.last_update = step
+        return True
+
+    @torch.no_grad()
+    def before_step(self, engine: SparsityEngine, slots: list[MaskedSlot], step: int) -> None:
+        if not self.dense:
+            return
+        for slot in slots:
+            dense = self.dense[slot.name]
+            if slot.param.grad is not None:
+                sr_ste_gradient(slot.param.grad, dense, slot.mask, self.config.sr_ste_decay)
+            slot.param.copy_(dense)
+        self._dense_in_params = True
+
+    @torch.no_grad()
+    def after_step(self, engine: SparsityEngine, slots: list[MaskedSlot]) -> None:
+        if self.dense:
+            for slot in slots:
+                self.dense[slot.name].copy_(slot.param)
+        self._dense_in_params = False
+
+    def on_step_end(self, engine: SparsityEngine) -> None:
+        """A step the AMP grad scaler skipped left the dense weights in the parameters:
+        mask them, so that evaluation and checkpoints see N:M weights."""
+        if self._dense_in_params:
+            engine.zero_pruned_weights(engine.slots)
+            self._dense_in_params = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "dense": dict(self.dense)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.dense = dict(state["dense"])  # moved to the weights' device at the next step
+
+
+UPDATERS: dict[str | None, type[ScheduledMasks]] = {
+    None: ScheduledMasks, "rigl": RigL, "set": SET, "sr-ste": SparseRefinedSTE}
