@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -109,7 +110,7 @@ class WindowTimer(Callback):
     fused: bool | None = None
 
     def on_fit_start(self, trainer, pl_module):
-        # after the sparsity callback's on_fit_start: its optimizer hooks exist now
+        # after the sparsity callback's on_fit_start: its optimizer post-hooks exist now
         for optimizer in trainer.optimizers:
             hooks = optimizer._optimizer_step_post_hooks
             for key, fn in list(hooks.items()):
@@ -132,9 +133,9 @@ class WindowTimer(Callback):
             self.timing = False
 
 
-def fused_timer(timer_holder: list) -> None:
+def time_fused_kernel(timer: WindowTimer) -> None:
     """Count the fused kernel call's host time (it runs inside the pre-hook, after the
-    closure) into the active timer."""
+    closure) into ``timer``."""
     original = sparse_training.kernels.fused_masked_step
 
     def timed(*args, **kwargs):
@@ -142,14 +143,13 @@ def fused_timer(timer_holder: list) -> None:
         try:
             return original(*args, **kwargs)
         finally:
-            timer = timer_holder[0]
-            if timer is not None and timer.timing:
+            if timer.timing:
                 timer.hook_seconds += time.perf_counter() - began
 
     sparse_training.kernels.fused_masked_step = timed
 
 
-def make_batch(config: BertConfig, batch: int, seq: int, device: str) -> dict[str, torch.Tensor]:
+def make_batch(config: BertConfig, batch: int, seq: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return {
         "input_ids": torch.randint(0, config.vocab_size, (batch, seq), generator=g),
@@ -185,12 +185,26 @@ class StepProfiler(Callback):
         wall_ms = (time.perf_counter() - self.began) * 1e3 / self.steps
         self.profile.__exit__(None, None, None)
         averages = self.profile.key_averages()
-        busy_ms = sum(a.self_device_time_total for a in averages) / 1e3 / self.steps
         self.result = {
-            "profiled_wall_ms_per_step": wall_ms, "gpu_busy_ms_per_step": busy_ms,
+            "profiled_wall_ms_per_step": wall_ms,
+            "gpu_busy_ms_per_step": busy_ms(self.profile.events()) / self.steps,
             "top_by_device": averages.table(sort_by="self_device_time_total", row_limit=18),
             "top_by_host": averages.table(sort_by="self_cpu_time_total", row_limit=18)}
         self.profile = None
+
+
+def busy_ms(events) -> float:
+    """Union of the device activity intervals (kernels, copies, memsets; user annotations,
+    which span idle time too, left out), in ms."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not e.is_user_annotation and not e.name.startswith("Optimizer."))
+    total, end = 0.0, float("-inf")
+    for start, stop in spans:
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total / 1e3
 
 
 def gpu_clocks() -> str | None:
@@ -203,13 +217,13 @@ def gpu_clocks() -> str | None:
         return None
 
 
-def run_variant(name: str, args, config: BertConfig, batch, timer_holder: list) -> dict:
+def run_variant(name: str, args, config: BertConfig, batch) -> dict:
     settings = VARIANTS[name]
     torch.manual_seed(0)
     model = QuestionAnswering(config)
     sparse = None if settings is None else SparsityCallback(deny=DENY, **settings)
     timer = WindowTimer(args.warmup, args.steps, sparse)
-    timer_holder[0] = timer
+    time_fused_kernel(timer)
     accelerator = "gpu" if torch.cuda.is_available() else "cpu"
     precision = "bf16-mixed"
     total = args.warmup + args.steps + args.profile_steps
@@ -228,21 +242,19 @@ def run_variant(name: str, args, config: BertConfig, batch, timer_holder: list) 
                                if torch.cuda.is_available() else None)}
     if sparse is not None:
         engine = sparse.engine
-        row["masked_weights"] = sum(layer.plan.numel for layer in engine.layers)
-        row["masked_tensors"] = len(engine.layers)
+        slots = getattr(engine, "slots", None) or engine.layers  # (an older engine: layers)
+        row["masked_weights"] = sum(slot.plan.numel for slot in slots)
+        row["masked_tensors"] = len(slots)
         row["sparsity"] = engine.sparsity
         row["fused"] = timer.fused
 
     row.update({k: v for k, v in profiler.result.items() if not k.startswith("top_")})
     row["profile_tables"] = {k: v for k, v in profiler.result.items() if k.startswith("top_")}
     row["gpu_clocks_after"] = gpu_clocks()
-    del trainer, model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return row
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--steps", type=int, default=200)
@@ -250,23 +262,58 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq", type=int, default=384)
     parser.add_argument("--tiny", action="store_true", help="2-layer 64-wide BERT (CPU check)")
-    parser.add_argument("--variants", nargs="*", default=[*VARIANTS, "dense"],
-                        help="in this order; dense again at the end shows drift")
+    parser.add_argument("--variants", nargs="*", default=["dense", *VARIANTS, "dense"],
+                        help="in this order, each in a fresh process; dense again at the end "
+                             "shows drift")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # run this one variant, print it
+    parser.add_argument("--before", type=Path, help="a folder holding an earlier "
+                        "sparse_training package: variants named 'NAME @before' import it")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get(
         "OUT", Path(__file__).parent / "results")))
-    args = parser.parse_args()
-    config = BertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                        num_attention_heads=2) if args.tiny else BertConfig()
-    batch = make_batch(config, args.batch, args.seq, "cpu")
-    timer_holder: list = [None]
-    fused_timer(timer_holder)
+    return parser.parse_args()
+
+
+def bert_config(tiny: bool) -> BertConfig:
+    return BertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                      num_attention_heads=2) if tiny else BertConfig()
+
+
+def child(args: argparse.Namespace) -> None:
+    """One variant in this process; its row as one JSON line."""
+    config = bert_config(args.tiny)
+    row = run_variant(args.child, args, config, make_batch(config, args.batch, args.seq))
+    print("ROW " + json.dumps(row), flush=True)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.child:
+        child(args)
+        return
     rows = []
     for index, name in enumerate(args.variants):
-        rows.append(run_variant(name, args, config, batch, timer_holder))
+        env = dict(os.environ)
+        if name.endswith(" @before"):
+            env["PYTHONPATH"] = os.pathsep.join([str(args.before), env.get("PYTHONPATH", "")])
+        command = [sys.executable, __file__, "--child", name.removesuffix(" @before"),
+                   "--warmup", str(args.warmup),
+                   "--steps", str(args.steps), "--profile-steps", str(args.profile_steps),
+                   "--batch", str(args.batch), "--seq", str(args.seq)] + (
+                       ["--tiny"] if args.tiny else [])
+        done = subprocess.run(command, capture_output=True, text=True, env=env)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("ROW ")]
+        if done.returncode or not lines:
+            raise RuntimeError(f"variant {name!r} failed:\n{done.stderr[-3000:]}")
+        rows.append(json.loads(lines[-1][4:]))
+        rows[-1]["variant"] = name
         if name in args.variants[:index]:
             rows[-1]["variant"] = f"{name} (again, drift check)"
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "profile_tables"}),
               flush=True)
+    report(args, rows)
+
+
+def report(args: argparse.Namespace, rows: list[dict]) -> None:
     dense = next((r for r in rows if r["variant"] == "dense"), None)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.machine()
     lines = [f"BERT-base QA step, batch {args.batch}x{args.seq}, bf16-mixed, AdamW, on "

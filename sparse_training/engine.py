@@ -24,6 +24,7 @@ optimizer kernel; optimizer state is zeroed wherever a mask update prunes or gro
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -44,6 +45,44 @@ from sparse_training.updaters import UPDATERS
 
 # id(parameter) -> (parameter, engine), both weak: which live engine masks a tensor
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+_GRAD = operator.attrgetter("grad")
+
+
+class _Attached:
+    """An optimizer's slots and the lists its per-step passes read, built once (the hot
+    path is a few C-level maps, not a Python loop over slots)."""
+
+    def __init__(self, slots: list[MaskedSlot], handle: RemovableHandle | None) -> None:
+        self.slots, self.handle = slots, handle
+        self.params = [s.param for s in slots]
+        self._masks: list[Tensor] = []
+        self._by_param: dict[Tensor, Tensor] = {}
+
+    @property
+    def masks(self) -> list[Tensor]:
+        """The mask buffers; read again when the model moved (``.to()`` replaces buffers)."""
+        if not self._masks or self._masks[0] is not self.slots[0].mask:
+            self._masks = [s.mask for s in self.slots]
+            self._by_param = dict(zip(self.params, self._masks, strict=True))
+        return self._masks
+
+    @property
+    def masks_by_param(self) -> dict[Tensor, Tensor]:
+        """Parameter -> mask, for the fused step."""
+        self.masks  # noqa: B018  (refreshes after a device move)
+        return self._by_param
+
+    def zero_pruned_gradients(self) -> None:
+        grads = list(map(_GRAD, self.params))
+        masks = self.masks
+        if any(g is None for g in grads):  # unused tensors (`None in grads` calls __eq__)
+            pairs = [(g, m) for g, m in zip(grads, masks, strict=True) if g is not None]
+            grads, masks = [g for g, _ in pairs], [m for _, m in pairs]
+        zero_pruned_(grads, masks)
+
+    def zero_pruned_weights(self) -> None:
+        with torch.no_grad():
+            zero_pruned_(self.params, self.masks)
 
 
 def _owner(param: Tensor) -> SparsityEngine | None:
@@ -81,7 +120,7 @@ class SparsityEngine:
         self.slots = [MaskedSlot(p, t) for p, t in zip(self.plans, tensors, strict=True)
                       if p.selected]
         self.model = model
-        self._attached: dict[Optimizer, tuple[list[MaskedSlot], RemovableHandle]] = {}
+        self._attached: dict[Optimizer, _Attached] = {}
         self.fused_optimizers: set[Optimizer] = set()
         self._stats: dict[str, float] | None = None
         self._check_slots()
@@ -149,10 +188,14 @@ class SparsityEngine:
                 clipping); if not, an optimizer served by the fused step skips this pass,
                 since its kernel ignores pruned gradients.
         """
-        slots = self._slots_of(optimizer)
+        attached = self._attached.get(optimizer)
+        slots = attached.slots if attached is not None else self._slots_of(optimizer)
         self.updater.before_step(self, slots, step)
         if self.updater.masks_gradients and (clipping or optimizer not in self.fused_optimizers):
-            self.zero_pruned_gradients(slots)
+            if attached is not None:
+                attached.zero_pruned_gradients()
+            else:
+                self.zero_pruned_gradients(slots)
 
     def on_step_end(self) -> None:
         """After the batch, whether or not the optimizer step ran."""
@@ -235,7 +278,7 @@ class SparsityEngine:
     # -- optimizers -------------------------------------------------------------------------
     def _slots_of(self, optimizer: Optimizer) -> list[MaskedSlot]:
         if optimizer in self._attached:
-            return self._attached[optimizer][0]
+            return self._attached[optimizer].slots
         params = {id(p) for group in optimizer.param_groups for p in group["params"]}
         return [slot for slot in self.slots if id(slot.param) in params]
 
@@ -254,13 +297,14 @@ class SparsityEngine:
         if optimizer in self._attached:
             return
         slots = self._slots_of(optimizer)
+        attached = self._attached[optimizer] = _Attached(slots, handle=None)
         if self._use_fused(optimizer, slots):
-            handle = optimizer.register_step_pre_hook(functools.partial(_fused_step, slots))
+            attached.handle = optimizer.register_step_pre_hook(
+                functools.partial(_fused_step, attached))
             self.fused_optimizers.add(optimizer)
         else:
-            handle = optimizer.register_step_post_hook(
-                functools.partial(_after_step, self, slots))
-        self._attached[optimizer] = (slots, handle)
+            attached.handle = optimizer.register_step_post_hook(
+                functools.partial(_after_step, self, attached))
         if not self.updater.dense_state:
             self.set_masks({s.name: s.mask.clone() for s in slots}, step=None, broadcast=False,
                            check=False)
@@ -283,8 +327,8 @@ class SparsityEngine:
     def detach(self) -> None:
         """Remove the optimizer hooks and give up the tensors (another engine may take
         them); the masks stay on the model."""
-        for _, handle in self._attached.values():
-            handle.remove()
+        for attached in self._attached.values():
+            attached.handle.remove()
         self._attached.clear()
         self.fused_optimizers.clear()
         for slot in self.slots:
@@ -342,7 +386,7 @@ def mask_checksum(mask: Tensor) -> Tensor:
     return torch.where(flat, keys, 0).sum()
 
 
-def _fused_step(slots: list[MaskedSlot], optimizer: Optimizer, args: tuple[Any, ...],
+def _fused_step(attached: _Attached, optimizer: Optimizer, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """Optimizer pre-step hook: the masked weights in the fused kernels.
 
@@ -359,17 +403,17 @@ def _fused_step(slots: list[MaskedSlot], optimizer: Optimizer, args: tuple[Any, 
     if closure is not None:
         with torch.enable_grad():
             loss = closure()
-    kernels.fused_masked_step(optimizer, {s.param: s.mask for s in slots})
+    kernels.fused_masked_step(optimizer, attached.masks_by_param)
     if closure is None:
         return None
     return args[:1], {**kwargs, "closure": lambda: loss}
 
 
-def _after_step(engine: SparsityEngine, slots: list[MaskedSlot], optimizer: Optimizer,
+def _after_step(engine: SparsityEngine, attached: _Attached, optimizer: Optimizer,
                 args: Any, kwargs: Any) -> None:
     """Optimizer post-step hook: the updater's step end, then the pruned weights zeroed."""
-    engine.updater.after_step(engine, slots)
-    engine.zero_pruned_weights(slots)
+    engine.updater.after_step(engine, attached.slots)
+    attached.zero_pruned_weights()
 
 
 def make_permanent(model: nn.Module) -> nn.Module:

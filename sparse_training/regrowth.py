@@ -51,13 +51,16 @@ def _groups(block_mask: Tensor, pattern: Pattern) -> Tensor:
 
 
 def drop_and_grow(mask: Tensor, weight: Tensor, grow_score: Tensor, pattern: Pattern,
-                  fraction: float) -> Tensor:
+                  fraction: float, kept: int | None = None) -> Tensor:
     """Swap ``fraction`` of each group's active blocks: drop the smallest |w|, grow the
     largest ``grow_score`` among the rest; every group keeps exactly its count.
 
     The blocks are the pattern's blocks (whole blocks move together); the groups are its N:M
     groups, or the whole layer for unstructured and block patterns. A block dropped and
     grown back in the same update stays active, so it keeps its value.
+
+    Args:
+        kept: ``mask.sum()`` if the caller has it (counting it here is a device sync).
 
     Returns:
         The new bool mask, shaped like ``weight``.
@@ -69,7 +72,9 @@ def drop_and_grow(mask: Tensor, weight: Tensor, grow_score: Tensor, pattern: Pat
                                           nan=float("-inf")), rows, cols)
     active = pool_blocks(as_matrix(mask).float(), rows, cols) > 0
     active_g, magnitude_g, growth_g = (_groups(t, pattern) for t in (active, magnitude, growth))
-    swaps = int(fraction * int(active_g[0].sum()) + 0.5)
+    kept = int(mask.sum()) if kept is None else kept
+    per_group = kept // (rows * cols * active_g.shape[0])  # every group holds the same count
+    swaps = int(fraction * per_group + 0.5)
     if swaps == 0:
         return mask.clone()
     drop_score = torch.where(active_g, magnitude_g, torch.inf)

@@ -156,21 +156,31 @@ class DropAndGrow(ScheduledMasks):
         due = [s for s in slots if self.regrown_period.get(s.name, -1) < period]
         # dense tensors have nothing to swap, unused ones no gradient: they count as done
         swap = [s for s in due if s.plan.sparsity != 0.0 and s.param.grad is not None]
-        if swap and not bool(torch.stack([s.param.grad.isfinite().all() for s in swap]).all()):
-            return  # an AMP overflow step: no swaps; the next step of the period retries
+        kept: list[int] = []
+        if swap:  # one device sync for every count and the finiteness of every gradient
+            *kept, finite = torch.stack(
+                [s.mask.sum() for s in swap]
+                + [torch.stack([s.param.grad.isfinite().all() for s in swap]).all().long()]
+            ).tolist()
+            if not finite:
+                return  # an AMP overflow step: no swaps; the next step of the period retries
         for slot in due:
             self.regrown_period[slot.name] = period
         if swap:
-            self.regrow(engine, swap, step)
+            self.regrow(engine, swap, step, kept)
         if len(self.regrown_period) == len(engine.slots) and all(
                 p == period for p in self.regrown_period.values()):
             self._period_done = period
 
     @torch.no_grad()
-    def regrow(self, engine: SparsityEngine, slots: list[MaskedSlot], step: int) -> None:
+    def regrow(self, engine: SparsityEngine, slots: list[MaskedSlot], step: int,
+               kept: list[int] | None = None) -> None:
+        """Drop and grow in ``slots`` (``kept``: their masks' counts, if known)."""
         fraction = cosine_fraction(step, self.regrow_end, self.config.regrow_fraction)
+        kept = kept or [None] * len(slots)
         new_masks = {s.name: drop_and_grow(s.mask, s.param, self.grow_score(engine, s, step),
-                                           s.plan.pattern, fraction) for s in slots}
+                                           s.plan.pattern, fraction, k)
+                     for s, k in zip(slots, kept, strict=True)}
         engine.set_masks(new_masks, step, broadcast=False)
         self.last_regrow = step
 

@@ -278,10 +278,10 @@ def test_every_optimizer_regrows_once_per_period():
             updater = sparse.engine.updater
             inner = updater.regrow
 
-            def counted(engine, slots, step):
+            def counted(engine, slots, step, kept=None):
                 for slot in slots:
                     regrowths[slot.name] = regrowths.get(slot.name, 0) + 1
-                inner(engine, slots, step)
+                inner(engine, slots, step, kept)
 
             updater.regrow = counted
 

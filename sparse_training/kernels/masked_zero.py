@@ -49,54 +49,63 @@ def _zero_pruned_kernel(table, tensor_index, chunk_index, DTYPE: tl.constexpr,
         tl.store(x_ptr + offs, zero, mask=inside & (keep == 0))
 
 
-_PLANS: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = OrderedDict()
+_PLANS: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor, tl.dtype]] = \
+    OrderedDict()
 
 
-def _plan(tensors: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Device tables for one launch over ``tensors``, cached by their addresses and sizes
-    (values may change freely; any new address builds a new plan)."""
-    key = (tuple(map(_DATA_PTR, tensors)), tuple(map(_DATA_PTR, masks)),
-           tuple(map(torch.Tensor.numel, tensors)))
-    plan = _PLANS.get(key)
-    if plan is None:
-        device = tensors[0].device
-        table = address_table(key, device)
-        plan = _PLANS[key] = (table, *chunk_table(key[2], _CHUNK, device))
-        if len(_PLANS) > _MAX_PLANS:
-            _PLANS.popitem(last=False)
-    else:
-        _PLANS.move_to_end(key)
-    return plan
-
-
-def launch_zero_pruned(tensors: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> None:
-    """One launch over contiguous tensors of one dtype and device with their bool masks."""
-    table, tensor_index, chunk_index = _plan(tensors, masks)
-    if tensor_index.numel():
-        _zero_pruned_kernel[(tensor_index.numel(),)](
-            table, tensor_index, chunk_index, DTYPE=_TORCH_TO_TL[tensors[0].dtype],
-            CHUNK=_CHUNK, BLOCK=_BLOCK, num_warps=_NUM_WARPS)
+def _plan_key(tensors: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> tuple:
+    """Addresses, sizes and dtypes: what a plan's device table and launch depend on."""
+    return (tuple(map(_DATA_PTR, tensors)), tuple(map(_DATA_PTR, masks)),
+            tuple(map(torch.Tensor.numel, tensors)), tuple(map(_DTYPE, tensors)))
 
 
 def _one_launch(tensors: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> bool:
     """Whether all pairs fit one launch: one float dtype, one CUDA device, everything
-    contiguous (a few C-level maps: the engine's usual case). CPU tensors take the
-    reference even under ``TRITON_INTERPRET=1``: the interpreter would make every training
-    step of the CPU tests slow; the tests call :func:`launch_zero_pruned` directly."""
+    contiguous, masks bool of the tensors' sizes. CPU tensors take the reference even under
+    ``TRITON_INTERPRET=1``: the interpreter would make every training step of the CPU tests
+    slow; the tests call :func:`launch_zero_pruned` directly."""
     first = tensors[0]
     return (first.dtype in _TORCH_TO_TL and first.is_cuda
             and all(map(operator.is_, map(_DTYPE, tensors), repeat(first.dtype)))
             and all(map(operator.eq, map(_DEVICE, tensors), repeat(first.device)))
+            and all(map(operator.eq, map(_DEVICE, masks), repeat(first.device)))
+            and all(map(operator.is_, map(_DTYPE, masks), repeat(torch.bool)))
+            and list(map(torch.Tensor.numel, masks)) == list(map(torch.Tensor.numel, tensors))
             and all(map(torch.Tensor.is_contiguous, tensors))
             and all(map(torch.Tensor.is_contiguous, masks)))
+
+
+def _launch(plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor, tl.dtype]) -> None:
+    table, tensor_index, chunk_index, dtype = plan
+    if tensor_index.numel():
+        _zero_pruned_kernel[(tensor_index.numel(),)](
+            table, tensor_index, chunk_index, DTYPE=dtype, CHUNK=_CHUNK, BLOCK=_BLOCK,
+            num_warps=_NUM_WARPS)
+
+
+def launch_zero_pruned(tensors: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> None:
+    """One launch over contiguous tensors of one dtype and device with their bool masks.
+
+    The launch plan (device tables) is cached by the tensors' and masks' addresses and
+    sizes: values may change freely, any new address builds a new plan.
+    """
+    key = _plan_key(tensors, masks)
+    plan = _PLANS.get(key)
+    if plan is None:
+        device = tensors[0].device
+        plan = _PLANS[key] = (address_table(key[:3], device),
+                              *chunk_table(key[2], _CHUNK, device), _TORCH_TO_TL[key[3][0]])
+        if len(_PLANS) > _MAX_PLANS:
+            _PLANS.popitem(last=False)
+    _launch(plan)
 
 
 def zero_pruned_(tensors: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> None:
     """In place, for every pair: ``tensor[~mask] = 0`` (NaN and inf included).
 
     Contiguous float tensors on CUDA go through one launch per dtype and device; the rest
-    through :func:`zero_pruned_reference`.
+    through :func:`zero_pruned_reference`. A list seen before costs three C-level maps, a
+    dictionary lookup and the launch.
 
     Args:
         tensors: tensors to zero at pruned positions.
@@ -104,9 +113,14 @@ def zero_pruned_(tensors: Sequence[torch.Tensor], masks: Sequence[torch.Tensor])
     """
     if not tensors:
         return
-    if _one_launch(tensors, masks):
-        launch_zero_pruned(tensors, masks)
-        return
+    if tensors[0].is_cuda:
+        plan = _PLANS.get(_plan_key(tensors, masks))
+        if plan is not None and all(map(torch.Tensor.is_contiguous, tensors)):
+            _launch(plan)
+            return
+        if _one_launch(tensors, masks):
+            launch_zero_pruned(tensors, masks)
+            return
     groups: dict[tuple, tuple[list, list]] = {}
     for tensor, mask in zip(tensors, masks, strict=True):
         fits = _one_launch([tensor], [mask])
