@@ -55,53 +55,69 @@ def kept_count(total: int, sparsity: float) -> int:
     return total - int(sparsity * total + 0.5)
 
 
-def _score_matrix(weight: Tensor, score: Tensor | None) -> Tensor:
-    source = weight.detach().abs() if score is None else score.detach()
-    if source.shape != weight.shape:
-        raise ValueError(f"score shape {tuple(source.shape)} != weight shape {tuple(weight.shape)}")
-    return torch.nan_to_num(as_matrix(source).float(), nan=float("-inf"))
+def score_stack(weights: Sequence[Tensor], scores: Sequence[Tensor] | None = None) -> Tensor:
+    """The scores of same-shape weights as one float32 ``(B, rows, in_features)`` stack of
+    their 2-D views: ``|w|``, or the given scores; NaN ranks lowest.
+
+    Raises:
+        ValueError: a score whose shape is not its weight's.
+    """
+    if scores is not None:
+        for w, score in zip(weights, scores, strict=True):
+            if score.shape != w.shape:
+                raise ValueError(f"score shape {tuple(score.shape)} != weight shape "
+                                 f"{tuple(w.shape)}")
+    stack = torch.stack([as_matrix(t.detach()) for t in (weights if scores is None
+                                                          else scores)]).float()
+    return torch.nan_to_num(stack.abs() if scores is None else stack, nan=float("-inf"))
 
 
 def pool_blocks(scores: Tensor, rows: int, cols: int) -> Tensor:
-    """Sum of scores over each ``rows x cols`` block: (R, C) -> (R/rows, C/cols)."""
+    """Sum of scores over each ``rows x cols`` block of the last two dims:
+    (..., R, C) -> (..., R/rows, C/cols)."""
     if rows == cols == 1:
         return scores
-    r, c = scores.shape
-    return scores.reshape(r // rows, rows, c // cols, cols).sum(dim=(1, 3))
+    *lead, r, c = scores.shape
+    return scores.reshape(*lead, r // rows, rows, c // cols, cols).sum(dim=(-3, -1))
 
 
 def expand_blocks(block_mask: Tensor, rows: int, cols: int) -> Tensor:
+    """Inverse of :func:`pool_blocks` for masks: each block's value over its elements."""
     if rows == cols == 1:
         return block_mask
-    return block_mask.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
+    return block_mask.repeat_interleave(rows, -2).repeat_interleave(cols, -1)
 
 
 def topk_mask(scores: Tensor, kept: int) -> Tensor:
     """Keep exactly the ``kept`` largest entries of ``scores`` (any shape)."""
-    flat = scores.reshape(-1)
-    mask = torch.zeros(flat.shape, dtype=torch.bool, device=flat.device)
+    return topk_rows(scores.reshape(1, -1), kept).view(scores.shape)
+
+
+def topk_rows(scores: Tensor, kept: int) -> Tensor:
+    """Keep exactly the ``kept`` largest entries of every row of a 2-D ``scores``."""
+    mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
     if kept > 0:
-        mask[flat.topk(kept, sorted=False).indices] = True
-    return mask.view(scores.shape)
+        mask.scatter_(1, scores.topk(kept, dim=1, sorted=False).indices, True)
+    return mask
 
 
 def nm_groups_mask(scores: Tensor, n: int, m: int) -> Tensor:
     """Keep the ``n`` largest of every ``m`` consecutive entries along the last dim.
 
     Top-k within groups: time linear in the number of entries, any M. On CUDA with
-    M <= 32, one Triton kernel per tensor (:func:`sparse_training.kernels.nm_topk_mask`:
-    12x faster than ``torch.topk`` + ``scatter_`` over BERT-large's weights on an H200,
+    M <= 32, one Triton kernel (:func:`sparse_training.kernels.nm_topk_mask`: 12x faster
+    than ``torch.topk`` + ``scatter_`` over BERT-large's weights on an H200,
     docs/performance.md).
     """
     if scores.is_cuda and m <= NM_KERNEL_MAX_M:
         from sparse_training.kernels import nm_topk_mask
 
-        return nm_topk_mask(scores, n, m)
-    rows, cols = scores.shape
-    groups = scores.reshape(rows, cols // m, m)
+        return nm_topk_mask(scores.contiguous(), n, m)
+    *lead, cols = scores.shape
+    groups = scores.reshape(*lead, cols // m, m)
     mask = torch.zeros(groups.shape, dtype=torch.bool, device=scores.device)
     mask.scatter_(-1, groups.topk(n, dim=-1, sorted=False).indices, True)
-    return mask.view(rows, cols)
+    return mask.view(scores.shape)
 
 
 @cache
@@ -132,13 +148,14 @@ def transposable_groups_mask(scores: Tensor, n: int, m: int) -> Tensor:
     Exact: the score of every admissible tile pattern is one matrix product, then argmax
     (Hubara et al. 2021, "Accelerated Sparse Neural Training", transposable N:M masks).
     """
-    rows, cols = scores.shape
-    tiles = scores.reshape(rows // m, m, cols // m, m).permute(0, 2, 1, 3).reshape(-1, m * m)
+    *lead, rows, cols = scores.shape
+    tiles = scores.reshape(-1, rows // m, m, cols // m, m).permute(0, 1, 3, 2, 4)
+    tiles = tiles.reshape(-1, m * m)
     candidates = torch.tensor(_regular_tiles(n, m), dtype=tiles.dtype, device=tiles.device)
     finite = torch.where(torch.isfinite(tiles), tiles, torch.finfo(tiles.dtype).min / (m * m))
     best = (finite @ candidates.T).argmax(dim=1)  # (tiles,)
-    mask = candidates[best].bool().reshape(rows // m, cols // m, m, m).permute(0, 2, 1, 3)
-    return mask.reshape(rows, cols)
+    mask = candidates[best].bool().reshape(-1, rows // m, cols // m, m, m)
+    return mask.permute(0, 1, 3, 2, 4).reshape(scores.shape)
 
 
 def pattern_mask(
@@ -166,22 +183,43 @@ def pattern_mask(
         >>> pattern_mask(w, "2:4")
         tensor([[False,  True,  True, False]])
     """
+    return pattern_masks([weight], pattern, sparsity, None if score is None else [score])[0]
+
+
+def pattern_masks(
+    weights: Sequence[Tensor], pattern: str | Pattern, sparsity: float | None = None,
+    scores: Sequence[Tensor] | None = None,
+) -> list[Tensor]:
+    """:func:`pattern_mask` of each weight, same-shape weights ranked together: one stack and
+    one top-k call per shape instead of one per tensor (72 BERT-base weights, 3 shapes)."""
     pattern = parse_pattern(pattern)
-    scores = _score_matrix(weight, score)
-    if (problem := pattern.shape_error(*scores.shape)) is not None:
-        raise ValueError(f"weight of shape {tuple(weight.shape)} cannot take pattern "
-                         f"{pattern.spec!r}: {problem}")
-    blocks = pool_blocks(scores, pattern.block_rows, pattern.block_cols)
-    if pattern.is_nm:
-        n = pattern.n if sparsity is None else pattern.kept_per_group(check_sparsity(sparsity))
-        select = transposable_groups_mask if pattern.transposable else nm_groups_mask
-        block_mask = select(blocks, n, pattern.m)
-    else:
-        if sparsity is None:
-            raise ValueError(f"pattern {pattern.spec!r} needs a sparsity")
-        block_mask = topk_mask(blocks, kept_count(blocks.numel(), check_sparsity(sparsity)))
-    mask = expand_blocks(block_mask, pattern.block_rows, pattern.block_cols)
-    return from_matrix(mask, weight.shape)
+    if sparsity is not None:
+        check_sparsity(sparsity)
+    elif not pattern.is_nm:
+        raise ValueError(f"pattern {pattern.spec!r} needs a sparsity")
+    by_shape: dict[tuple, list[int]] = {}
+    for i, w in enumerate(weights):
+        if (problem := pattern.shape_error(*as_matrix(w).shape)) is not None:
+            raise ValueError(f"weight of shape {tuple(w.shape)} cannot take pattern "
+                             f"{pattern.spec!r}: {problem}")
+        by_shape.setdefault((w.shape, w.device), []).append(i)
+    masks: list[Tensor] = [None] * len(weights)  # type: ignore[list-item]
+    rows, cols = pattern.block_rows, pattern.block_cols
+    for indices in by_shape.values():
+        stack = score_stack([weights[i] for i in indices],
+                            None if scores is None else [scores[i] for i in indices])
+        blocks = pool_blocks(stack, rows, cols)  # (B, R/rows, C/cols)
+        if pattern.is_nm:
+            n = pattern.n if sparsity is None else pattern.kept_per_group(sparsity)
+            select = transposable_groups_mask if pattern.transposable else nm_groups_mask
+            block_mask = select(blocks, n, pattern.m)
+        else:
+            per_tensor = blocks[0].numel()
+            block_mask = topk_rows(blocks.reshape(len(indices), per_tensor),
+                                   kept_count(per_tensor, sparsity)).view(blocks.shape)
+        for i, mask in zip(indices, expand_blocks(block_mask, rows, cols), strict=True):
+            masks[i] = from_matrix(mask, weights[i].shape)
+    return masks
 
 
 def global_masks(
@@ -203,7 +241,7 @@ def global_masks(
     scores = scores or [None] * len(weights)
     pooled = []
     for w, s in zip(weights, scores, strict=True):
-        matrix = _score_matrix(w, s)
+        matrix = score_stack([w], None if s is None else [s])[0]
         if (problem := pattern.shape_error(*matrix.shape)) is not None:
             raise ValueError(f"weight of shape {tuple(w.shape)} cannot take pattern "
                              f"{pattern.spec!r}: {problem}")

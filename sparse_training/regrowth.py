@@ -19,11 +19,12 @@ straight-through gradient (:func:`sr_ste_gradient`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from sparse_training.masks import as_matrix, expand_blocks, from_matrix, pool_blocks
+from sparse_training.masks import as_matrix, expand_blocks, from_matrix, pool_blocks, score_stack
 from sparse_training.patterns import Pattern
 
 REGROW = ("rigl", "set", "sr-ste")
@@ -45,46 +46,56 @@ def random_scores(shape: torch.Size, seed: int, step: int, layer: int,
     return torch.rand(shape, generator=generator, device=device)
 
 
-def _groups(block_mask: Tensor, pattern: Pattern) -> Tensor:
-    """(groups, group size) view: N:M groups of M blocks, or the whole layer as one group."""
-    return block_mask.reshape(-1, pattern.m) if pattern.is_nm else block_mask.reshape(1, -1)
-
-
-def drop_and_grow(mask: Tensor, weight: Tensor, grow_score: Tensor, pattern: Pattern,
-                  fraction: float, kept: int | None = None) -> Tensor:
+def drop_and_grow(masks: Sequence[Tensor], weights: Sequence[Tensor],
+                  grow_scores: Sequence[Tensor], pattern: Pattern, fraction: float,
+                  kept: Sequence[int] | None = None) -> list[Tensor]:
     """Swap ``fraction`` of each group's active blocks: drop the smallest |w|, grow the
-    largest ``grow_score`` among the rest; every group keeps exactly its count.
+    largest |grow score| among the rest; every group keeps exactly its count.
 
     The blocks are the pattern's blocks (whole blocks move together); the groups are its N:M
-    groups, or the whole layer for unstructured and block patterns. A block dropped and
-    grown back in the same update stays active, so it keeps its value.
+    groups, or the whole tensor for unstructured and block patterns. A block dropped and
+    grown back in the same update stays active, so it keeps its value. Tensors of one shape
+    and one count are ranked together (one stack and two top-k calls per shape).
 
     Args:
-        kept: ``mask.sum()`` if the caller has it (counting it here is a device sync).
+        masks, weights, grow_scores: one entry per tensor.
+        kept: each ``mask.sum()`` if the caller has them (counting here is a device sync).
 
     Returns:
-        The new bool mask, shaped like ``weight``.
+        The new bool masks, shaped like the weights.
     """
+    kept = list(kept) if kept is not None else [int(m.sum()) for m in masks]
+    by_shape: dict[tuple, list[int]] = {}
+    for i, mask in enumerate(masks):
+        by_shape.setdefault((mask.shape, mask.device, kept[i]), []).append(i)
     rows, cols = pattern.block_rows, pattern.block_cols
-    magnitude = pool_blocks(torch.nan_to_num(as_matrix(weight.detach()).float().abs(),
-                                             nan=float("-inf")), rows, cols)  # NaN: drop first
-    growth = pool_blocks(torch.nan_to_num(as_matrix(grow_score).float().abs(),
-                                          nan=float("-inf")), rows, cols)
-    active = pool_blocks(as_matrix(mask).float(), rows, cols) > 0
-    active_g, magnitude_g, growth_g = (_groups(t, pattern) for t in (active, magnitude, growth))
-    kept = int(mask.sum()) if kept is None else kept
-    per_group = kept // (rows * cols * active_g.shape[0])  # every group holds the same count
-    swaps = int(fraction * per_group + 0.5)
-    if swaps == 0:
-        return mask.clone()
-    drop_score = torch.where(active_g, magnitude_g, torch.inf)
-    dropped = torch.zeros_like(active_g).scatter_(
-        1, drop_score.topk(swaps, dim=1, largest=False).indices, True)
-    kept = active_g & ~dropped
-    grow = torch.where(kept, -torch.inf, growth_g)
-    grown = torch.zeros_like(active_g).scatter_(1, grow.topk(swaps, dim=1).indices, True)
-    new_blocks = (kept | grown).reshape(active.shape)
-    return from_matrix(expand_blocks(new_blocks, rows, cols), mask.shape)
+    new: list[Tensor] = [None] * len(masks)  # type: ignore[list-item]
+    for (_, _, count), indices in by_shape.items():
+        magnitude = pool_blocks(score_stack([weights[i] for i in indices]), rows, cols)
+        growth = pool_blocks(score_stack([grow_scores[i] for i in indices]), rows, cols)  # |g|
+        active = pool_blocks(torch.stack([as_matrix(masks[i]) for i in indices]).float(),
+                             rows, cols) > 0  # (B, R/rows, C/cols)
+        # groups: N:M groups of M blocks, or each tensor's blocks as one group
+        size = pattern.m if pattern.is_nm else active[0].numel()
+        active_g, magnitude_g, growth_g = (t.reshape(-1, size) for t in (active, magnitude,
+                                                                           growth))
+        per_group = count // (rows * cols * (active_g.shape[0] // len(indices)))
+        swaps = int(fraction * per_group + 0.5)
+        if swaps == 0:
+            for i in indices:
+                new[i] = masks[i].clone()
+            continue
+        drop_score = torch.where(active_g, magnitude_g, torch.inf)
+        dropped = torch.zeros_like(active_g).scatter_(
+            1, drop_score.topk(swaps, dim=1, largest=False, sorted=False).indices, True)
+        still = active_g & ~dropped
+        grow = torch.where(still, -torch.inf, growth_g)
+        grown = torch.zeros_like(active_g).scatter_(
+            1, grow.topk(swaps, dim=1, sorted=False).indices, True)
+        new_blocks = expand_blocks((still | grown).reshape(active.shape), rows, cols)
+        for i, mask in zip(indices, new_blocks, strict=True):
+            new[i] = from_matrix(mask, masks[i].shape)
+    return new
 
 
 def sr_ste_gradient(grad: Tensor, dense_weight: Tensor, mask: Tensor, decay: float) -> None:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from sparse_training.masks import global_masks, pattern_mask
+from sparse_training.masks import global_masks, pattern_masks
 from sparse_training.regrowth import cosine_fraction, drop_and_grow, random_scores, sr_ste_gradient
 from sparse_training.schedules import Schedule, to_steps
 
@@ -102,11 +102,15 @@ class ScheduledMasks:
                                  self.config.sparsity * fraction,
                                  [self.score(engine, s, step) for s in pooled])
             new_masks.update({s.name: m for s, m in zip(pooled, masks, strict=True)})
+        targets: dict[tuple, list[MaskedSlot]] = {}
         for slot in engine.slots:
             if slot.plan.sparsity is not None:
-                new_masks[slot.name] = pattern_mask(slot.param, slot.plan.pattern,
-                                                    slot.plan.sparsity * fraction,
-                                                    self.score(engine, slot, step))
+                targets.setdefault((slot.plan.pattern, slot.plan.sparsity), []).append(slot)
+        for (pattern, target), group in targets.items():  # one ranking per shape in a group
+            scores = [self.score(engine, s, step) for s in group]
+            masks = pattern_masks([s.param for s in group], pattern, target * fraction,
+                                  None if scores[0] is None else scores)
+            new_masks.update({s.name: m for s, m in zip(group, masks, strict=True)})
         engine.set_masks(new_masks, step, broadcast=created)
         self.target = engine.final_sparsity * fraction
 
@@ -177,10 +181,13 @@ class DropAndGrow(ScheduledMasks):
                kept: list[int] | None = None) -> None:
         """Drop and grow in ``slots`` (``kept``: their masks' counts, if known)."""
         fraction = cosine_fraction(step, self.regrow_end, self.config.regrow_fraction)
-        kept = kept or [None] * len(slots)
-        new_masks = {s.name: drop_and_grow(s.mask, s.param, self.grow_score(engine, s, step),
-                                           s.plan.pattern, fraction, k)
-                     for s, k in zip(slots, kept, strict=True)}
+        new_masks = {}
+        for pattern, group in _by_pattern(slots, kept):
+            masks = drop_and_grow([s.mask for s, _ in group], [s.param for s, _ in group],
+                                  [self.grow_score(engine, s, step) for s, _ in group],
+                                  pattern, fraction, None if kept is None else [k for _, k
+                                                                                 in group])
+            new_masks.update({s.name: m for (s, _), m in zip(group, masks, strict=True)})
         engine.set_masks(new_masks, step, broadcast=False)
         self.last_regrow = step
 
@@ -237,11 +244,13 @@ class SparseRefinedSTE(ScheduledMasks):
         elif next(iter(self.dense.values())).device != engine.slots[0].param.device:
             self.dense = {s.name: self.dense[s.name].to(s.param.device) for s in engine.slots}
         fraction = self.schedule.fraction(step)
-        masks = {}
         for slot in engine.slots:
             slot.param.copy_(self.dense[slot.name])
-            masks[slot.name] = pattern_mask(slot.param, slot.plan.pattern,
-                                            slot.plan.sparsity * fraction)
+        masks = {}
+        for pattern, group in _by_pattern(engine.slots):
+            target = group[0][0].plan.sparsity * fraction  # N:M: every slot's own target
+            found = pattern_masks([s.param for s, _ in group], pattern, target)
+            masks.update({s.name: m for (s, _), m in zip(group, found, strict=True)})
         check = created or (step - self.schedule.start) % self.schedule.frequency == 0
         engine.set_masks(masks, step, broadcast=created, reset_state=False, check=check)
         self.target = engine.final_sparsity * fraction
@@ -279,6 +288,16 @@ class SparseRefinedSTE(ScheduledMasks):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.dense = dict(state["dense"])  # moved to the weights' device at the next step
+
+
+def _by_pattern(slots: list[MaskedSlot], values: list | None = None
+                ) -> list[tuple[Any, list[tuple[MaskedSlot, Any]]]]:
+    """Slots (each with its entry of ``values``) grouped by pattern and target."""
+    groups: dict[tuple, list[tuple[MaskedSlot, Any]]] = {}
+    for i, slot in enumerate(slots):
+        key = (slot.plan.pattern, slot.plan.sparsity)
+        groups.setdefault(key, []).append((slot, None if values is None else values[i]))
+    return [(pattern, group) for (pattern, _), group in groups.items()]
 
 
 UPDATERS: dict[str | None, type[ScheduledMasks]] = {

@@ -177,3 +177,16 @@ def test_global_exact_total_and_threshold(data, sparsity):
 def test_mask_errors(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+@pytest.mark.parametrize("spec", ["unstructured", "2:4", "2:4:2d", "block:2x4", "vector:2+1:4"])
+def test_same_shape_tensors_ranked_together_equal_one_by_one(spec):
+    from sparse_training.masks import pattern_masks
+
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(8, 16, generator=g) for _ in range(3)] + [
+        torch.randn(4, 8, 2, 2, generator=g), torch.randn(16, 8, generator=g)]
+    sparsity = None if ":" in spec and "block" not in spec and "vector" not in spec else 0.5
+    together = pattern_masks(weights, spec, sparsity)
+    for w, mask in zip(weights, together, strict=True):
+        assert torch.equal(mask, pattern_mask(w, spec, sparsity))

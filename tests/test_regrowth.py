@@ -32,7 +32,7 @@ def test_drop_and_grow_keeps_exact_counts(data, spec, fraction):
     mask = pattern_mask(weight, pattern, None if pattern.is_nm else 0.5)
     weight = weight.masked_fill(~mask, 0)
     grad = torch.randn(rows, cols, generator=g)
-    new = drop_and_grow(mask, weight, grad, pattern, fraction)
+    (new,) = drop_and_grow([mask], [weight], [grad], pattern, fraction)
     assert int(new.sum()) == int(mask.sum())
     if pattern.is_nm:
         groups = as_matrix(new).reshape(-1, pattern.m * pattern.block_cols)
@@ -47,7 +47,7 @@ def test_rigl_drops_smallest_and_grows_largest_gradient():
     mask = torch.tensor([[True, True, True, True, False, False, False, False]])
     weight = torch.tensor([[4.0, -3.0, 0.1, 2.0, 0, 0, 0, 0]])
     grad = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.5, -9.0, 0.2, 0.1]])
-    new = drop_and_grow(mask, weight, grad, parse_pattern("unstructured"), 0.25)
+    new = drop_and_grow([mask], [weight], [grad], parse_pattern("unstructured"), 0.25)[0]
     assert new.tolist() == [[True, True, False, True, False, True, False, False]]
 
 
@@ -55,7 +55,7 @@ def test_dropped_and_regrown_position_keeps_its_value():
     mask = torch.tensor([[True, True, False, False]])
     weight = torch.tensor([[1.0, 2.0, 0.0, 0.0]])
     grad = torch.tensor([[50.0, 0.0, 1.0, 1.0]])  # the dropped weight has the largest gradient
-    new = drop_and_grow(mask, weight, grad, parse_pattern("unstructured"), 0.5)
+    new = drop_and_grow([mask], [weight], [grad], parse_pattern("unstructured"), 0.5)[0]
     assert torch.equal(new, mask)
 
 
@@ -63,7 +63,7 @@ def test_nan_gradients_are_never_grown():
     mask = torch.tensor([[True, True, False, False]])
     weight = torch.tensor([[1.0, 2.0, 0.0, 0.0]])
     grad = torch.tensor([[0.0, 0.0, float("nan"), 1.0]])
-    new = drop_and_grow(mask, weight, grad, parse_pattern("unstructured"), 0.5)
+    new = drop_and_grow([mask], [weight], [grad], parse_pattern("unstructured"), 0.5)[0]
     assert new.tolist() == [[False, True, False, True]]
 
 
@@ -314,3 +314,19 @@ def test_checksum_tells_masks_with_equal_index_sums_apart():
                                                                       dtype=torch.bool)
     assert mask_checksum(a) != mask_checksum(b)
     assert mask_checksum(a) == mask_checksum(a.clone())
+
+
+def test_drop_and_grow_of_several_tensors_equals_one_by_one():
+    g = torch.Generator().manual_seed(0)
+    pattern = parse_pattern("unstructured")
+    weights = [torch.randn(8, 16, generator=g) for _ in range(4)]
+    from sparse_training import pattern_mask
+
+    masks = [pattern_mask(w, pattern, 0.75) for w in weights[:3]]  # one count: ranked together
+    masks.append(pattern_mask(weights[3], pattern, 0.5))  # another count: its own group
+    weights = [w.masked_fill(~m, 0) for w, m in zip(weights, masks, strict=True)]
+    grads = [torch.randn(8, 16, generator=g) for _ in range(4)]
+    together = drop_and_grow(masks, weights, grads, pattern, 0.3)
+    for m, w, gr, new in zip(masks, weights, grads, together, strict=True):
+        assert torch.equal(new, drop_and_grow([m], [w], [gr], pattern, 0.3)[0])
+        assert int(new.sum()) == int(m.sum())
