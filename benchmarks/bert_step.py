@@ -111,6 +111,7 @@ class PairedBlocks(Callback):
         self.block_ms: dict[bool, list[float]] = {True: [], False: []}
         self.update_ms: list[float] = []
         self.profiles: dict[bool, float] = {}
+        self.host_costs: dict[str, float] = {}
         self._timed_from: int | None = None
         for name in ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end"):
             setattr(sparse, name, self._gated(getattr(sparse, name)))
@@ -142,6 +143,10 @@ class PairedBlocks(Callback):
         else:
             engine.detach()
         self.on = on
+
+    def on_train_end(self, trainer, pl_module):
+        # still on the GPU (teardown moves the model back to the CPU)
+        self.host_costs = host_costs(self.sparse.engine, trainer.optimizers[0])
 
     def _block_of(self, step: int) -> int:
         return (step - self.warmup) // self.block
@@ -268,16 +273,16 @@ def run_variant(name: str, args: argparse.Namespace) -> dict:
         "masked_weights": sum(s.plan.numel for s in slots), "sparsity": engine.sparsity,
         "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30
                             if torch.cuda.is_available() else None),
-        **host_costs(engine, trainer.optimizers[0]),
+        **paired.host_costs,
     }
 
 
 def host_costs(engine, optimizer, calls: int = 50) -> dict:
     """Host microseconds per call of the per-step passes with an empty launch queue (the
     device synchronized before each batch of calls): what they add to a host-bound step."""
-    if not torch.cuda.is_available() or not hasattr(engine, "slots"):
+    if not hasattr(engine, "slots"):
         return {}  # (an older engine has no per-optimizer lists to time)
-    engine.attach(optimizer)  # fit's teardown detached it
+    engine.attach(optimizer)  # a no-op: the last block is an on-block
     attached = engine._attached[optimizer]
     grads = [torch.randn_like(p) for p in attached.params]
 
