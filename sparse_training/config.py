@@ -163,7 +163,7 @@ class SparsityConfig:
     allow: Sequence[str] | None = None
     deny: Sequence[str] | None = None
     dense_ratio: float = 0.0
-    overrides: Mapping[str, Mapping[str, Any]] | None = None
+    overrides: Mapping[str, Mapping[str, str | float]] | None = None
     distribution: str = "uniform"
     layer_types: LayerTypes = DEFAULT_LAYER_TYPES
     log_layers: bool = False

@@ -40,7 +40,7 @@ from sparse_training.kernels import zero_pruned_
 from sparse_training.selection import TensorPlan, plan_tensors
 from sparse_training.slots import MASK_SUFFIX, MaskedSlot
 from sparse_training.state import FORMAT, check_masks, check_settings, check_state, pack_masks
-from sparse_training.tensors import find_weight_tensors, zeros_pass_through
+from sparse_training.tensors import find_weight_tensors, zeros_problem
 from sparse_training.updaters import UPDATERS
 
 # id(parameter) -> (parameter, engine), both weak: which live engine masks a tensor
@@ -165,11 +165,11 @@ class SparsityEngine:
                                  f"(pattern {owner.config.pattern!r}); give two callbacks "
                                  f"disjoint selections (allow/deny), or detach() the other "
                                  f"engine first")
-            if not zeros_pass_through(slot.tensor):
+            if problem := zeros_problem(slot.tensor, whole_rows=not slot.plan.pattern.is_nm):
                 kind = type(slot.tensor.store[0][0]).__name__
-                raise ValueError(f"{where} is parametrized ({kind}) so that zeros of its "
-                                 f"original do not stay zeros of the weight; deny it or "
-                                 f"remove the parametrization")
+                raise ValueError(f"{where} is parametrized ({kind}) so that {problem}; use an "
+                                 f"N:M pattern (it keeps N in every group), deny the tensor, "
+                                 f"or remove the parametrization")
 
     def _check_state(self, state: dict[str, Any]) -> dict[str, Tensor]:
         check_state(state)

@@ -10,8 +10,9 @@ A *weight-like tensor* is a parameter of two or more dimensions, whatever its na
   ``spectral_norm``, ...) are listed under their forward name (``fc.weight``); the tensor
   that is masked and updated is the stored original of the forward weight's shape
   (``fc.parametrizations.weight.original``, or ``original1``, the direction ``v`` of
-  weight norm). :func:`zeros_pass_through` checks that zeros of the original stay zeros
-  of the forward weight, which holds for weight and spectral norm and not in general.
+  weight norm). :func:`zeros_problem` checks that zeros of the original stay zeros of
+  the forward weight: true for spectral norm, for weight norm unless a whole row is zero
+  (it divides by the row's norm), not in general.
 """
 
 from __future__ import annotations
@@ -135,21 +136,32 @@ def find_weight_tensors(model: nn.Module) -> list[WeightTensor]:
 
 
 @torch.no_grad()
-def zeros_pass_through(tensor: WeightTensor) -> bool:
-    """Whether zeroing positions of the stored original zeroes the same positions of the
-    forward weight (probed once with half the positions zeroed; state left untouched)."""
+def zeros_problem(tensor: WeightTensor, whole_rows: bool) -> str | None:
+    """Why zeros of the stored original would not be zeros of the forward weight, or None.
+
+    Probed once on the real weights (restored after; parametrizations run in eval mode):
+    half the positions zeroed at random, and, when the pattern can prune a whole output
+    row (``whole_rows``: unstructured and block patterns), a whole row zeroed, which makes
+    weight norm divide by a zero norm.
+    """
     if not tensor.parametrized:
-        return True
+        return None
     plist_owner, original = tensor.store
     stored = plist_owner._parameters[original]
-    if stored.is_meta:
-        return True  # checked again once the weights exist
     generator = torch.Generator(device=stored.device).manual_seed(0)
-    keep = torch.rand(stored.shape, generator=generator, device=stored.device) < 0.5
+    probes = {"zeros at random positions": torch.rand(stored.shape, generator=generator,
+                                                      device=stored.device) < 0.5}
+    if whole_rows:
+        row = torch.ones(stored.shape, dtype=torch.bool, device=stored.device)
+        row[0] = False
+        probes["a whole row of zeros, which this pattern can prune,"] = row
     saved = stored.detach().clone()
     try:
-        stored.masked_fill_(~keep, 0)
-        forward = tensor.forward_weight()
-        return forward.shape == keep.shape and not forward[~keep].any()
+        for what, keep in probes.items():
+            stored.copy_(saved.masked_fill(~keep, 0))
+            forward = tensor.forward_weight()
+            if forward.shape != keep.shape or forward[~keep].any() or forward.isnan().any():
+                return f"{what} in its original do not stay zeros of the weight"
     finally:
         stored.copy_(saved)
+    return None

@@ -165,6 +165,12 @@ class Parametrized(TinyNet):
         parametrize.register_parametrization(self.net[2], "weight", PlusOne())
 
 
+class WeightNormed(TinyNet):
+    def __init__(self):
+        super().__init__()
+        torch.nn.utils.parametrizations.weight_norm(self.net[0])
+
+
 class TorchPruned(TinyNet):
     def __init__(self):
         super().__init__()
@@ -198,8 +204,11 @@ SETUP = [  # (callbacks' settings, model, trainer settings, message)
      "unknown"),
     ([dict()], OnlyEmbedding, {}, "(?s)selected no weight tensor .*type Embedding not in"),
     ([dict()], Parametrized, {},
-     r"tensor 'net.2.weight' \(Linear\) is parametrized \(PlusOne\) so that zeros of its "
-     r"original do not stay zeros of the weight; deny it"),
+     r"tensor 'net.2.weight' \(Linear\) is parametrized \(PlusOne\) so that zeros at random "
+     r"positions in its original do not stay zeros of the weight; use an N:M pattern"),
+    ([dict(pattern="unstructured", sparsity=0.5)], WeightNormed, {},
+     r"'net.0.weight' \(Linear\) is parametrized \(_WeightNorm\) so that a whole row of "
+     r"zeros, which this pattern can prune, in its original do not stay zeros"),
     ([dict()], TorchPruned, {}, r"'net.0.weight_orig' .* pruned by torch.nn.utils.prune"),
     ([dict()], ForeignMask, {}, r"'weight_mask' \(torch.float32, \(32, 32\)\) is not a bool"),
     ([dict(fused=True)], RMSNet, {}, "fused=True cannot serve RMSprop: .*use fused='auto'"),

@@ -1,0 +1,51 @@
+"""SparsityCallback configured from a LightningCLI YAML (trainer.callbacks, class_path)."""
+
+from conftest import TinyNet, make_loader
+from pytorch_lightning.cli import LightningCLI
+from torch import nn
+
+from sparse_training import SparsityCallback
+
+CONFIG = """
+trainer:
+  max_epochs: 1
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  accelerator: cpu
+  callbacks:
+    - class_path: sparse_training.SparsityCallback
+      init_args:
+        pattern: "unstructured"   # quote N:M patterns: YAML reads 2:4 as the number 124
+        sparsity: 0.75
+        schedule: gmp
+        frequency: 2
+        layer_types: [Linear, torch.nn.Conv2d]
+        deny: ['net\\.4']
+        overrides:
+          'net\\.0': {pattern: "1:4"}
+model:
+  lr: 0.01
+"""
+
+
+def test_lightning_cli_builds_and_trains_the_callback(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text(CONFIG)
+    cli = LightningCLI(TinyNet, run=False, args=["--config", str(path)],
+                       save_config_kwargs={"overwrite": True})
+    (sparse,) = [c for c in cli.trainer.callbacks if isinstance(c, SparsityCallback)]
+    assert sparse.config.layer_types == (nn.Linear, nn.Conv2d)
+    assert sparse.config.parsed_overrides[r"net\.0"].pattern.spec == "1:4"
+    cli.trainer.fit(cli.model, make_loader())
+    assert sparse.engine.tensor_sparsity == {"net.0.weight": 0.75, "net.2.weight": 0.75}
+
+
+def test_the_cli_sees_every_setting():
+    import inspect
+
+    from sparse_training import SparsityConfig
+
+    parameters = list(inspect.signature(SparsityCallback).parameters)
+    assert parameters == list(SparsityConfig.names())
+    assert "sr_ste_decay: lambda of SR-STE" in SparsityCallback.__doc__
