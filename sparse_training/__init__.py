@@ -1,15 +1,17 @@
 """sparse_training: sparse training for PyTorch Lightning.
 
-The core (patterns, masks, selection, schedules, distributions, engine) imports torch only;
+The core (patterns, masks, tensors, selection, schedules, distributions, updaters, slots,
+state, ranks, engine) imports torch only;
 ``SparsityCallback`` is loaded from ``sparse_training.callbacks`` on first use.
 """
 
 from typing import Any
 
 from sparse_training.config import SparsityConfig
-from sparse_training.engine import SparsityEngine, make_permanent
+from sparse_training.engine import SparsityEngine
 from sparse_training.masks import global_masks, pattern_mask
 from sparse_training.patterns import Pattern, parse_pattern
+from sparse_training.slots import make_permanent
 
 __all__ = ["Pattern", "SparsityCallback", "SparsityConfig", "SparsityEngine", "global_masks",
            "make_permanent", "parse_pattern", "pattern_mask"]

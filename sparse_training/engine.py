@@ -30,15 +30,15 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from sparse_training.config import SparsityConfig
 from sparse_training.kernels import zero_pruned_
+from sparse_training.ranks import check_across_ranks
 from sparse_training.selection import TensorPlan, plan_tensors
-from sparse_training.slots import MASK_SUFFIX, MaskedSlot
+from sparse_training.slots import MaskedSlot
 from sparse_training.state import FORMAT, check_masks, check_settings, check_state, pack_masks
 from sparse_training.tensors import find_weight_tensors, zeros_problem
 from sparse_training.updaters import UPDATERS
@@ -251,7 +251,7 @@ class SparsityEngine:
                         value.masked_fill_(restart, 0)
         self._stats = None
         if check:
-            self._check_across_ranks(step, broadcast)
+            check_across_ranks(self.slots, step, broadcast, self.config.check_masks)
 
     def zero_pruned_gradients(self, slots: Iterable[MaskedSlot]) -> None:
         """Zero the gradients of pruned weights, one multi-tensor pass."""
@@ -264,29 +264,6 @@ class SparsityEngine:
         slots = list(slots)
         with torch.no_grad():
             zero_pruned_([s.param for s in slots], [s.mask for s in slots])
-
-    # -- ranks ------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _check_across_ranks(self, step: int | None, broadcast: bool) -> None:
-        """Under torch.distributed: rank 0's masks are broadcast when created, and a
-        checksum all-reduce (``check_masks``) raises if any rank's masks differ."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return
-        if broadcast:
-            for slot in self.slots:
-                as_bytes = slot.mask.to(torch.uint8)
-                dist.broadcast(as_bytes, src=0)
-                slot.set_mask(as_bytes.bool())
-        if not self.config.check_masks:
-            return
-        sums = torch.stack([mask_checksum(slot.mask) for slot in self.slots])
-        extremes = torch.cat([sums, -sums])
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-        high, low = extremes[: len(sums)], -extremes[len(sums):]
-        if not torch.equal(high, low):
-            differ = [s.name for s, h, lo in zip(self.slots, high, low, strict=True) if h != lo]
-            raise RuntimeError(f"masks differ across ranks at step {step} in tensors {differ};"
-                               f" every rank must see the same weights, gradients and seed")
 
     # -- optimizers -------------------------------------------------------------------------
     def _slots_of(self, optimizer: Optimizer) -> list[MaskedSlot]:
@@ -389,17 +366,6 @@ class SparsityEngine:
         self.set_masks(masks, step=None, broadcast=False, check=False)
 
 
-def mask_checksum(mask: Tensor) -> Tensor:
-    """Sum over kept positions of a mixing hash of the position (int64, wrapping; the
-    xor-shift-multiply rounds of splitmix64): equal masks give equal sums, and different
-    masks collide only by chance."""
-    flat = mask.reshape(-1)
-    keys = (torch.arange(flat.numel(), device=flat.device) + 1) * 0x1E3779B97F4A7C15
-    keys = (keys ^ (keys >> 30)) * 0x3F58476D1CE4E5B9
-    keys = keys ^ (keys >> 27)
-    return torch.where(flat, keys, 0).sum()
-
-
 def _fused_step(attached: _Attached, optimizer: Optimizer, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """Optimizer pre-step hook: the masked weights in the fused kernels.
@@ -430,17 +396,3 @@ def _after_step(engine: SparsityEngine, attached: _Attached, optimizer: Optimize
     engine.updater.after_step(engine, attached.slots)
     if attached.weight_pass:
         attached.zero_pruned_weights()
-
-
-def make_permanent(model: nn.Module) -> nn.Module:
-    """Fold every mask into its weight and remove the mask buffers, for inference or
-    hand-off (a second fit after it starts from fresh masks). Returns ``model``."""
-    with torch.no_grad():
-        for module in model.modules():
-            for name, buffer in list(module._buffers.items()):
-                param = module._parameters.get(name.removesuffix(MASK_SUFFIX))
-                if (name.endswith(MASK_SUFFIX) and param is not None and buffer is not None
-                        and buffer.dtype == torch.bool and buffer.shape == param.shape):
-                    param.masked_fill_(~buffer, 0)
-                    del module._buffers[name]
-    return model

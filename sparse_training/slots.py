@@ -102,3 +102,17 @@ class MaskedSlot:
         with torch.no_grad():
             self.param.masked_fill_(~self.mask, 0)
         del self._buffers[self.mask_key]
+
+
+def make_permanent(model: nn.Module) -> nn.Module:
+    """Fold every mask into its weight and remove the mask buffers, for inference or
+    hand-off (a later fit starts from fresh masks). Returns ``model``."""
+    with torch.no_grad():
+        for module in model.modules():
+            for name, buffer in list(module._buffers.items()):
+                param = module._parameters.get(name.removesuffix(MASK_SUFFIX))
+                if (name.endswith(MASK_SUFFIX) and param is not None and buffer is not None
+                        and buffer.dtype == torch.bool and buffer.shape == param.shape):
+                    param.masked_fill_(~buffer, 0)
+                    del module._buffers[name]
+    return model

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import TinyNet, make_loader  # noqa: E402
 
 from sparse_training import SparsityCallback  # noqa: E402
-from sparse_training.engine import mask_checksum  # noqa: E402
+from sparse_training.ranks import check_across_ranks, mask_checksum  # noqa: E402
 
 
 class Recorder(Callback):
@@ -31,9 +31,9 @@ class Recorder(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         engine = self.sparse.engine
         self.rows.append({"step": trainer.global_step, "last_regrow": engine.updater.last_regrow,
-                          "checksums": [int(mask_checksum(layer.mask))
-                                        for layer in engine.slots],
-                          "counts": [int(layer.mask.sum()) for layer in engine.slots]})
+                          "checksums": [int(mask_checksum(slot.mask))
+                                        for slot in engine.slots],
+                          "counts": [int(slot.mask.sum()) for slot in engine.slots]})
 
 
 def run(regrow: str, out: Path) -> None:
@@ -50,7 +50,7 @@ def run(regrow: str, out: Path) -> None:
     if rank == 1:  # a rank that went its own way must be caught
         engine.slots[0].mask.view(-1)[0] ^= True
     try:
-        engine._check_across_ranks(step=-1, broadcast=False)
+        check_across_ranks(engine.slots, step=-1, broadcast=False, check=True)
         mismatch_caught = False
     except RuntimeError as error:
         mismatch_caught = "masks differ across ranks" in str(error)

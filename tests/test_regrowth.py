@@ -308,7 +308,7 @@ def test_sr_ste_masks_weights_after_a_skipped_step():
 
 
 def test_checksum_tells_masks_with_equal_index_sums_apart():
-    from sparse_training.engine import mask_checksum
+    from sparse_training.ranks import mask_checksum
 
     a, b = torch.tensor([1, 0, 0, 1], dtype=torch.bool), torch.tensor([0, 1, 1, 0],
                                                                       dtype=torch.bool)

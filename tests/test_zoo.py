@@ -199,3 +199,15 @@ def test_the_zoo_masks_every_kind_of_weight_tensor():
     assert tied.plan.names == ("body.embed.weight", "body.lm_head.weight")
     names, _ = selected(MODELS["cnn-batchnorm"]())
     assert names == ["body.features.0.weight", "body.features.3.weight", "body.head.weight"]
+
+
+def test_a_compiled_inner_module():
+    """torch.compile of the inner module (AOTAutograd, without code generation to keep CI
+    fast): names gain ``_orig_mod.``, masks hold at every step (docs/transformers.md)."""
+    model = Zoo(torch.compile(Transformer(), backend="aot_eager"), "tokens")
+    sparse = SparsityCallback("unstructured", sparsity=0.8, schedule="gmp", end=0.75,
+                              frequency=2, deny=["embed"])
+    audit = MaskAudit(sparse)
+    make_trainer([sparse, audit], max_epochs=2, log_every_n_steps=1).fit(model, loader("tokens"))
+    assert sparse.engine.slots[0].name == "body._orig_mod.encoder.layers.0.self_attn.in_proj_weight"
+    assert audit.updates >= 3 and sparse.engine.sparsity == pytest.approx(0.8, abs=0.01)

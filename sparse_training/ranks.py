@@ -1,0 +1,56 @@
+"""Masks across torch.distributed ranks: the same on every rank, checked, never re-sent.
+
+Masks agree by construction (magnitudes of identical weights, RigL's gradients after
+DDP's all-reduce, random draws from (seed, step)). When they are created, rank 0's are
+broadcast once; after every update, one all-reduce of a checksum per tensor compares them
+(``check_masks``), and a difference raises, naming the tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from sparse_training.slots import MaskedSlot
+
+
+def mask_checksum(mask: Tensor) -> Tensor:
+    """Sum over kept positions of a mixing hash of the position (int64, wrapping; the
+    xor-shift-multiply rounds of splitmix64): equal masks give equal sums, and different
+    masks collide only by chance."""
+    flat = mask.reshape(-1)
+    keys = (torch.arange(flat.numel(), device=flat.device) + 1) * 0x1E3779B97F4A7C15
+    keys = (keys ^ (keys >> 30)) * 0x3F58476D1CE4E5B9
+    keys = keys ^ (keys >> 27)
+    return torch.where(flat, keys, 0).sum()
+
+
+@torch.no_grad()
+def check_across_ranks(slots: Sequence[MaskedSlot], step: int | None, broadcast: bool,
+                       check: bool) -> None:
+    """Under torch.distributed: rank 0's masks installed everywhere (``broadcast``, when
+    they are created), then (``check``) one checksum all-reduce.
+
+    Raises:
+        RuntimeError: a rank's masks differ, naming the tensors.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    if broadcast:
+        for slot in slots:
+            as_bytes = slot.mask.to(torch.uint8)
+            dist.broadcast(as_bytes, src=0)
+            slot.set_mask(as_bytes.bool())
+    if not check:
+        return
+    sums = torch.stack([mask_checksum(slot.mask) for slot in slots])
+    extremes = torch.cat([sums, -sums])
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    high, low = extremes[: len(sums)], -extremes[len(sums):]
+    if not torch.equal(high, low):
+        differ = [s.name for s, h, lo in zip(slots, high, low, strict=True) if h != lo]
+        raise RuntimeError(f"masks differ across ranks at step {step} in tensors {differ}; "
+                           f"every rank must see the same weights, gradients and seed")
