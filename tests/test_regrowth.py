@@ -221,26 +221,34 @@ def test_no_mask_update_on_non_finite_gradients():
     assert regrown[6] == 6
 
 
-def rigl_settings():
-    return dict(pattern="unstructured", sparsity=0.8, schedule="constant", regrow="set",
-                frequency=2, score="random", seed=7, regrow_end=11)
+RESUMABLE = {
+    "set": dict(pattern="unstructured", sparsity=0.8, schedule="constant", regrow="set",
+                frequency=2, score="random", seed=7, regrow_end=11),
+    "sr-ste": dict(pattern="2:4", schedule="constant", regrow="sr-ste"),
+}
 
 
-def test_resume_restores_regrowth_exactly(tmp_path):
+@pytest.mark.parametrize("algorithm", RESUMABLE)
+def test_resume_restores_regrowth_exactly(tmp_path, algorithm):
+    settings = RESUMABLE[algorithm]
     pl.seed_everything(0)
     straight = TinyNet("adam")
-    make_trainer([SparsityCallback(**rigl_settings())], max_epochs=2).fit(
-        straight, make_loader(n=96))
+    straight_sparse = SparsityCallback(**settings)
+    make_trainer([straight_sparse], max_epochs=2).fit(straight, make_loader(n=96))
     pl.seed_everything(0)
     first = TinyNet("adam")
-    make_trainer([SparsityCallback(**rigl_settings()),
+    make_trainer([SparsityCallback(**settings),
                   ModelCheckpoint(dirpath=tmp_path, save_last=True)], max_epochs=1,
                  enable_checkpointing=True).fit(first, make_loader(n=96))
     resumed = TinyNet("adam")
-    sparse = SparsityCallback(**rigl_settings())
+    sparse = SparsityCallback(**settings)
     make_trainer([sparse], max_epochs=2).fit(resumed, make_loader(n=96),
                                              ckpt_path=tmp_path / "last.ckpt")
-    assert sparse.engine.updater.last_regrow == 10
+    if algorithm == "set":
+        assert sparse.engine.updater.last_regrow == 10
+    else:  # the dense weights kept aside came back from the checkpoint too
+        for name, dense in sparse.engine.updater.dense.items():
+            assert torch.equal(dense, straight_sparse.engine.updater.dense[name]), name
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items(),
                                  strict=True):
         assert torch.equal(a, b), name
