@@ -190,3 +190,15 @@ def test_same_shape_tensors_ranked_together_equal_one_by_one(spec):
     together = pattern_masks(weights, spec, sparsity)
     for w, mask in zip(weights, together, strict=True):
         assert torch.equal(mask, pattern_mask(w, spec, sparsity))
+
+
+def test_transposable_conv_tiles_are_nm_along_output_channels_at_every_tap():
+    """ASP orders conv rows (r, s, k): at each tap, the (out, in) slice is 2:4 along inputs
+    and, transposed, along outputs (issue 8: tiles used to mix taps and channels)."""
+    w = torch.randn(8, 8, 3, 3, generator=torch.Generator().manual_seed(0))
+    mask = pattern_mask(w, "2:4:2d")
+    for r in range(3):
+        for s in range(3):
+            tap = mask[:, :, r, s]  # (out, in)
+            assert (tap.reshape(8, 2, 4).sum(-1) == 2).all()  # N:M along input channels
+            assert (tap.T.reshape(8, 2, 4).sum(-1) == 2).all()  # and along output channels
