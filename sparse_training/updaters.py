@@ -64,6 +64,10 @@ class ScheduledMasks:
         """Forget the progress of an earlier fit: the schedule runs again from its start."""
         self.schedule, self.last_update, self.target = self.config.parsed_schedule, None, 0.0
 
+    def describe(self, total_steps: int | None) -> str:
+        """When masks change, for the log at fit start."""
+        return f"mask updates at steps {self.schedule.update_steps(total_steps)}"
+
     def on_step_start(self, engine: SparsityEngine, step: int) -> bool:
         """Apply the update due at ``step`` if it has not run; True if masks changed."""
         due = self.schedule.latest_update_step(step)
@@ -146,6 +150,11 @@ class DropAndGrow(ScheduledMasks):
         super().restart()
         self.regrow_end, self.last_regrow = self.config.regrow_end, None
         self.regrown_period, self._period_done = {}, -1
+
+    def describe(self, total_steps: int | None) -> str:
+        return (f"{super().describe(total_steps)}; drop and grow every "
+                f"{self.schedule.frequency} steps from step {self.schedule.start} until step "
+                f"{self.regrow_end}")
 
     def grow_score(self, engine: SparsityEngine, slot: MaskedSlot, step: int) -> Tensor:
         raise NotImplementedError
@@ -232,6 +241,9 @@ class SparseRefinedSTE(ScheduledMasks):
     def restart(self) -> None:
         super().restart()
         self.dense, self._dense_in_params = {}, False
+
+    def describe(self, total_steps: int | None) -> str:
+        return f"N:M masks of the dense weights at every step from step {self.schedule.start}"
 
     @torch.no_grad()
     def on_step_start(self, engine: SparsityEngine, step: int) -> bool:

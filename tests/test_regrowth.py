@@ -338,3 +338,14 @@ def test_drop_and_grow_of_several_tensors_equals_one_by_one():
     for m, w, gr, new in zip(masks, weights, grads, together, strict=True):
         assert torch.equal(new, drop_and_grow([m], [w], [gr], pattern, 0.3)[0])
         assert int(new.sum()) == int(m.sum())
+
+
+def test_fit_start_says_when_masks_move(caplog):
+    import logging
+
+    sparse = SparsityCallback("unstructured", sparsity=0.5, schedule="constant", regrow="set",
+                              frequency=2)
+    with caplog.at_level(logging.INFO):
+        make_trainer([sparse], max_epochs=1).fit(TinyNet(), make_loader())
+    assert ("mask updates at steps 0 (one update); drop and grow every 2 steps from step 0 "
+            "until step 6") in caplog.text

@@ -103,8 +103,7 @@ class SparsityCallback(Callback):
         engine.start(total)
         self._warn_about_schedule(total)
         rank_zero_info(f"SparsityCallback: {len(engine.slots)} of {len(engine.plans)} weight "
-                       f"tensors selected; mask updates at steps "
-                       f"{engine.updater.schedule.update_steps(total)}\n"
+                       f"tensors selected; {engine.updater.describe(total)}\n"
                        + format_table(engine.plans))
         self._unused_checked = False
         for optimizer in trainer.optimizers:
