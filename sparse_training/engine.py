@@ -46,27 +46,12 @@ from sparse_training.updaters import UPDATERS
 # id(parameter) -> (parameter, engine), both weak: which live engine masks a tensor
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 _GRAD = operator.attrgetter("grad")
-# torch.optim classes whose update is exactly zero where the gradient and every state
-# tensor are zero (given eps > 0): once the gradients are masked, their step leaves pruned
-# weights at zero, so the weight pass after it is skipped (any other optimizer, a subclass
-# included, gets it; tests/test_engine.py runs one that moves zeros).
-ZERO_KEEPING = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop,
-                torch.optim.Adagrad)
-
-
-def keeps_zeros(optimizer: Optimizer) -> bool:
-    """Whether ``optimizer`` leaves weights with zero gradient and state at exactly zero."""
-    return type(optimizer) in ZERO_KEEPING and all(
-        group.get("eps", 1.0) > 0 for group in optimizer.param_groups)
-
-
 class _Attached:
     """An optimizer's slots and the lists its per-step passes read, built once (the hot
     path is a few C-level maps, not a Python loop over slots)."""
 
-    def __init__(self, slots: list[MaskedSlot], handle: RemovableHandle | None,
-                 weight_pass: bool) -> None:
-        self.slots, self.handle, self.weight_pass = slots, handle, weight_pass
+    def __init__(self, slots: list[MaskedSlot], handle: RemovableHandle | None) -> None:
+        self.slots, self.handle = slots, handle
         self.params = [s.param for s in slots]
         self._masks: list[Tensor] = []
         self._by_param: dict[Tensor, Tensor] = {}
@@ -278,8 +263,8 @@ class SparsityEngine:
         With the fused step (``config.fused``, :mod:`sparse_training.kernels`) a step
         pre-hook updates the masked weights in one Triton pass per group of tensors and
         hands the rest to ``optimizer.step``; otherwise a step post-hook zeroes the pruned
-        weights (skipped for optimizers that keep zeros, :func:`keeps_zeros`). Either way
-        the optimizer state is zeroed at pruned positions now and at every mask update.
+        weights. Either way the optimizer state is zeroed at pruned positions now and at
+        every mask update.
 
         Raises:
             ValueError: ``fused=True`` and the fused step cannot serve this optimizer.
@@ -287,8 +272,7 @@ class SparsityEngine:
         if optimizer in self._attached:
             return
         slots = self._slots_of(optimizer)
-        attached = self._attached[optimizer] = _Attached(
-            slots, handle=None, weight_pass=self.updater.dense_state or not keeps_zeros(optimizer))
+        attached = self._attached[optimizer] = _Attached(slots, handle=None)
         if self._use_fused(optimizer, slots):
             attached.handle = optimizer.register_step_pre_hook(
                 functools.partial(_fused_step, attached))
@@ -383,7 +367,11 @@ def _fused_step(attached: _Attached, optimizer: Optimizer, args: tuple[Any, ...]
     if closure is not None:
         with torch.enable_grad():
             loss = closure()
-    kernels.fused_masked_step(optimizer, attached.masks_by_param)
+    # torch's own fused optimizers step on scaled gradients: GradScaler hands them its
+    # scale and overflow flag as attributes (and calls step even on an overflow)
+    kernels.fused_masked_step(optimizer, attached.masks_by_param,
+                              grad_scale=getattr(optimizer, "grad_scale", None),
+                              found_inf=getattr(optimizer, "found_inf", None))
     if closure is None:
         return None
     return args[:1], {**kwargs, "closure": lambda: loss}
@@ -391,8 +379,7 @@ def _fused_step(attached: _Attached, optimizer: Optimizer, args: tuple[Any, ...]
 
 def _after_step(engine: SparsityEngine, attached: _Attached, optimizer: Optimizer,
                 args: Any, kwargs: Any) -> None:
-    """Optimizer post-step hook: the updater's step end, then the pruned weights zeroed
-    (unless the optimizer keeps zeros: :func:`keeps_zeros`)."""
+    """Optimizer post-step hook: the updater's step end, then the pruned weights zeroed,
+    whatever moved them (the optimizer, or gradients changed after they were masked)."""
     engine.updater.after_step(engine, attached.slots)
-    if attached.weight_pass:
-        attached.zero_pruned_weights()
+    attached.zero_pruned_weights()

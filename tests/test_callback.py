@@ -319,3 +319,16 @@ def test_unused_selected_tensors_are_named():
     with pytest.warns(UserWarning, match=r"1 selected tensors got no gradient in the first step"
                                          r" .*\['pooler.weight'\]; deny them"):
         run_for(WithUnused(), [SparsityCallback("2:4")], max_epochs=1)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_gradients_changed_after_the_callback_do_not_leak_into_pruned_weights(optimizer):
+    class NoisyGradients(TinyNet):  # gradient noise, or a regularizer, after our masking
+        def on_before_optimizer_step(self, opt):
+            for p in self.parameters():
+                p.grad.add_(1e-3 * torch.randn_like(p.grad))
+
+    sparse = SparsityCallback("2:4")
+    audit = MaskAudit(sparse)
+    make_trainer([sparse, audit], max_steps=4).fit(NoisyGradients(optimizer), make_loader())
+    assert audit.steps == 4  # the audit found every pruned weight at zero after each step

@@ -201,18 +201,3 @@ def test_compile_sees_no_hooks():
     model = mlp()
     SparsityEngine(model, SparsityConfig("2:4"))
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
-
-
-def test_the_weight_pass_runs_only_for_optimizers_that_may_move_zeros():
-    model = mlp()
-    engine = SparsityEngine(model, SparsityConfig("2:4"))
-    adamw = torch.optim.AdamW(model[0].parameters(), lr=1e-2)
-    noisy = NoisySGD(model[2].parameters(), lr=1e-2)
-    engine.attach(adamw)
-    engine.attach(noisy)
-    assert not engine._attached[adamw].weight_pass  # zero gradient and state: zero update
-    assert engine._attached[noisy].weight_pass  # a subclass may do anything
-    eps_zero = torch.optim.Adam(mlp().parameters(), eps=0.0)
-    from sparse_training.engine import keeps_zeros
-
-    assert not keeps_zeros(eps_zero)  # 0 / (sqrt(0) + 0) is NaN

@@ -70,3 +70,32 @@ def test_fused_true_names_why_it_cannot_serve():
 def test_fused_setting_is_validated():
     with pytest.raises(ValueError, match="unknown fused 'yes'; valid: 'auto', True, False"):
         SparsityCallback("2:4", fused="yes")
+
+
+@pytest.mark.parametrize("optimizer_class", [torch.optim.Adam, torch.optim.SGD])
+def test_torch_fused_optimizers_under_grad_scaling(optimizer_class):
+    """torch's fused optimizers step on scaled gradients (GradScaler passes its scale and
+    overflow flag as optimizer attributes): the masked kernel must read them too."""
+    from sparse_training import SparsityConfig, SparsityEngine
+
+    results = {}
+    for fused in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+        engine = SparsityEngine(model, SparsityConfig("2:4", fused=fused))
+        engine.start(10)
+        optimizer = optimizer_class(model.parameters(), lr=1e-2, fused=True)
+        engine.attach(optimizer)
+        assert (optimizer in engine.fused_optimizers) is fused
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+        engine.on_step_start(0)
+        for step, x in enumerate([torch.ones(2, 8), torch.full((2, 8), float("inf"))]):
+            before = model[0].weight.detach().clone()
+            scaler.scale(model(x).sum()).backward()
+            engine.before_optimizer_step(optimizer, step, clipping=False)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+        assert torch.equal(model[0].weight, before)  # the overflow step changed nothing
+        results[fused] = model[0].weight.detach().clone()
+    torch.testing.assert_close(results[True], results[False], rtol=1e-5, atol=1e-7)
