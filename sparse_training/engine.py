@@ -46,11 +46,23 @@ from sparse_training.updaters import UPDATERS
 # id(parameter) -> (parameter, engine), both weak: which live engine masks a tensor
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 _GRAD = operator.attrgetter("grad")
+class _Handles:
+    """The optimizer hooks of one attachment, removed together."""
+
+    def __init__(self, *handles: RemovableHandle) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
 class _Attached:
     """An optimizer's slots and the lists its per-step passes read, built once (the hot
     path is a few C-level maps, not a Python loop over slots)."""
 
-    def __init__(self, slots: list[MaskedSlot], handle: RemovableHandle | None) -> None:
+    def __init__(self, slots: list[MaskedSlot], handle: RemovableHandle | _Handles | None
+                 ) -> None:
         self.slots, self.handle = slots, handle
         self.params = [s.param for s in slots]
         self._masks: list[Tensor] = []
@@ -179,17 +191,15 @@ class SparsityEngine:
     def before_optimizer_step(self, optimizer: Optimizer, step: int,
                               clipping: bool = True) -> None:
         """Between backward and ``optimizer.step``: regrowth when due (it reads the dense
-        gradients), then the pruned gradients are zeroed.
-
-        Args:
-            clipping: whether something reads the gradients before the step (gradient
-                clipping); if not, an optimizer served by the fused step skips this pass,
-                since its kernel ignores pruned gradients.
+        gradients), then, for readers of the gradients before the step (``clipping``), the
+        pruned gradients are zeroed. An attached optimizer's step pre-hook zeroes them again
+        right before the update (or its fused kernel ignores them), so without ``clipping``
+        this pass is skipped for it.
         """
         attached = self._attached.get(optimizer)
         slots = attached.slots if attached is not None else self._slots_of(optimizer)
         self.updater.before_step(self, slots, step)
-        if self.updater.masks_gradients and (clipping or optimizer not in self.fused_optimizers):
+        if self.updater.masks_gradients and (clipping or attached is None):
             if attached is not None:
                 attached.zero_pruned_gradients()
             else:
@@ -278,8 +288,10 @@ class SparsityEngine:
                 functools.partial(_fused_step, attached))
             self.fused_optimizers.add(optimizer)
         else:
-            attached.handle = optimizer.register_step_post_hook(
-                functools.partial(_after_step, self, attached))
+            attached.handle = _Handles(
+                optimizer.register_step_pre_hook(
+                    functools.partial(_masked_gradients_step, self, attached)),
+                optimizer.register_step_post_hook(functools.partial(_after_step, self, attached)))
         if not self.updater.dense_state:
             self.set_masks({s.name: s.mask.clone() for s in slots}, step=None, broadcast=False,
                            check=False)
@@ -350,31 +362,46 @@ class SparsityEngine:
         self.set_masks(masks, step=None, broadcast=False, check=False)
 
 
-def _fused_step(attached: _Attached, optimizer: Optimizer, args: tuple[Any, ...],
-                kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """Optimizer pre-step hook: the masked weights in the fused kernels.
+StepArgs = tuple[tuple[Any, ...], dict[str, Any]]
 
-    A step called with a closure (Lightning's way: the closure runs the forward, backward,
-    ``on_before_optimizer_step`` and clipping) runs the closure here first, so the kernels
-    see the final gradients; the step then gets a closure that returns the same loss. The
-    handled gradients become None, so ``optimizer.step`` goes on with the unmasked
-    parameters only.
-    """
+
+def _closure_first(args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepArgs | None:
+    """Run a step's closure now (Lightning's: forward, backward, ``on_before_optimizer_step``
+    of every callback and the module, clipping), so that what follows sees the final
+    gradients; the step then gets a closure that returns the same loss. None: no closure."""
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0]: optimizer
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        loss = closure()
+    return args[:1], {**kwargs, "closure": lambda: loss}
+
+
+def _masked_gradients_step(engine: SparsityEngine, attached: _Attached, optimizer: Optimizer,
+                           args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepArgs | None:
+    """Optimizer pre-step hook of the hook path: the pruned gradients zeroed right before the
+    update, after everything that may have changed them, so pruned weights and their
+    optimizer state see exact zeros."""
+    new_args = _closure_first(args, kwargs)
+    if engine.updater.masks_gradients:
+        attached.zero_pruned_gradients()
+    return new_args
+
+
+def _fused_step(attached: _Attached, optimizer: Optimizer, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> StepArgs | None:
+    """Optimizer pre-step hook of the fused path: the masked weights in the fused kernels
+    (they ignore pruned gradients). The handled gradients become None, so
+    ``optimizer.step`` goes on with the unmasked parameters only."""
     from sparse_training import kernels
 
-    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0]: optimizer
-    loss = None
-    if closure is not None:
-        with torch.enable_grad():
-            loss = closure()
+    new_args = _closure_first(args, kwargs)
     # torch's own fused optimizers step on scaled gradients: GradScaler hands them its
     # scale and overflow flag as attributes (and calls step even on an overflow)
     kernels.fused_masked_step(optimizer, attached.masks_by_param,
                               grad_scale=getattr(optimizer, "grad_scale", None),
                               found_inf=getattr(optimizer, "found_inf", None))
-    if closure is None:
-        return None
-    return args[:1], {**kwargs, "closure": lambda: loss}
+    return new_args
 
 
 def _after_step(engine: SparsityEngine, attached: _Attached, optimizer: Optimizer,

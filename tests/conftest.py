@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 # Triton kernels run in its interpreter on CPU; Lightning imports triton, so set it first.
@@ -170,6 +171,18 @@ def make_trainer(callbacks, **kwargs) -> pl.Trainer:
                     deterministic=True)
     defaults.update(kwargs)
     return pl.Trainer(callbacks=callbacks, **defaults)
+
+
+@pytest.fixture
+def lightning_log(caplog):
+    """Lightning's INFO messages (its logger does not propagate to the root one)."""
+    logger = logging.getLogger("pytorch_lightning")
+    logger.addHandler(caplog.handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    yield caplog
+    logger.setLevel(level)
+    logger.removeHandler(caplog.handler)
 
 
 @pytest.fixture(autouse=True)

@@ -340,12 +340,9 @@ def test_drop_and_grow_of_several_tensors_equals_one_by_one():
         assert int(new.sum()) == int(m.sum())
 
 
-def test_fit_start_says_when_masks_move(caplog):
-    import logging
-
+def test_fit_start_says_when_masks_move(lightning_log):
     sparse = SparsityCallback("unstructured", sparsity=0.5, schedule="constant", regrow="set",
                               frequency=2)
-    with caplog.at_level(logging.INFO):
-        make_trainer([sparse], max_epochs=1).fit(TinyNet(), make_loader())
+    make_trainer([sparse], max_epochs=1).fit(TinyNet(), make_loader())
     assert ("mask updates at steps 0 (one update); drop and grow every 2 steps from step 0 "
-            "until step 6") in caplog.text
+            "until step 6") in lightning_log.text
