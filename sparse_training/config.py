@@ -226,6 +226,12 @@ class SparsityConfig:
             layer_pattern = override.pattern or pattern
             if override.sparsity == 0.0:
                 continue
+            if self.regrow is not None and layer_pattern.transposable:
+                raise ValueError(f"overrides[{regex!r}]: regrow={self.regrow!r} does not support "
+                                 f"transposable patterns ({layer_pattern.spec!r})")
+            if self.regrow == "sr-ste" and not layer_pattern.is_nm:
+                raise ValueError(f"overrides[{regex!r}]: regrow='sr-ste' trains N:M masks; got "
+                                 f"pattern {layer_pattern.spec!r}")
             if not layer_pattern.is_nm and override.sparsity is None and self.sparsity is None:
                 raise ValueError(f"overrides[{regex!r}]: pattern {layer_pattern.spec!r} needs "
                                  f"a sparsity (the model-wide pattern {pattern.spec!r} gives "
@@ -301,9 +307,12 @@ class SparsityConfig:
         """The settings as plain values (classes as import paths): what a checkpoint keeps
         to compare with the settings it is resumed with."""
         plain = {k: v for k, v in asdict(self).items() if k in self.names()}
+        plain["pattern"] = self.parsed_pattern.spec  # " 2:4" and "2:4" are one pattern
         plain["layer_types"] = [f"{t.__module__}.{t.__qualname__}" for t in self.layer_types]
         plain["allow"], plain["deny"] = list(self.allow), list(self.deny)
-        plain["overrides"] = {k: dict(v) for k, v in (self.overrides or {}).items()}
+        plain["overrides"] = {k: {**v, **({"pattern": o.pattern.spec} if o.pattern else {})}
+                              for (k, v), o in zip((self.overrides or {}).items(),
+                                                   self.parsed_overrides.values(), strict=True)}
         return plain
 
 

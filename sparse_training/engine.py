@@ -65,15 +65,19 @@ class _Attached:
                  ) -> None:
         self.slots, self.handle = slots, handle
         self.params = [s.param for s in slots]
+        self._buffers = [s.module._buffers for s in slots]
+        self._keys = [s.mask_key for s in slots]
         self._masks: list[Tensor] = []
         self._by_param: dict[Tensor, Tensor] = {}
 
     @property
     def masks(self) -> list[Tensor]:
-        """The mask buffers; read again when the model moved (``.to()`` replaces buffers)."""
-        if not self._masks or self._masks[0] is not self.slots[0].mask:
-            self._masks = [s.mask for s in self.slots]
-            self._by_param = dict(zip(self.params, self._masks, strict=True))
+        """The mask buffers, checked by identity (C-level maps): a ``.to()`` of the model or
+        of any submodule replaces buffers, and the lists follow."""
+        current = list(map(dict.__getitem__, self._buffers, self._keys))
+        if len(current) != len(self._masks) or not all(map(operator.is_, current, self._masks)):
+            self._masks = current
+            self._by_param = dict(zip(self.params, current, strict=True))
         return self._masks
 
     @property
@@ -136,9 +140,7 @@ class SparsityEngine:
         self._check_slots()
         self.updater = UPDATERS[config.regrow](config)
         restored = self._check_state(state) if state is not None else None
-        for slot in self.slots:
-            _OWNERS[id(slot.param)] = (weakref.ref(slot.param), weakref.ref(self))
-            slot.install()
+        self._take()
         if restored is not None:
             self.updater.load_state_dict(state["updater"])
             self.set_masks(restored, step=None, broadcast=False, check=False)
@@ -167,6 +169,29 @@ class SparsityEngine:
                 raise ValueError(f"{where} is parametrized ({kind}) so that {problem}; use an "
                                  f"N:M pattern (it keeps N in every group), deny the tensor, "
                                  f"or remove the parametrization")
+
+    def _take(self) -> None:
+        """Own the selected tensors and put their mask buffers on the model."""
+        for slot in self.slots:
+            _OWNERS[id(slot.param)] = (weakref.ref(slot.param), weakref.ref(self))
+            slot.install()
+
+    def claim(self) -> None:
+        """Check the selected tensors again and own them (an engine reused for a later
+        fit: another engine may have taken them since, or the model changed).
+
+        Raises:
+            ValueError: as at construction.
+        """
+        self._check_slots()
+        self._take()
+
+    def bound_to(self, model: nn.Module) -> bool:
+        """Whether this engine's tensors are ``model``'s, masks installed (not after
+        ``make_permanent``, nor after ``configure_model`` built new layers)."""
+        params = {id(p) for p in model.parameters()}
+        return self.model is model and self.installed and all(
+            id(slot.param) in params for slot in self.slots)
 
     def _check_state(self, state: dict[str, Any]) -> dict[str, Tensor]:
         check_state(state)
@@ -282,8 +307,9 @@ class SparsityEngine:
         if optimizer in self._attached:
             return
         slots = self._slots_of(optimizer)
+        fused = self._use_fused(optimizer, slots)  # raises before anything is registered
         attached = self._attached[optimizer] = _Attached(slots, handle=None)
-        if self._use_fused(optimizer, slots):
+        if fused:
             attached.handle = optimizer.register_step_pre_hook(
                 functools.partial(_fused_step, attached))
             self.fused_optimizers.add(optimizer)

@@ -31,18 +31,20 @@ def mask_checksum(mask: Tensor) -> Tensor:
 @torch.no_grad()
 def check_across_ranks(slots: Sequence[MaskedSlot], step: int | None, broadcast: bool,
                        check: bool) -> None:
-    """Under torch.distributed: rank 0's masks installed everywhere (``broadcast``, when
-    they are created), then (``check``) one checksum all-reduce.
+    """Under torch.distributed: rank 0's masks and weights installed everywhere
+    (``broadcast``, once, when the masks are created), then (``check``) one checksum
+    all-reduce.
 
     Raises:
         RuntimeError: a rank's masks differ, naming the tensors.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
-    if broadcast:
+    if broadcast:  # rank 0's masks and weights, so that no rank keeps what another pruned
         for slot in slots:
             as_bytes = slot.mask.to(torch.uint8)
             dist.broadcast(as_bytes, src=0)
+            dist.broadcast(slot.param.data, src=0)
             slot.set_mask(as_bytes.bool())
     if not check:
         return

@@ -105,14 +105,18 @@ class MaskedSlot:
 
 
 def make_permanent(model: nn.Module) -> nn.Module:
-    """Fold every mask into its weight and remove the mask buffers, for inference or
-    hand-off (a later fit starts from fresh masks). Returns ``model``."""
+    """Remove the mask buffers, for inference or hand-off (a later fit starts from fresh
+    masks). Returns ``model``.
+
+    A mask in force has zero weights at every pruned position (the engine keeps them so);
+    its buffer goes, the zeros stay. A mask that is not in force, left by an earlier fit on
+    a tensor trained dense since, goes without touching the weights.
+    """
     with torch.no_grad():
         for module in model.modules():
             for name, buffer in list(module._buffers.items()):
                 param = module._parameters.get(name.removesuffix(MASK_SUFFIX))
                 if (name.endswith(MASK_SUFFIX) and param is not None and buffer is not None
                         and buffer.dtype == torch.bool and buffer.shape == param.shape):
-                    param.masked_fill_(~buffer, 0)
                     del module._buffers[name]
     return model

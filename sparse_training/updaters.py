@@ -236,11 +236,11 @@ class SparseRefinedSTE(ScheduledMasks):
     def __init__(self, config: SparsityConfig) -> None:
         super().__init__(config)
         self.dense: dict[str, Tensor] = {}
-        self._dense_in_params = False
+        self._dense_in_params: set[str] = set()  # tensors holding their dense weights now
 
     def restart(self) -> None:
         super().restart()
-        self.dense, self._dense_in_params = {}, False
+        self.dense, self._dense_in_params = {}, set()
 
     def describe(self, total_steps: int | None) -> str:
         return f"N:M masks of the dense weights at every step from step {self.schedule.start}"
@@ -278,21 +278,22 @@ class SparseRefinedSTE(ScheduledMasks):
             if slot.param.grad is not None:
                 sr_ste_gradient(slot.param.grad, dense, slot.mask, self.config.sr_ste_decay)
             slot.param.copy_(dense)
-        self._dense_in_params = True
+            self._dense_in_params.add(slot.name)
 
     @torch.no_grad()
     def after_step(self, engine: SparsityEngine, slots: list[MaskedSlot]) -> None:
         if self.dense:
             for slot in slots:
                 self.dense[slot.name].copy_(slot.param)
-        self._dense_in_params = False
+                self._dense_in_params.discard(slot.name)
 
     def on_step_end(self, engine: SparsityEngine) -> None:
-        """A step the AMP grad scaler skipped left the dense weights in the parameters:
-        mask them, so that evaluation and checkpoints see N:M weights."""
+        """A step the AMP grad scaler skipped (of any of several optimizers) left dense
+        weights in its parameters: mask them, so that evaluation and checkpoints see N:M
+        weights."""
         if self._dense_in_params:
-            engine.zero_pruned_weights(engine.slots)
-            self._dense_in_params = False
+            engine.zero_pruned_weights([s for s in engine.slots if s.name in self._dense_in_params])
+            self._dense_in_params.clear()
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "dense": dict(self.dense)}

@@ -86,6 +86,10 @@ CONSTRUCTION = [
     (dict(pattern="2:4:2d", regrow="rigl"), V, "regrow='rigl' does not support transposable"),
     (dict(pattern="unstructured", sparsity=0.5, regrow="sr-ste"), V,
      "regrow='sr-ste' trains N:M masks; got pattern 'unstructured'"),
+    (dict(regrow="rigl", overrides={"fc": {"pattern": "2:4:2d"}}), V,
+     r"overrides\['fc'\]: regrow='rigl' does not support transposable patterns"),
+    (dict(regrow="sr-ste", overrides={"fc": {"pattern": "block:4x4", "sparsity": 0.5}}), V,
+     r"overrides\['fc'\]: regrow='sr-ste' trains N:M masks; got pattern 'block:4x4'"),
     (dict(regrow="rigl", regrow_fraction=0.0), V, r"regrow_fraction must be a number in \(0, 1\]"),
     (dict(regrow="rigl", regrow_fraction=1.5), V, r"regrow_fraction .* got 1.5"),
     (dict(regrow="set", regrow_end=2.0), V, r"regrow_end as a fraction of training must lie in"),
@@ -286,6 +290,14 @@ def test_checkpoint_errors_come_before_any_mask_changes(tmp_path, mutate, change
     # Lightning restored the checkpoint's weights, all of them; no mask was installed
     assert all(torch.equal(saved["state_dict"][k], v) for k, v in model.state_dict().items())
     assert not any(name.endswith("_mask") for name, _ in model.named_buffers())
+
+
+def test_a_checkpoint_stores_normalized_patterns():
+    """A resume compares settings: " 2:4 " and "2:4" are one pattern, not a change."""
+    settings = SparsityConfig(" 2:4 ", overrides={"fc": {"pattern": "BLOCK:4x4",
+                                                          "sparsity": 0.5}}).as_dict()
+    assert settings["pattern"] == "2:4"
+    assert settings["overrides"] == {"fc": {"pattern": "block:4x4", "sparsity": 0.5}}
 
 
 def test_engine_misuse():

@@ -330,3 +330,35 @@ def test_gradients_changed_after_the_callback_do_not_leak_into_pruned_weights(op
     audit = MaskAudit(sparse)
     make_trainer([sparse, audit], max_steps=4).fit(NoisyGradients(optimizer), make_loader())
     assert audit.steps == 4  # the audit found every pruned weight at zero after each step
+
+
+def test_a_reused_callback_reclaims_its_tensors_and_make_permanent_keeps_dense_weights():
+    model = TinyNet()
+    first = SparsityCallback("2:4")
+    run_for(model, [first], max_epochs=1)
+    overlapping = SparsityCallback("unstructured", sparsity=0.9, allow=[r"net\.0"])
+    with pytest.raises(ValueError, match=r"'net.0.weight' .* already masked by another"):
+        run_for(model, [first, overlapping], max_epochs=1)  # the reused engine claims again
+    old_mask = model.net[2].weight_mask.clone()
+    second = SparsityCallback("2:4", deny=[r"net\.2"])  # net.2 trains dense from now on
+    run_for(model, [second], max_epochs=1)
+    dense_trained = model.net[2].weight.detach().clone()
+    assert dense_trained[~old_mask].ne(0).float().mean() > 0.5  # once pruned, now trained
+    make_permanent(model)  # the first fit's mask on net.2 is not in force: not applied
+    assert torch.equal(model.net[2].weight, dense_trained)
+    assert (model.net[0].weight == 0).float().mean() == 0.5
+
+
+def test_layers_rebuilt_by_configure_model_get_a_new_engine():
+    class Rebuilt(TinyNet):
+        def configure_model(self):  # not idempotent: new layers every fit
+            self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    sparse = SparsityCallback("2:4")
+    model = Rebuilt()
+    run_for(model, [sparse], max_epochs=1)
+    first = sparse.engine
+    run_for(model, [sparse], max_epochs=1)
+    assert sparse.engine is not first
+    assert sparse.engine.slots[0].param is model.net[0].weight
+    assert (model.net[0].weight == 0).float().mean() == 0.5

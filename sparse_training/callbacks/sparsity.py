@@ -82,16 +82,18 @@ class SparsityCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         restored, self._restored = self._restored, None
         engine = self.engine
-        if engine is None or engine.model is not pl_module or not engine.installed:
+        if engine is None or not engine.bound_to(pl_module):
             if engine is not None:
                 engine.detach()
             self.engine = engine = SparsityEngine(pl_module, self.config, state=restored)
-        elif restored is not None:
-            engine.load_state_dict(restored)
-        elif trainer.global_step == 0 and engine.updater.last_update is not None:
-            engine.restart()
-            rank_zero_info("SparsityCallback: a new fit runs the schedule again from its start,"
-                           " beginning with the current masks")
+        else:
+            engine.claim()  # another callback may have taken the tensors since
+            if restored is not None:
+                engine.load_state_dict(restored)
+            elif trainer.global_step == 0 and engine.updater.last_update is not None:
+                engine.restart()
+                rank_zero_info("SparsityCallback: a new fit runs the schedule again from its "
+                               "start, beginning with the current masks")
         if not engine.slots:
             raise ValueError("SparsityCallback selected no weight tensor (setup table below)\n"
                              + format_table(engine.plans))
@@ -177,6 +179,11 @@ class SparsityCallback(Callback):
         self._fitting = False
         if self.engine is not None:
             self.engine.detach()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        """A fit that failed (ours or another callback's error) gives the tensors up too."""
+        self.teardown(trainer, pl_module, "fit")
 
     # -- checkpointing ----------------------------------------------------------------------
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
