@@ -3,6 +3,11 @@
     python3 benchmarks/bert_step.py                  # on the GPU: the table of docs/performance.md
     python3 benchmarks/bert_step.py --tiny --pairs 2 --block 4 --warmup 2  # CPU: checks the script
 
+Side by side with an earlier version: export its package into an ignored folder, e.g.
+``mkdir .bench_old && git archive b5ddb53 sparse_training | tar -x -C .bench_old``, and pass
+``--before .bench_old --variants "2:4 one-shot, hooks @before" ...`` (carry the folder to
+the device); rows named ``NAME @before`` import it.
+
 HF ``BertForQuestionAnswering`` built from ``BertConfig()`` (bert-base: 12 layers, 768 wide,
 random init), batch 32 x 384 tokens, ``precision="bf16-mixed"``, ``torch.optim.AdamW``
 (torch's default foreach step), embeddings and the QA head denied: 72 masked weight

@@ -14,7 +14,7 @@ import inspect
 import numbers
 import re
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -268,19 +268,25 @@ class SparsityConfig:
         return tuple(f.name for f in fields(cls) if f.init)
 
     @classmethod
+    def unknown_setting(cls, keys: Iterable[str]) -> str | None:
+        """The message for the first unknown key, naming the nearest valid one, or None."""
+        for key in keys:
+            if key not in cls.names():
+                near = difflib.get_close_matches(key, cls.names(), n=1)
+                hint = f"; did you mean {near[0]!r}?" if near else ""
+                return f"unknown setting {key!r}{hint} Valid settings: {', '.join(cls.names())}"
+        return None
+
+    @classmethod
     def from_settings(cls, *args: Any, **settings: Any) -> SparsityConfig:
-        """``SparsityConfig(*args, **settings)``, with an unknown key named together with
-        the nearest valid one.
+        """``SparsityConfig(*args, **settings)``, an unknown key named with the nearest
+        valid one.
 
         Raises:
             TypeError: an unknown key.
         """
-        for key in settings:
-            if key not in cls.names():
-                near = difflib.get_close_matches(key, cls.names(), n=1)
-                hint = f"; did you mean {near[0]!r}?" if near else ""
-                raise TypeError(f"unknown setting {key!r}{hint} Valid settings: "
-                                f"{', '.join(cls.names())}")
+        if message := cls.unknown_setting(settings):
+            raise TypeError(message)
         return cls(*args, **settings)
 
     @classmethod
@@ -297,10 +303,8 @@ class SparsityConfig:
         settings = OmegaConf.to_container(conf, resolve=True)
         if not isinstance(settings, dict):
             raise ValueError(f"a sparsity config must be a mapping, got {settings!r}")
-        try:
-            cls.from_settings(**{k: v for k, v in settings.items() if k not in cls.names()})
-        except TypeError as error:
-            raise ValueError(str(error)) from None
+        if message := cls.unknown_setting(settings):
+            raise ValueError(message)
         return settings
 
     def as_dict(self) -> dict[str, Any]:

@@ -46,24 +46,15 @@ from sparse_training.updaters import UPDATERS
 # id(parameter) -> (parameter, engine), both weak: which live engine masks a tensor
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 _GRAD = operator.attrgetter("grad")
-class _Handles:
-    """The optimizer hooks of one attachment, removed together."""
-
-    def __init__(self, *handles: RemovableHandle) -> None:
-        self.handles = handles
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
 
 
 class _Attached:
     """An optimizer's slots and the lists its per-step passes read, built once (the hot
     path is a few C-level maps, not a Python loop over slots)."""
 
-    def __init__(self, slots: list[MaskedSlot], handle: RemovableHandle | _Handles | None
-                 ) -> None:
-        self.slots, self.handle = slots, handle
+    def __init__(self, slots: list[MaskedSlot]) -> None:
+        self.slots = slots
+        self.handles: list[RemovableHandle] = []
         self.params = [s.param for s in slots]
         self._buffers = [s.module._buffers for s in slots]
         self._keys = [s.mask_key for s in slots]
@@ -308,16 +299,16 @@ class SparsityEngine:
             return
         slots = self._slots_of(optimizer)
         fused = self._use_fused(optimizer, slots)  # raises before anything is registered
-        attached = self._attached[optimizer] = _Attached(slots, handle=None)
+        attached = self._attached[optimizer] = _Attached(slots)
         if fused:
-            attached.handle = optimizer.register_step_pre_hook(
-                functools.partial(_fused_step, attached))
+            attached.handles.append(optimizer.register_step_pre_hook(
+                functools.partial(_fused_step, attached)))
             self.fused_optimizers.add(optimizer)
         else:
-            attached.handle = _Handles(
+            attached.handles += [
                 optimizer.register_step_pre_hook(
                     functools.partial(_masked_gradients_step, self, attached)),
-                optimizer.register_step_post_hook(functools.partial(_after_step, self, attached)))
+                optimizer.register_step_post_hook(functools.partial(_after_step, self, attached))]
         if not self.updater.dense_state:
             self.set_masks({s.name: s.mask.clone() for s in slots}, step=None, broadcast=False,
                            check=False)
@@ -341,7 +332,8 @@ class SparsityEngine:
         """Remove the optimizer hooks and give up the tensors (another engine may take
         them); the masks stay on the model."""
         for attached in self._attached.values():
-            attached.handle.remove()
+            for handle in attached.handles:
+                handle.remove()
         self._attached.clear()
         self.fused_optimizers.clear()
         for slot in self.slots:
@@ -350,7 +342,7 @@ class SparsityEngine:
 
     @property
     def installed(self) -> bool:
-        """Whether every mask buffer is still on the model (``make_permanent`` folds them)."""
+        """Whether every mask buffer is still on the model (``make_permanent`` drops them)."""
         return all(slot.installed for slot in self.slots)
 
     # -- reporting and state ----------------------------------------------------------------

@@ -97,12 +97,6 @@ class MaskedSlot:
         """The tensor the forward pass uses (a parametrization evaluated)."""
         return self.tensor.forward_weight()
 
-    def remove(self) -> None:
-        """Fold the mask into the parameter and drop the buffer."""
-        with torch.no_grad():
-            self.param.masked_fill_(~self.mask, 0)
-        del self._buffers[self.mask_key]
-
 
 def make_permanent(model: nn.Module) -> nn.Module:
     """Remove the mask buffers, for inference or hand-off (a later fit starts from fresh

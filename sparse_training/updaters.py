@@ -90,8 +90,10 @@ class ScheduledMasks:
     # -- masks ------------------------------------------------------------------------------
     def score(self, engine: SparsityEngine, slot: MaskedSlot, step: int) -> Tensor | None:
         """What a scheduled update keeps: None (|w|) or seeded random scores."""
-        if self.config.score == "magnitude":
-            return None
+        return None if self.config.score == "magnitude" else self.random(engine, slot, step)
+
+    def random(self, engine: SparsityEngine, slot: MaskedSlot, step: int) -> Tensor:
+        """Uniform scores seeded by (seed, step, tensor): equal on every rank."""
         return random_scores(slot.param.shape, self.config.seed, step,
                              engine.slots.index(slot), slot.param.device)
 
@@ -106,11 +108,9 @@ class ScheduledMasks:
                                  self.config.sparsity * fraction,
                                  [self.score(engine, s, step) for s in pooled])
             new_masks.update({s.name: m for s, m in zip(pooled, masks, strict=True)})
-        targets: dict[tuple, list[MaskedSlot]] = {}
-        for slot in engine.slots:
-            if slot.plan.sparsity is not None:
-                targets.setdefault((slot.plan.pattern, slot.plan.sparsity), []).append(slot)
-        for (pattern, target), group in targets.items():  # one ranking per shape in a group
+        fixed = [s for s in engine.slots if s.plan.sparsity is not None]
+        for (pattern, target), indices in _by_target(fixed).items():  # one ranking per shape
+            group = [fixed[i] for i in indices]
             scores = [self.score(engine, s, step) for s in group]
             masks = pattern_masks([s.param for s in group], pattern, target * fraction,
                                   None if scores[0] is None else scores)
@@ -191,12 +191,12 @@ class DropAndGrow(ScheduledMasks):
         """Drop and grow in ``slots`` (``kept``: their masks' counts, if known)."""
         fraction = cosine_fraction(step, self.regrow_end, self.config.regrow_fraction)
         new_masks = {}
-        for pattern, group in _by_pattern(slots, kept):
-            masks = drop_and_grow([s.mask for s, _ in group], [s.param for s, _ in group],
-                                  [self.grow_score(engine, s, step) for s, _ in group],
-                                  pattern, fraction, None if kept is None else [k for _, k
-                                                                                 in group])
-            new_masks.update({s.name: m for (s, _), m in zip(group, masks, strict=True)})
+        for (pattern, _), indices in _by_target(slots).items():
+            group = [slots[i] for i in indices]
+            masks = drop_and_grow([s.mask for s in group], [s.param for s in group],
+                                  [self.grow_score(engine, s, step) for s in group], pattern,
+                                  fraction, None if kept is None else [kept[i] for i in indices])
+            new_masks.update({s.name: m for s, m in zip(group, masks, strict=True)})
         engine.set_masks(new_masks, step, broadcast=False)
         self.last_regrow = step
 
@@ -221,8 +221,7 @@ class SET(DropAndGrow):
     """Grow at random, seeded by (seed, step, tensor) (Mocanu et al. 2018)."""
 
     def grow_score(self, engine: SparsityEngine, slot: MaskedSlot, step: int) -> Tensor:
-        return random_scores(slot.param.shape, self.config.seed, step,
-                             engine.slots.index(slot), slot.param.device)
+        return self.random(engine, slot, step)
 
 
 class SparseRefinedSTE(ScheduledMasks):
@@ -259,10 +258,10 @@ class SparseRefinedSTE(ScheduledMasks):
         for slot in engine.slots:
             slot.param.copy_(self.dense[slot.name])
         masks = {}
-        for pattern, group in _by_pattern(engine.slots):
-            target = group[0][0].plan.sparsity * fraction  # N:M: every slot's own target
-            found = pattern_masks([s.param for s, _ in group], pattern, target)
-            masks.update({s.name: m for (s, _), m in zip(group, found, strict=True)})
+        for (pattern, target), indices in _by_target(engine.slots).items():
+            group = [engine.slots[i] for i in indices]
+            found = pattern_masks([s.param for s in group], pattern, target * fraction)
+            masks.update({s.name: m for s, m in zip(group, found, strict=True)})
         check = created or (step - self.schedule.start) % self.schedule.frequency == 0
         engine.set_masks(masks, step, broadcast=created, reset_state=False, check=check)
         self.target = engine.final_sparsity * fraction
@@ -292,7 +291,8 @@ class SparseRefinedSTE(ScheduledMasks):
         weights in its parameters: mask them, so that evaluation and checkpoints see N:M
         weights."""
         if self._dense_in_params:
-            engine.zero_pruned_weights([s for s in engine.slots if s.name in self._dense_in_params])
+            engine.zero_pruned_weights(
+                [s for s in engine.slots if s.name in self._dense_in_params])
             self._dense_in_params.clear()
 
     def state_dict(self) -> dict[str, Any]:
@@ -303,14 +303,12 @@ class SparseRefinedSTE(ScheduledMasks):
         self.dense = dict(state["dense"])  # moved to the weights' device at the next step
 
 
-def _by_pattern(slots: list[MaskedSlot], values: list | None = None
-                ) -> list[tuple[Any, list[tuple[MaskedSlot, Any]]]]:
-    """Slots (each with its entry of ``values``) grouped by pattern and target."""
-    groups: dict[tuple, list[tuple[MaskedSlot, Any]]] = {}
+def _by_target(slots: list[MaskedSlot]) -> dict[tuple[Any, float | None], list[int]]:
+    """Indices of ``slots`` grouped by (pattern, final sparsity): what one ranking serves."""
+    groups: dict[tuple[Any, float | None], list[int]] = {}
     for i, slot in enumerate(slots):
-        key = (slot.plan.pattern, slot.plan.sparsity)
-        groups.setdefault(key, []).append((slot, None if values is None else values[i]))
-    return [(pattern, group) for (pattern, _), group in groups.items()]
+        groups.setdefault((slot.plan.pattern, slot.plan.sparsity), []).append(i)
+    return groups
 
 
 UPDATERS: dict[str | None, type[ScheduledMasks]] = {
