@@ -88,13 +88,17 @@ class Schedule:
                 raise ValueError(f"start must come before end, got start={self.start!r}, "
                                  f"end={self.end!r}")
 
+    def updates(self) -> list[int]:
+        """The mask-update steps of a resolved schedule."""
+        if self.kind not in GRADUAL:
+            return [self.start]
+        return [*range(self.start, self.end, self.frequency), self.end]
+
     def update_steps(self, total_steps: int | None, limit: int = 8) -> str:
-        """The resolved mask-update steps, for the log: "0, 100, ..., 900 (10 updates)"."""
+        """The update steps within a run, for the log: "0, 100, ..., 900 (10 updates)"."""
         if self.kind not in GRADUAL:
             return f"{self.start} (one update)"
-        steps = list(range(self.start, self.end, self.frequency)) + [self.end]
-        if total_steps is not None:
-            steps = [s for s in steps if s < total_steps]
+        steps = [s for s in self.updates() if total_steps is None or s < total_steps]
         shown = steps if len(steps) <= limit else [*steps[:3], "...", *steps[-2:]]
         return f"{', '.join(map(str, shown))} ({len(steps)} updates)"
 

@@ -114,18 +114,16 @@ class SparsityCallback(Callback):
 
     def _warn_about_schedule(self, total: int | None) -> None:
         schedule = self._engine().updater.schedule
-        last = schedule.end if schedule.kind in GRADUAL else schedule.start
-        if total is not None and last >= total:
-            rank_zero_warn(f"SparsityCallback: the schedule's last update (step {last}) comes "
-                           f"after the last training step ({total - 1}); the final sparsity "
-                           f"will not be reached")
-        elif schedule.kind in GRADUAL:
-            updates = len(range(schedule.start, schedule.end, schedule.frequency)) + 1
-            if updates < MIN_GRADUAL_UPDATES:
-                rank_zero_warn(f"SparsityCallback: only {updates} mask updates fit between "
-                               f"start={schedule.start} and end={schedule.end} at frequency="
-                               f"{schedule.frequency}: the {schedule.kind!r} schedule is a jump;"
-                               f" lower frequency for a gradual ramp")
+        updates = schedule.updates()
+        if total is not None and updates[-1] >= total:
+            rank_zero_warn(f"SparsityCallback: the schedule's last update (step {updates[-1]}) "
+                           f"comes after the last training step ({total - 1}); the final "
+                           f"sparsity will not be reached")
+        elif schedule.kind in GRADUAL and len(updates) < MIN_GRADUAL_UPDATES:
+            rank_zero_warn(f"SparsityCallback: only {len(updates)} mask updates fit between "
+                           f"start={schedule.start} and end={schedule.end} at frequency="
+                           f"{schedule.frequency}: the {schedule.kind!r} schedule is a jump; "
+                           f"lower frequency for a gradual ramp")
 
     # -- steps ----------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,

@@ -104,7 +104,7 @@ def zero_pruned_(tensors: Sequence[torch.Tensor], masks: Sequence[torch.Tensor])
     """In place, for every pair: ``tensor[~mask] = 0`` (NaN and inf included).
 
     Contiguous float tensors on CUDA go through one launch per dtype and device; the rest
-    through :func:`zero_pruned_reference`. A list seen before costs three C-level maps, a
+    through :func:`zero_pruned_reference`. A list seen before costs five C-level maps, a
     dictionary lookup and the launch.
 
     Args:
