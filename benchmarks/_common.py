@@ -9,7 +9,7 @@ import time
 
 import torch
 import triton
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 
 class NoLaunch:
@@ -22,6 +22,14 @@ class NoLaunch:
 def bench_ms(fn) -> float:
     """Median milliseconds of ``fn`` (triton.testing.do_bench, CUDA events)."""
     return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def gpu_ms(fn) -> float:
+    """Median GPU milliseconds of ``fn`` replayed as a CUDA graph (no host launch cost);
+    ``fn`` runs once first, outside the graph, so autotuning happens before capture."""
+    fn()
+    torch.cuda.synchronize()
+    return float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
 
 
 def host_ms(fn, calls: int = 20) -> float:

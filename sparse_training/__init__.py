@@ -1,20 +1,23 @@
 """sparse_training: sparse training for PyTorch Lightning.
 
 The core (patterns, masks, tensors, selection, schedules, distributions, updaters, slots,
-state, ranks, engine) imports torch only;
+state, ranks, engine, block_sparse, patcher) imports torch (and Triton where installed) only;
 ``SparsityCallback`` is loaded from ``sparse_training.callbacks`` on first use.
 """
 
 from typing import Any
 
+from sparse_training.block_sparse import BlockSparseLinear
 from sparse_training.config import SparsityConfig
 from sparse_training.engine import SparsityEngine
 from sparse_training.masks import global_masks, pattern_mask
+from sparse_training.patcher import densify, sparsify
 from sparse_training.patterns import Pattern, parse_pattern
 from sparse_training.slots import make_permanent
 
-__all__ = ["Pattern", "SparsityCallback", "SparsityConfig", "SparsityEngine", "global_masks",
-           "make_permanent", "parse_pattern", "pattern_mask"]
+__all__ = ["BlockSparseLinear", "Pattern", "SparsityCallback", "SparsityConfig",
+           "SparsityEngine", "densify", "global_masks", "make_permanent", "parse_pattern",
+           "pattern_mask", "sparsify"]
 __version__ = "0.1.0"
 
 

@@ -1,0 +1,335 @@
+"""A Linear layer that stores and trains only its kept weight blocks: :class:`BlockSparseLinear`.
+
+The weight ``W`` of shape ``(out_features, in_features)`` is cut into ``R x C`` blocks (the
+last block row and column may hang over the edge). Only the kept blocks exist, as the
+parameter ``values[nnz, R, C]`` in row-major block order, so gradients and optimizer state
+are compressed too. The persistent bool buffer ``block_mask[block_rows, block_cols]`` says
+which blocks are kept; the state_dict holds ``values``, ``block_mask`` and ``bias``. Entries
+of ``values`` that hang over the weight's edge are zeros, and stay zeros: the forward never
+reads them and their gradient is zero.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from sparse_training.kernels.block_sparse import (
+    BlockTopology,
+    block_grid,
+    block_norms,
+    block_sparse_linear,
+    dense_to_values,
+    top_blocks,
+    values_to_dense,
+)
+from sparse_training.masks import kept_count
+
+BLOCK_SIZES = (16, 32, 64, 128)
+
+
+def check_block(block: Sequence[int]) -> tuple[int, int]:
+    """``block`` as an ``(R, C)`` tuple of ints, each one of :data:`BLOCK_SIZES`.
+
+    Raises:
+        ValueError: anything else, naming it.
+    """
+    valid = ", ".join(map(str, BLOCK_SIZES))
+    if (not isinstance(block, Sequence) or len(block) != 2
+            or not all(isinstance(b, numbers.Integral) and not isinstance(b, bool)
+                       and b in BLOCK_SIZES for b in block)):
+        raise ValueError(f"block must be (R, C) with entries each one of {valid}, got {block!r}")
+    return int(block[0]), int(block[1])
+
+
+def check_density(density: float) -> float:
+    """``density`` as a float in (0, 1].
+
+    Raises:
+        ValueError: anything else, naming it.
+    """
+    if (not isinstance(density, numbers.Real) or isinstance(density, bool)
+            or not 0 < density <= 1):
+        raise ValueError(f"density must be a number in (0, 1], got {density!r}")
+    return float(density)
+
+
+def _check_features(**features: int) -> None:
+    for name, value in features.items():
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_block_mask(mask: Tensor, grid: tuple[int, int]) -> None:
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        what = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
+        raise ValueError(f"block_mask must be a bool tensor of the block grid's shape {grid}, "
+                         f"got {what}")
+    if tuple(mask.shape) != grid:
+        raise ValueError(f"block_mask shape {tuple(mask.shape)} != block grid {grid} "
+                         f"(ceil(out_features / R), ceil(in_features / C))")
+
+
+def _inside(topology: BlockTopology) -> Tensor:
+    """Bool ``[nnz, R, C]``: which entries of each kept block lie inside the weight (not in
+    the padded tail of an overhanging block)."""
+    (r, c), device = topology.block, topology.row_indices.device
+    rows = topology.row_indices[:, None] * r + torch.arange(r, device=device)
+    cols = topology.col_indices[:, None] * c + torch.arange(c, device=device)
+    return (rows < topology.out_features)[:, :, None] & (cols < topology.in_features)[:, None, :]
+
+
+def _block_extents(out_features: int, in_features: int, block: tuple[int, int],
+                   device: torch.device) -> tuple[Tensor, Tensor]:
+    """Rows ``h_i = min(R, out - i R)`` of each block row and columns ``w_j = min(C, in - j C)``
+    of each block column that lie inside the weight."""
+    (r, c), (rows, cols) = block, block_grid(out_features, in_features, block)
+    h = (out_features - r * torch.arange(rows, device=device)).clamp(max=r)
+    w = (in_features - c * torch.arange(cols, device=device)).clamp(max=c)
+    return h, w
+
+
+def _blocks_of_mask(mask: Tensor, block: tuple[int, int]) -> Tensor:
+    """The block-grid mask of an element mask that is constant on every block.
+
+    Raises:
+        ValueError: naming the first block (row-major) that is partly kept.
+    """
+    (r, c), (out_features, in_features) = block, mask.shape
+    rows, cols = block_grid(out_features, in_features, block)
+    padded = mask.new_zeros(rows * r, cols * c, dtype=torch.int64)
+    padded[:out_features, :in_features] = mask
+    kept = padded.view(rows, r, cols, c).sum((1, 3))  # kept entries per block
+    h, w = _block_extents(out_features, in_features, block, mask.device)
+    size = h[:, None] * w[None, :]
+    mixed = ((kept > 0) & (kept < size)).nonzero()
+    if len(mixed):
+        i, j = mixed[0].tolist()
+        raise ValueError(
+            f"mask is not constant on block ({i}, {j}) (weight rows {i * r}:"
+            f"{i * r + int(h[i])}, columns {j * c}:{j * c + int(w[j])}): {int(kept[i, j])} of "
+            f"{int(size[i, j])} entries kept; an element mask must keep or drop whole "
+            f"{r}x{c} blocks")
+    return kept > 0
+
+
+class BlockSparseLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` stored as its kept ``R x C`` blocks (module docstring).
+
+    Args:
+        block: ``(R, C)``, each one of 16, 32, 64, 128.
+        density: fraction of blocks kept, in (0, 1]: ``nnz = max(1, kept_count(n_blocks,
+            1 - density))`` blocks chosen at random. Ignored when ``block_mask`` is given.
+        block_mask: bool ``(block_rows, block_cols)`` mask of the kept blocks (at least one).
+
+    ``values`` and ``bias`` are initialized like :class:`torch.nn.Linear`'s, uniform in
+    ``±1/sqrt(in_features)``.
+    """
+
+    def __init__(self, in_features: int, out_features: int,
+                 block: tuple[int, int] = (64, 64), density: float = 0.1, bias: bool = True,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 *, block_mask: Tensor | None = None) -> None:
+        _check_features(in_features=in_features, out_features=out_features)
+        block = check_block(block)
+        grid = block_grid(out_features, in_features, block)
+        if block_mask is None:
+            nnz = max(1, kept_count(grid[0] * grid[1], 1.0 - check_density(density)))
+            block_mask = top_blocks(torch.rand(grid, device=device), nnz)
+        else:
+            _check_block_mask(block_mask, grid)
+            nnz = int(block_mask.sum())
+            if nnz == 0:
+                raise ValueError(f"block_mask {tuple(block_mask.shape)} keeps no block; "
+                                 f"keep at least one")
+        super().__init__()
+        self.in_features, self.out_features, self.block = in_features, out_features, block
+        self.values = nn.Parameter(torch.empty(nnz, *block, device=device, dtype=dtype))
+        self.bias = (nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
+                     if bias else None)
+        self.register_buffer("block_mask", block_mask.to(device=self.values.device,
+                                                          copy=True))
+        self._topology: BlockTopology | None = None
+        self.register_load_state_dict_post_hook(_after_load)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Uniform in ``±1/sqrt(in_features)`` like ``nn.Linear``; padded tails zero."""
+        bound = 1.0 / math.sqrt(self.in_features)
+        with torch.no_grad():
+            self.values.uniform_(-bound, bound).mul_(_inside(self.topology))
+            if self.bias is not None:
+                self.bias.uniform_(-bound, bound)
+
+    @property
+    def topology(self) -> BlockTopology:
+        """The kept blocks' index tensors, built from ``block_mask`` (with ``nnz`` from
+        ``values``, so no host synchronization) and cached until the mask changes through
+        :meth:`set_block_mask`, ``load_state_dict`` or a device move."""
+        if self._topology is None:
+            self._topology = BlockTopology.from_block_mask(
+                self.block_mask, self.out_features, self.in_features, self.block,
+                nnz=self.values.shape[0])
+        return self._topology
+
+    @property
+    def nnz(self) -> int:
+        """Number of kept blocks."""
+        return self.values.shape[0]
+
+    @property
+    def density(self) -> float:
+        """Kept blocks / all blocks, ``nnz / (block_rows * block_cols)``."""
+        rows, cols = self.block_mask.shape
+        return self.nnz / (rows * cols)
+
+    @property
+    def sparsity(self) -> float:
+        """Fraction of the dense weight's ``out_features * in_features`` entries that are
+        zero by structure (tails excluded; reads the mask once from the device)::
+
+            sparsity = 1 - sum over kept blocks (i, j) of h_i * w_j / (out * in)
+
+        with ``h_i = min(R, out - i R)`` and ``w_j = min(C, in - j C)`` the block's rows and
+        columns inside the weight."""
+        h, w = _block_extents(self.out_features, self.in_features, self.block,
+                              self.block_mask.device)
+        covered = int((h[:, None] * w[None, :])[self.block_mask].sum())
+        return 1.0 - covered / (self.out_features * self.in_features)
+
+    @property
+    def weight(self) -> Tensor:
+        """The dense ``(out_features, in_features)`` weight, differentiable in ``values``.
+
+        For code that reads ``.weight`` itself, such as ``nn.TransformerEncoderLayer``'s
+        inference fast path; it materializes the dense matrix at every access.
+        """
+        return values_to_dense(self.values, self.topology)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return block_sparse_linear(x, self.values, self.topology, self.bias)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> BlockSparseLinear:
+        self._topology = None  # a device move replaces block_mask
+        return super()._apply(fn, recurse)
+
+    @torch.no_grad()
+    def set_block_mask(self, mask: Tensor, values: Tensor | None = None) -> None:
+        """Keep the blocks of ``mask`` from now on (same count: ``values`` keeps its shape).
+
+        With ``values`` None, a block kept in both the old and the new mask keeps its
+        values and a newly kept block starts at zeros; otherwise ``values[nnz, R, C]`` (in
+        row-major block order of ``mask``) are copied in. Padded tails are zeroed either
+        way. The ``values`` parameter is updated in place, so an optimizer keeps it; its
+        state is not touched (a moved block inherits the old position's moments: reset
+        them where that matters). Reads the mask's count from the device once.
+
+        Raises:
+            ValueError: a mask of another shape, dtype or kept count, or values of another
+                shape.
+        """
+        _check_block_mask(mask, tuple(self.block_mask.shape))
+        mask = mask.to(self.block_mask.device)
+        kept = int(mask.sum())
+        if kept != self.nnz:
+            raise ValueError(f"mask keeps {kept} blocks, the layer has nnz = {self.nnz}; "
+                             f"set_block_mask keeps the count (build a new layer to change it)")
+        topology = BlockTopology.from_block_mask(mask, self.out_features, self.in_features,
+                                                 self.block, nnz=self.nnz)
+        if values is None:
+            rows, cols = topology.row_indices.long(), topology.col_indices.long()
+            old_position = (self.block_mask.flatten().cumsum(0) - 1).view(mask.shape)
+            was_kept = self.block_mask[rows, cols]
+            values = torch.where(was_kept[:, None, None],
+                                 self.values[old_position[rows, cols].clamp(min=0)], 0)
+        elif tuple(values.shape) != tuple(self.values.shape):
+            raise ValueError(f"values shape {tuple(values.shape)} != (nnz, R, C) = "
+                             f"{tuple(self.values.shape)}")
+        self.values.copy_(values.to(self.values) * _inside(topology))
+        self.block_mask.copy_(mask)
+        self._topology = topology
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, block: tuple[int, int] = (64, 64),
+                   density: float | None = None, mask: Tensor | None = None,
+                   ) -> BlockSparseLinear:
+        """The blocks of ``linear``'s weight that ``density`` or ``mask`` keeps (exactly one).
+
+        Args:
+            density: keep ``max(1, kept_count(n_blocks, 1 - density))`` blocks of largest
+                L2 norm (:func:`block_norms`; ties by ``topk``).
+            mask: bool, either of the weight's shape (constant on every block) or of the
+                block grid's shape.
+
+        Kept blocks and the bias are copied; device, dtype and ``requires_grad`` follow
+        ``linear``'s.
+
+        Raises:
+            ValueError: both or neither of ``density`` and ``mask``, an invalid block or
+                density, a mask of another shape, not constant on a block, or keeping none.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"from_dense takes an nn.Linear, got {type(linear).__name__}")
+        if (density is None) == (mask is None):
+            raise ValueError(f"give exactly one of density and mask, got density={density!r} "
+                             f"and mask={'None' if mask is None else 'a tensor'}")
+        block = check_block(block)
+        weight = linear.weight.detach()
+        grid = block_grid(*weight.shape, block)
+        if density is not None:
+            nnz = max(1, kept_count(grid[0] * grid[1], 1.0 - check_density(density)))
+            block_mask = top_blocks(block_norms(weight, block), nnz)
+        elif isinstance(mask, Tensor) and mask.dtype == torch.bool and mask.shape == weight.shape:
+            block_mask = _blocks_of_mask(mask.to(weight.device), block)
+        elif isinstance(mask, Tensor) and mask.dtype == torch.bool and tuple(mask.shape) == grid:
+            block_mask = mask
+        else:
+            what = (f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, Tensor)
+                    else type(mask).__name__)
+            raise ValueError(f"mask must be a bool tensor of the weight's shape "
+                             f"{tuple(weight.shape)} or of the block grid's shape {grid}, "
+                             f"got {what}")
+        layer = cls(linear.in_features, linear.out_features, block, bias=linear.bias is not None,
+                    device=weight.device, dtype=weight.dtype, block_mask=block_mask)
+        with torch.no_grad():
+            layer.values.copy_(dense_to_values(weight, layer.topology))
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+        layer.values.requires_grad_(linear.weight.requires_grad)
+        if linear.bias is not None:
+            layer.bias.requires_grad_(linear.bias.requires_grad)
+        return layer
+
+    def to_dense(self) -> nn.Linear:
+        """An ``nn.Linear`` with the dense weight (zeros at dropped blocks) and the bias, on
+        the same device and dtype, ``requires_grad`` preserved."""
+        linear = nn.utils.skip_init(nn.Linear, self.in_features, self.out_features,
+                                    bias=self.bias is not None, device=self.values.device,
+                                    dtype=self.values.dtype)
+        with torch.no_grad():
+            linear.weight.copy_(values_to_dense(self.values, self.topology))
+            if self.bias is not None:
+                linear.bias.copy_(self.bias)
+        linear.weight.requires_grad_(self.values.requires_grad)
+        if self.bias is not None:
+            linear.bias.requires_grad_(self.bias.requires_grad)
+        return linear
+
+    def extra_repr(self) -> str:
+        r, c = self.block
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"block={r}x{c}, density={self.density:.4f}, nnz={self.nnz}, "
+                f"bias={self.bias is not None}")
+
+
+def _after_load(module: BlockSparseLinear, incompatible_keys) -> None:
+    """After ``load_state_dict``: the mask must fit ``values``; the topology is rebuilt."""
+    kept = int(module.block_mask.sum())
+    if kept != module.nnz:
+        raise ValueError(f"loaded block_mask keeps {kept} blocks but values holds "
+                         f"{module.nnz}: the state_dict is inconsistent")
+    module._topology = None

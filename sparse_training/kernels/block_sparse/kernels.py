@@ -1,0 +1,295 @@
+"""Triton kernels of a block-sparse Linear ``Y = X W^T`` with ``W`` in ``R x C`` blocks.
+
+Two kernels serve the three products (stk's dsd / sdd split):
+
+* :func:`_dense_sparse_kernel`: ``OUT[M, segments * NB] = A[M, :] @ S`` where each
+  segment (an output block column) sums over its kept blocks. The forward pass runs it
+  over block rows (``A = X``, blocks read transposed, ``NB = R``); the input gradient
+  over block columns (``A = dY``, blocks read as stored, ``NB = C``).
+* :func:`_sampled_dense_dense_kernel`: the weight gradient at kept blocks only,
+  ``dV[p] = dY[:, rows(p)]^T @ X[:, cols(p)]``, one program per kept block and token
+  chunk; the chunks' fp32 partial sums are added in a fixed order, so every kernel here
+  is deterministic (no atomics).
+
+Loads are masked at the token and feature tails, so any token count and feature size
+works. The tile sizes are tuned per shape bucket over :func:`block_sparse_configs`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from sparse_training.kernels._triton import interpret_mode, tl, triton
+from sparse_training.kernels.block_sparse.topology import BlockTopology
+
+
+def block_sparse_configs(op: str) -> list[triton.Config]:
+    """Autotune candidates of one op: ``"dsd"`` (token tile ``BLOCK_M``, reduction step
+    ``BK`` inside a block) or ``"sdd"`` (token step ``BLOCK_M``), with warps and stages.
+
+    Under the interpreter one small config, so CI runs each kernel once.
+    """
+    if interpret_mode():
+        return [triton.Config({"BLOCK_M": 32, "BK": 16} if op == "dsd" else {"BLOCK_M": 32},
+                              num_warps=4, num_stages=1)]
+    if op == "dsd":
+        shapes = [(64, 64, 4, 4), (128, 32, 4, 4), (128, 64, 4, 4), (128, 64, 8, 3),
+                  (128, 128, 8, 3), (256, 64, 8, 3), (256, 64, 8, 4), (256, 128, 8, 2)]
+        return [triton.Config({"BLOCK_M": m, "BK": k}, num_warps=w, num_stages=s)
+                for m, k, w, s in shapes]
+    return [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=s)
+            for m in (32, 64, 128) for w in (4, 8) for s in (3, 4)]
+
+
+def _fits_block(configs, named_args, **meta) -> list[triton.Config]:
+    """Clamp ``BK`` to the block and drop configs whose pipelined A and B tiles exceed
+    Hopper's 227 KiB of shared memory: stages x (BLOCK_M x BK + BK x NB) x element."""
+    element = named_args["a_ptr"].element_size()
+    kept, seen = [], set()
+    for config in configs:
+        kwargs = dict(config.kwargs)
+        if "BK" in kwargs:
+            kwargs["BK"] = min(kwargs["BK"], meta["KB"])
+            width, depth = kwargs["BK"], meta["NB"]
+        else:
+            width, depth = meta["R"], meta["C"]
+        tiles = config.num_stages * element * (kwargs["BLOCK_M"] * (width + depth)
+                                               if "BK" not in kwargs
+                                               else kwargs["BLOCK_M"] * width + width * depth)
+        signature = (tuple(sorted(kwargs.items())), config.num_warps, config.num_stages)
+        if tiles <= 220 * 1024 and signature not in seen:
+            seen.add(signature)
+            kept.append(triton.Config(kwargs, num_warps=config.num_warps,
+                                      num_stages=config.num_stages))
+    return kept or configs[:1]
+
+
+def _token_bucket(tokens: int) -> int:
+    """Shape bucket of a token count for the autotune key (powers of two)."""
+    return triton.next_power_of_2(max(tokens, 16))
+
+
+@triton.autotune(configs=block_sparse_configs("dsd"), key=["m_bucket", "KB", "NB", "USE_TMA"],
+                 prune_configs_by={"early_config_prune": _fits_block})
+@triton.heuristics({"EVEN": lambda args: args["M"] % args["BLOCK_M"] == 0
+                    and args["a_width"] % args["KB"] == 0})
+@triton.jit
+def _dense_sparse_kernel(a_ptr, v_ptr, out_ptr, bias_ptr, offsets_ptr, indices_ptr, ids_ptr,
+                         M, a_width, out_width, segments, value_rows, m_bucket,
+                         stride_am, stride_om,
+                         KB: tl.constexpr, NB: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BK: tl.constexpr, EVEN: tl.constexpr, GROUP_M: tl.constexpr,
+                         TRANS_B: tl.constexpr, USE_TMA: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, HAS_IDS: tl.constexpr,
+                         PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # grouped order: GROUP_M token tiles sweep the segments together, so a group's A rows
+    # and the blocks of the segments in flight stay in L2
+    pid = tl.program_id(0)
+    group_width = GROUP_M * segments
+    first_m = (pid // group_width) * GROUP_M
+    group_size = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    m_tile = first_m + (pid % group_width) % group_size
+    segment = (pid % group_width) // group_size
+    start = tl.load(offsets_ptr + segment)
+    end = tl.load(offsets_ptr + segment + 1)
+    rm = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BK)
+    rn = tl.arange(0, NB)
+    # blocks are stored (R, C) row-major: the forward (TRANS_B) reads each as (C, R)
+    v_stride_k: tl.constexpr = 1 if TRANS_B else NB
+    v_stride_n: tl.constexpr = KB if TRANS_B else 1
+    if USE_TMA:  # Hopper's copy engine: bounds handled by the descriptors (zero fill)
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, a_width], strides=[stride_am, 1],
+                                           block_shape=[BLOCK_M, BK])
+        if TRANS_B:
+            v_desc = tl.make_tensor_descriptor(v_ptr, shape=[value_rows, KB], strides=[KB, 1],
+                                               block_shape=[NB, BK])
+        else:
+            v_desc = tl.make_tensor_descriptor(v_ptr, shape=[value_rows, NB], strides=[NB, 1],
+                                               block_shape=[BK, NB])
+    a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am
+    acc = tl.zeros((BLOCK_M, NB), dtype=tl.float32)
+    # one flat loop over (kept block, BK-chunk of it): more steps for the pipeliner
+    for step in range(start * (KB // BK), end * (KB // BK)):
+        p = step // (KB // BK)
+        k_offset = (step % (KB // BK)) * BK
+        k_block = tl.load(indices_ptr + p)
+        block_id = tl.load(ids_ptr + p) if HAS_IDS else p
+        if USE_TMA:
+            a = a_desc.load([m_tile * BLOCK_M, k_block * KB + k_offset])
+            if TRANS_B:
+                b = v_desc.load([block_id * NB, k_offset]).T
+            else:
+                b = v_desc.load([block_id * KB + k_offset, 0])
+        else:
+            cols = k_block * KB + k_offset + rk
+            if EVEN:
+                a = tl.load(a_rows + cols[None, :])
+            else:
+                a = tl.load(a_rows + cols[None, :],
+                            mask=(rm[:, None] < M) & (cols[None, :] < a_width), other=0.0)
+            b = tl.load(v_ptr + block_id.to(tl.int64) * (KB * NB)
+                        + (k_offset + rk)[:, None] * v_stride_k + rn[None, :] * v_stride_n)
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    out_cols = segment * NB + rn
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + out_cols, mask=out_cols < out_width, other=0.0)[None, :]
+    if USE_TMA:
+        out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, out_width],
+                                             strides=[stride_om, 1], block_shape=[BLOCK_M, NB])
+        out_desc.store([m_tile * BLOCK_M, segment * NB], acc.to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + out_cols[None, :],
+                 acc.to(out_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (out_cols[None, :] < out_width))
+
+
+@triton.autotune(configs=block_sparse_configs("sdd"), key=["m_bucket", "R", "C", "USE_TMA"],
+                 prune_configs_by={"early_config_prune": _fits_block})
+@triton.jit
+def _sampled_dense_dense_kernel(a_ptr, b_ptr, out_ptr, rows_ptr, cols_ptr,
+                                M, a_width, b_width, nnz, chunk, m_bucket,
+                                stride_am, stride_bm,
+                                R: tl.constexpr, C: tl.constexpr, BLOCK_M: tl.constexpr,
+                                USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
+                                UPCAST: tl.constexpr):
+    p = tl.program_id(0)
+    split = tl.program_id(1)
+    row_block = tl.load(rows_ptr + p)
+    col_block = tl.load(cols_ptr + p)
+    rr = row_block * R + tl.arange(0, R)
+    rc = col_block * C + tl.arange(0, C)
+    acc = tl.zeros((R, C), dtype=tl.float32)
+    if USE_TMA:  # chunks are whole token tiles: the descriptors' bounds are the tails
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, a_width], strides=[stride_am, 1],
+                                           block_shape=[BLOCK_M, R])
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[M, b_width], strides=[stride_bm, 1],
+                                           block_shape=[BLOCK_M, C])
+    m_end = tl.minimum(split * chunk + chunk, M)
+    for m0 in range(split * chunk, m_end, BLOCK_M):
+        if USE_TMA:
+            a_t = a_desc.load([m0, row_block * R]).T
+            b = b_desc.load([m0, col_block * C])
+        else:
+            rm = m0 + tl.arange(0, BLOCK_M)
+            in_tokens = rm < m_end
+            a_t = tl.load(a_ptr + rm.to(tl.int64)[None, :] * stride_am + rr[:, None],
+                          mask=in_tokens[None, :] & (rr[:, None] < a_width), other=0.0)
+            b = tl.load(b_ptr + rm.to(tl.int64)[:, None] * stride_bm + rc[None, :],
+                        mask=in_tokens[:, None] & (rc[None, :] < b_width), other=0.0)
+        if UPCAST:
+            a_t, b = a_t.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a_t, b, acc, input_precision=PRECISION)
+    offsets = (split * nnz + p).to(tl.int64) * (R * C)
+    local = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
+    tl.store(out_ptr + offsets + local, acc.to(out_ptr.dtype.element_ty))
+
+
+# UPCAST: Triton 3.9's interpreter multiplies 16-bit floats wrong in tl.dot, so under
+# TRITON_INTERPRET=1 the operands are upcast to fp32 first (the GPU build never is).
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """fp32 inputs use TF32 exactly when torch's own fp32 matmuls do."""
+    return "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 \
+        else "ieee"
+
+
+def _tma_allocator(size: int, alignment: int, stream) -> Tensor:
+    """Global scratch for the descriptors the kernels build on the device."""
+    return torch.empty(size, dtype=torch.int8, device="cpu" if interpret_mode() else "cuda")
+
+
+def _tma_ready(block: tuple[int, int], *tensors: Tensor) -> bool:
+    """Whether tensor descriptors serve: 128 x 128 blocks (where they measured faster on an
+    H100; 64 x 64 ran 5-15% slower), a Hopper or newer GPU (or the interpreter), and
+    16-byte aligned bases and row strides."""
+    if min(block) < 128:
+        return False
+    if not interpret_mode() and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+        return False
+    if not all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+               for t in tensors):
+        return False
+    triton.set_allocator(_tma_allocator)
+    return True
+
+
+def _dense_sparse(a: Tensor, values: Tensor, bias: Tensor | None, offsets: Tensor,
+                  indices: Tensor, block_ids: Tensor | None, out_width: int, kb: int,
+                  nb: int, transposed_blocks: bool, use_tma: bool | None) -> Tensor:
+    segments = offsets.numel() - 1
+    out = a.new_empty(a.shape[0], out_width)
+    if a.shape[0] == 0:
+        return out
+    if use_tma is None:
+        use_tma = _tma_ready((kb, nb), a, out, values.view(-1, values.shape[-1]))
+    grid = lambda meta: (segments * triton.cdiv(a.shape[0], meta["BLOCK_M"]),)  # noqa: E731
+    _dense_sparse_kernel[grid](
+        a, values, out, bias if bias is not None else values, offsets, indices,
+        block_ids if block_ids is not None else indices,
+        a.shape[0], a.shape[1], out_width, segments, values.shape[0] * values.shape[1],
+        _token_bucket(a.shape[0]), a.stride(0), out.stride(0),
+        KB=kb, NB=nb, GROUP_M=8, TRANS_B=transposed_blocks, USE_TMA=use_tma,
+        HAS_BIAS=bias is not None, HAS_IDS=block_ids is not None,
+        PRECISION=_precision(a.dtype), UPCAST=interpret_mode())
+    return out
+
+
+def launch_forward(x: Tensor, values: Tensor, topology: BlockTopology,
+                   bias: Tensor | None, use_tma: bool | None = None) -> Tensor:
+    """``Y = X W^T + b`` for a contiguous 2-D ``x``: one program per (block row, token tile).
+
+    ``use_tma``: tensor descriptors (Hopper's copy engine) or plain loads; None = where
+    they can serve (:func:`_tma_ready`).
+    """
+    r, c = topology.block
+    return _dense_sparse(x, values, bias, topology.row_offsets, topology.col_indices, None,
+                         topology.out_features, kb=c, nb=r, transposed_blocks=True,
+                         use_tma=use_tma)
+
+
+def launch_input_grad(grad_out: Tensor, values: Tensor, topology: BlockTopology,
+                      use_tma: bool | None = None) -> Tensor:
+    """``dX = dY W``: one program per (block column, token tile)."""
+    r, c = topology.block
+    return _dense_sparse(grad_out, values, None, topology.t_offsets, topology.t_row_indices,
+                         topology.t_block_ids, topology.in_features, kb=r, nb=c,
+                         transposed_blocks=False, use_tma=use_tma)
+
+
+@functools.cache
+def _multiprocessors(device_index: int | None) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _token_splits(tokens: int, nnz: int, device: torch.device) -> tuple[int, int]:
+    """(tokens per chunk, chunks): split the token sum of the weight gradient until about
+    two waves of programs fill the GPU, each chunk at least 512 tokens."""
+    programs = 2 * (132 if interpret_mode() else _multiprocessors(device.index))
+    splits = max(1, min(triton.cdiv(programs, max(nnz, 1)), tokens // 512))
+    chunk = triton.cdiv(triton.cdiv(tokens, splits), 256) * 256
+    return chunk, triton.cdiv(tokens, chunk)
+
+
+def launch_weight_grad(grad_out: Tensor, x: Tensor, topology: BlockTopology,
+                       dtype: torch.dtype, use_tma: bool | None = None) -> Tensor:
+    """``dV[p] = dY[:, rows(p)]^T X[:, cols(p)]`` at kept blocks, as ``[nnz, R, C]``."""
+    (r, c), nnz, tokens = topology.block, topology.nnz, x.shape[0]
+    if tokens == 0 or nnz == 0:
+        return x.new_zeros((nnz, r, c), dtype=dtype)
+    chunk, splits = _token_splits(tokens, nnz, x.device)
+    partial = x.new_empty((splits, nnz, r, c), dtype=torch.float32 if splits > 1 else dtype)
+    _sampled_dense_dense_kernel[(nnz, splits)](
+        grad_out, x, partial, topology.row_indices, topology.col_indices,
+        tokens, grad_out.shape[1], x.shape[1], nnz, chunk, _token_bucket(tokens),
+        grad_out.stride(0), x.stride(0), R=r, C=c,
+        USE_TMA=_tma_ready((r, c), grad_out, x) if use_tma is None else use_tma,
+        PRECISION=_precision(x.dtype),
+        UPCAST=interpret_mode())
+    return partial[0] if splits == 1 else partial.sum(0).to(dtype)

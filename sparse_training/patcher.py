@@ -1,0 +1,204 @@
+"""Swap a model's ``nn.Linear`` layers for :class:`BlockSparseLinear` and back, in place.
+
+:func:`sparsify` takes rules, a mapping from a regex to ``{"pattern": "block:RxC",
+"sparsity": s}`` (or ``"density": d`` instead of ``"sparsity"``). Regexes are searched
+(``re.search``) in the qualified module names (``bert.encoder.layer.0.output.dense``); the
+first matching rule wins and every regex must match some ``nn.Linear``. Each matching
+Linear is replaced by ``BlockSparseLinear.from_dense`` (its largest blocks by L2 norm),
+except where a swap would change what the model computes:
+
+* ``out_proj`` of ``nn.MultiheadAttention``, which reads ``out_proj.weight`` itself;
+* a weight or bias tied to another parameter (the same ``Parameter`` under two names);
+* parametrized weights (``torch.nn.utils.parametrize``), Linears with hooks, and
+  subclasses that override ``forward``.
+
+Everything is validated, and every new layer built, before the first swap.
+:func:`densify` swaps every ``BlockSparseLinear`` back with ``to_dense``.
+"""
+
+from __future__ import annotations
+
+import numbers
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+from torch.nn.utils import parametrize
+
+from sparse_training.block_sparse import BlockSparseLinear, check_block, check_density
+from sparse_training.patterns import parse_pattern
+
+RULE_KEYS = ("pattern", "sparsity", "density")
+
+
+def _parse_rule(regex: str, rule: Any) -> tuple[tuple[int, int], float]:
+    """A rule's ``(block, density)``.
+
+    Raises:
+        ValueError: naming the rule and its bad key or value.
+    """
+    if not isinstance(rule, Mapping):
+        raise ValueError(f"rule {regex!r} must be a dict with keys {RULE_KEYS}, got {rule!r}")
+    unknown = sorted(set(rule) - set(RULE_KEYS), key=str)
+    if unknown:
+        raise ValueError(f"rule {regex!r}: unknown key(s) {unknown}; valid keys: "
+                         f"'pattern' and one of 'sparsity', 'density'")
+    if "pattern" not in rule:
+        raise ValueError(f"rule {regex!r} has no 'pattern' (a block pattern, e.g. "
+                         f"'block:64x64')")
+    try:
+        pattern = parse_pattern(rule["pattern"])
+    except ValueError as err:
+        raise ValueError(f"rule {regex!r}: {err}") from None
+    if not pattern.spec.startswith("block:") or pattern.is_nm:
+        raise ValueError(f"rule {regex!r}: pattern {pattern.spec!r} is not a block pattern; "
+                         f"only 'block:RxC' patterns compress (R, C each one of 16, 32, 64, 128)")
+    try:
+        block = check_block((pattern.block_rows, pattern.block_cols))
+    except ValueError as err:
+        raise ValueError(f"rule {regex!r}, pattern {pattern.spec!r}: {err}") from None
+    if ("sparsity" in rule) == ("density" in rule):
+        raise ValueError(f"rule {regex!r} must give exactly one of 'sparsity' in [0, 1) and "
+                         f"'density' in (0, 1], got {dict(rule)!r}")
+    if "density" in rule:
+        try:
+            return block, check_density(rule["density"])
+        except ValueError as err:
+            raise ValueError(f"rule {regex!r}: {err}") from None
+    sparsity = rule["sparsity"]
+    if not isinstance(sparsity, numbers.Real) or isinstance(sparsity, bool) \
+            or not 0 <= sparsity < 1:
+        raise ValueError(f"rule {regex!r}: sparsity must be a number in [0, 1), got "
+                         f"{sparsity!r}")
+    return block, 1.0 - float(sparsity)
+
+
+def _skip_reason(name: str, module: nn.Linear, parents: dict[str, nn.Module],
+                 names_of: dict[int, list[str]]) -> str | None:
+    """Why swapping this Linear would change what the model computes, or None."""
+    if not name:
+        return "skipped: the root module cannot be swapped in place (use from_dense)"
+    parent_name, _, attr = name.rpartition(".")
+    if isinstance(parents[parent_name], nn.MultiheadAttention) and attr == "out_proj":
+        return "skipped: nn.MultiheadAttention reads out_proj.weight, not out_proj's forward"
+    if type(module).forward is not nn.Linear.forward:
+        return f"skipped: {type(module).__name__} overrides nn.Linear.forward"
+    if parametrize.is_parametrized(module):
+        return (f"skipped: parametrized {', '.join(module.parametrizations)} "
+                f"(a swap would drop the parametrization)")
+    hooks = [kind for kind in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks",
+                               "_backward_hooks") if getattr(module, kind)]
+    if hooks:
+        return f"skipped: has {', '.join(h.strip('_') for h in hooks)} (a swap would drop them)"
+    for attr in ("weight", "bias"):
+        param = module._parameters.get(attr)
+        if param is not None and len(names_of[id(param)]) > 1:
+            others = [n for n in names_of[id(param)] if n != f"{name}.{attr}"]
+            return f"skipped: {attr} tied to {', '.join(others)}"
+    return None
+
+
+def _row(name: str, module: nn.Linear, rule: str | None, decision: str,
+         layer: BlockSparseLinear | None = None) -> dict:
+    return {"name": name, "shape": (module.out_features, module.in_features), "rule": rule,
+            "block": layer.block if layer else None, "density": layer.density if layer else None,
+            "nnz": layer.nnz if layer else None, "decision": decision}
+
+
+def format_rows(rows: list[dict]) -> str:
+    """The :func:`sparsify` table: one aligned line per Linear, compressed or skipped, and why."""
+    header = ("module", "shape", "rule", "block", "density", "nnz", "decision")
+    lines = [header]
+    for row in rows:
+        lines.append((row["name"] or "(root)", "x".join(map(str, row["shape"])),
+                      "-" if row["rule"] is None else repr(row["rule"]),
+                      "x".join(map(str, row["block"])) if row["block"] else "-",
+                      "-" if row["density"] is None else f"{row['density']:.4f}",
+                      "-" if row["nnz"] is None else str(row["nnz"]), row["decision"]))
+    widths = [max(len(line[c]) for line in lines) for c in range(len(header))]
+    text = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+            for line in lines]
+    text.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(text)
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), attr, new)
+
+
+def sparsify(model: nn.Module, rules: Mapping[str, Mapping[str, Any]], *,
+             verbose: bool = True) -> list[dict]:
+    """Replace the ``nn.Linear`` layers that ``rules`` name by ``BlockSparseLinear`` (module
+    docstring), in place.
+
+    Returns:
+        One dict per ``nn.Linear`` of the model: ``name``, ``shape`` (out, in), ``rule``
+        (the matching regex or None), ``block``, ``density`` (kept blocks / all blocks) and
+        ``nnz`` (None unless compressed), and ``decision`` ("compressed", or why not).
+        With ``verbose`` the rows are printed as a table.
+
+    Raises:
+        ValueError: a bad rule (not a dict, unknown key, pattern other than ``block:RxC``,
+            a block entry other than 16, 32, 64, 128, both or neither of sparsity and
+            density, a value out of range), a regex that does not compile or matches no
+            ``nn.Linear``. Raised before anything is swapped.
+    """
+    if not isinstance(rules, Mapping) or not rules:
+        raise ValueError(f"rules must be a non-empty dict of regex -> {{'pattern': "
+                         f"'block:RxC', 'sparsity' or 'density': value}}, got {rules!r}")
+    parsed = {regex: _parse_rule(regex, rule) for regex, rule in rules.items()}
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for regex in parsed:
+        try:
+            matched = any(re.search(regex, n) for n, _ in linears)
+        except (re.error, TypeError) as err:
+            raise ValueError(f"rule regex {regex!r} is not a valid regex: {err}") from None
+        if not matched:
+            names = [n for n, _ in linears]
+            shown = ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
+            raise ValueError(f"rule regex {regex!r} matches no nn.Linear; their names are: "
+                             f"{shown or 'none'} (regexes are searched in these names)")
+
+    parents = dict(model.named_modules())
+    names_of: dict[int, list[str]] = {}
+    for param_name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(param_name)
+    rows, swaps = [], []
+    for name, module in linears:
+        regex = next((r for r in parsed if re.search(r, name)), None)
+        if regex is None:
+            rows.append(_row(name, module, None, "matches no rule"))
+        elif (reason := _skip_reason(name, module, parents, names_of)) is not None:
+            rows.append(_row(name, module, regex, reason))
+        else:
+            block, density = parsed[regex]
+            layer = BlockSparseLinear.from_dense(module, block, density=density)
+            layer.train(module.training)
+            swaps.append((name, layer))
+            rows.append(_row(name, module, regex, "compressed", layer))
+    for name, layer in swaps:
+        _replace(model, name, layer)
+    if verbose:
+        print(format_rows(rows))
+    return rows
+
+
+def densify(model: nn.Module) -> int:
+    """Replace every ``BlockSparseLinear`` of ``model`` by its ``to_dense()`` ``nn.Linear``, in
+    place (a layer shared under several names stays shared). Returns how many were replaced.
+
+    Raises:
+        ValueError: ``model`` itself is a ``BlockSparseLinear`` (call its ``to_dense``).
+    """
+    if isinstance(model, BlockSparseLinear):
+        raise ValueError("densify swaps submodules in place; for a BlockSparseLinear "
+                         "itself call model.to_dense()")
+    dense: dict[int, nn.Linear] = {}
+    for name, module in list(model.named_modules(remove_duplicate=False)):
+        if isinstance(module, BlockSparseLinear):
+            if id(module) not in dense:
+                dense[id(module)] = module.to_dense().train(module.training)
+            _replace(model, name, dense[id(module)])
+    return len(dense)

@@ -1,0 +1,174 @@
+"""Block-sparse Linear kernels (Triton interpreter on CPU) against float64 references.
+
+The reference is independent of the blocked code: a dense float64 weight with zeros
+outside the kept blocks, differentiated by torch's autograd through ``F.linear``.
+
+Tolerances: fp32 runs accumulate in fp32 (interpreter: numpy fp32, no TF32), so errors
+are ~1e-6 of the output scale; bf16 inputs are rounded to bf16 *before* the float64
+reference sees them, so the only error left is the fp32 accumulation plus the final
+rounding of each output to bf16 (relative 2^-8 = 0.4%): 1% of the output scale bounds it.
+"""
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from sparse_training.kernels.block_sparse import (
+    BlockTopology,
+    block_grid,
+    block_sparse_linear,
+    dense_to_values,
+    values_to_dense,
+)
+from sparse_training.kernels.block_sparse import kernels as bsk
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def block_mask_of(out_f, in_f, block, kind, seed):
+    grid = block_grid(out_f, in_f, block)
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(grid, generator=g) < 0.5
+    if kind == "all":
+        mask[:] = True
+    elif kind == "empty_rows":
+        mask[0] = False  # an output block row with no kept block
+        mask[:, 0] = False  # and an input block column with none (dX side)
+        mask[-1, -1] = True
+    return mask
+
+
+def case(out_f, in_f, tokens, block, kind, dtype, seed=0):
+    """Fresh random inputs; values with zero padding where blocks overhang the weight."""
+    mask = block_mask_of(out_f, in_f, block, kind, seed)
+    topology = BlockTopology.from_block_mask(mask, out_f, in_f, block)
+    g = torch.Generator().manual_seed(seed + 1)
+    values = torch.randn(topology.nnz, *block, generator=g)
+    values = dense_to_values(values_to_dense(values, topology), topology).to(dtype)
+    x = torch.randn(3, tokens, in_f, generator=g).to(dtype)
+    bias = torch.randn(out_f, generator=g).to(dtype)
+    grad = torch.randn(3, tokens, out_f, generator=g).to(dtype)
+    return topology, mask, values, x, bias, grad
+
+
+def dense_reference(topology, mask, values, x, bias, grad):
+    """Forward and gradients of F.linear with the masked dense weight, in float64."""
+    r, c = topology.block
+    dense_mask = mask.repeat_interleave(r, 0).repeat_interleave(c, 1)
+    dense_mask = dense_mask[:topology.out_features, :topology.in_features]
+    weight = values_to_dense(values.double(), topology).requires_grad_()
+    x64 = x.double().requires_grad_()
+    b64 = bias.double().requires_grad_()
+    out = F.linear(x64, weight * dense_mask, b64)
+    out.backward(grad.double())
+    grad_values = dense_to_values(weight.grad, topology)
+    return out.detach(), x64.grad, grad_values, b64.grad
+
+
+def assert_close(got, want, dtype):
+    scale = want.abs().max().clamp_min(1.0)
+    err = (got.double() - want).abs().max()
+    assert err <= TOLERANCE[dtype] * scale, f"max error {err:.3g} > {TOLERANCE[dtype]} x {scale:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_f, in_f, block", [
+    (70, 45, (16, 32)),      # tails on both sides
+    (96, 64, (32, 16)),
+    (130, 200, (64, 64)),
+    (128, 256, (128, 128)),  # aligned: the TMA path under the interpreter
+    (200, 136, (128, 64)),
+])
+@pytest.mark.parametrize("kind", ["random", "empty_rows", "all"])
+def test_forward_and_gradients_match_float64(dtype, out_f, in_f, block, kind):
+    topology, mask, values, x, bias, grad = case(out_f, in_f, 11, block, kind, dtype)
+    values.requires_grad_()
+    x.requires_grad_()
+    bias.requires_grad_()
+    out = block_sparse_linear(x, values, topology, bias)
+    out.backward(grad)
+    want = dense_reference(topology, mask, values.detach(), x.detach(), bias.detach(), grad)
+    for got, expected in zip((out, x.grad, values.grad, bias.grad), want, strict=True):
+        assert got.dtype == dtype
+        assert_close(got, expected, dtype)
+
+
+@pytest.mark.parametrize("use_tma", [True, False])
+def test_both_load_paths_agree(use_tma):
+    topology, mask, values, x, bias, grad = case(64, 96, 40, (32, 32), "random", torch.float32)
+    x2, g2 = x.reshape(-1, 96), grad.reshape(-1, 64)
+    want = dense_reference(topology, mask, values, x, bias, grad)
+    assert_close(bsk.launch_forward(x2, values, topology, bias, use_tma), want[0].view(-1, 64),
+                 torch.float32)
+    assert_close(bsk.launch_input_grad(g2, values, topology, use_tma), want[1].view(-1, 96),
+                 torch.float32)
+    assert_close(bsk.launch_weight_grad(g2, x2, topology, values.dtype, use_tma), want[2],
+                 torch.float32)
+
+
+def test_weight_gradient_split_over_token_chunks_is_deterministic_and_exact():
+    # 1100 tokens and 2 kept blocks: the token sum is split into chunks (fp32 partials)
+    topology, mask, values, x, bias, grad = case(32, 32, 1100, (16, 16), "random", torch.float32)
+    chunk, splits = bsk._token_splits(1100 * 3, topology.nnz, x.device)
+    assert splits > 1
+    x2, g2 = x.reshape(-1, 32), grad.reshape(-1, 32)
+    first = bsk.launch_weight_grad(g2, x2, topology, torch.float32)
+    assert torch.equal(first, bsk.launch_weight_grad(g2, x2, topology, torch.float32))
+    assert_close(first, dense_reference(topology, mask, values, x, bias, grad)[2], torch.float32)
+
+
+def test_topology_views_describe_the_same_blocks():
+    mask = block_mask_of(100, 150, (16, 32), "empty_rows", seed=3)
+    topology = BlockTopology.from_block_mask(mask, 100, 150, (16, 32), nnz=int(mask.sum()))
+    assert torch.equal(topology.block_mask(), mask)
+    rows, cols = mask.nonzero(as_tuple=True)
+    assert torch.equal(topology.row_indices.long(), rows)
+    assert torch.equal(topology.col_indices.long(), cols)
+    assert topology.row_offsets.tolist() == [0, *mask.sum(1).cumsum(0).tolist()]
+    assert topology.t_offsets.tolist() == [0, *mask.sum(0).cumsum(0).tolist()]
+    for j in range(mask.shape[1]):  # block column j lists its blocks by row, with positions
+        lo, hi = topology.t_offsets[j], topology.t_offsets[j + 1]
+        ids = topology.t_block_ids[lo:hi].long()
+        assert torch.equal(topology.t_row_indices[lo:hi].long(), mask[:, j].nonzero()[:, 0])
+        assert torch.equal(topology.col_indices[ids].long(), torch.full_like(ids, j))
+    assert all(t.dtype == torch.int32 for t in (topology.row_offsets, topology.t_block_ids))
+
+
+def test_topology_after_a_block_swap():
+    """A RigL/SET move: one block dropped, one grown; the same count, new views."""
+    mask = block_mask_of(64, 64, (16, 16), "random", seed=5)
+    dropped, grown = mask.nonzero()[0], (~mask).nonzero()[-1]
+    moved = mask.clone()
+    moved[tuple(dropped)] = False
+    moved[tuple(grown)] = True
+    topology = BlockTopology.from_block_mask(moved, 64, 64, (16, 16), nnz=int(mask.sum()))
+    assert torch.equal(topology.block_mask(), moved)
+    x = torch.randn(7, 64)
+    values = torch.randn(topology.nnz, 16, 16)
+    assert_close(block_sparse_linear(x, values, topology),
+                 F.linear(x.double(), values_to_dense(values.double(), topology)), torch.float32)
+
+
+def test_a_mask_of_the_wrong_grid_is_refused():
+    with pytest.raises(ValueError, match=r"block mask shape \(3, 3\) != block grid \(5, 5\)"):
+        BlockTopology.from_block_mask(torch.ones(3, 3, dtype=torch.bool), 70, 70, (16, 16))
+
+
+def test_functional_rejects_inputs_that_do_not_fit():
+    topology, _, values, x, bias, _ = case(32, 48, 5, (16, 16), "all", torch.float32)
+    with pytest.raises(ValueError, match="input has 47 features, the layer takes 48"):
+        block_sparse_linear(x[..., :47], values, topology)
+    with pytest.raises(ValueError, match=r"values shape \(5, 16, 16\) != \(nnz, R, C\)"):
+        block_sparse_linear(x, values[:5], topology)
+
+
+def test_torch_compile_traces_through_the_custom_ops_without_graph_breaks():
+    topology, mask, values, x, bias, grad = case(32, 48, 5, (16, 16), "random", torch.float32)
+    values.requires_grad_()
+    compiled = torch.compile(lambda inp, v: block_sparse_linear(inp, v, topology, bias),
+                             backend="aot_eager", fullgraph=True)
+    out = compiled(x, values)
+    out.backward(grad)
+    want = dense_reference(topology, mask, values.detach(), x, bias, grad)
+    assert_close(out, want[0], torch.float32)
+    assert_close(values.grad, want[2], torch.float32)
