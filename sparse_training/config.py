@@ -21,6 +21,7 @@ from typing import Any
 
 from torch import nn
 
+from sparse_training.compression import COMPRESS, fixed_count_problem
 from sparse_training.distributions import DISTRIBUTIONS
 from sparse_training.masks import check_sparsity
 from sparse_training.patterns import Pattern, parse_pattern
@@ -149,6 +150,10 @@ class SparsityConfig:
         fused: the masked optimizer step in fused Triton kernels: "auto" uses them on
             CUDA for ``torch.optim.AdamW``, ``Adam`` and ``SGD``, True requires them (an
             error where they cannot serve), False never uses them.
+        compress: train selected ``nn.Linear`` weights as compressed ``BlockSparseLinear``
+            layers from setup (:mod:`sparse_training.compression`): True wherever a block
+            pattern's kept count is fixed from the first step (an error otherwise),
+            "auto" only where the kernels are faster than masked-dense, False never.
 
     Raises:
         ValueError: for any bad value, naming it and the valid forms.
@@ -175,6 +180,7 @@ class SparsityConfig:
     seed: int = 0
     check_masks: bool = True
     fused: bool | str = "auto"
+    compress: bool | str = False
     parsed_pattern: Pattern = field(init=False, repr=False, compare=False)
     parsed_schedule: Schedule = field(init=False, repr=False, compare=False)
     parsed_overrides: dict[str, LayerOverride] = field(init=False, repr=False, compare=False)
@@ -203,6 +209,7 @@ class SparsityConfig:
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         _check_choice(self.fused, "fused", FUSED)
+        _check_choice(self.compress, "compress", COMPRESS)
         self._check_regrowth(pattern)
         types = self.layer_types
         types = (types,) if isinstance(types, type | str) else types
@@ -218,6 +225,10 @@ class SparsityConfig:
         self._check_overrides(pattern)
         set_(self, "parsed_schedule", Schedule(self.schedule, self.start, self.end,
                                                self.frequency))
+        if self.compress is True and (problem := fixed_count_problem(self)):
+            raise ValueError(f"compress=True trains a fixed set of blocks from the first step, "
+                             f"but {problem}; use compress='auto' (masked-dense where it "
+                             f"cannot) or False")
 
     def _check_overrides(self, pattern: Pattern) -> None:
         """Each override must leave its tensors a definite target: a sparsity for a

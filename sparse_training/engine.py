@@ -37,10 +37,10 @@ from torch.utils.hooks import RemovableHandle
 from sparse_training.config import SparsityConfig
 from sparse_training.kernels import zero_pruned_
 from sparse_training.ranks import check_across_ranks
-from sparse_training.selection import TensorPlan, plan_tensors
+from sparse_training.selection import plan_model
 from sparse_training.slots import MaskedSlot
 from sparse_training.state import FORMAT, check_masks, check_settings, check_state, pack_masks
-from sparse_training.tensors import find_weight_tensors, zeros_problem
+from sparse_training.tensors import zeros_problem
 from sparse_training.updaters import UPDATERS
 
 # id(parameter) -> (parameter, engine), both weak: which live engine masks a tensor
@@ -116,12 +116,7 @@ class SparsityEngine:
     def __init__(self, model: nn.Module, config: SparsityConfig,
                  state: dict[str, Any] | None = None) -> None:
         self.config = config
-        tensors = find_weight_tensors(model)
-        self.plans: list[TensorPlan] = plan_tensors(
-            tensors, pattern=config.parsed_pattern, sparsity=config.sparsity,
-            layer_types=config.layer_types, allow=config.allow, deny=config.deny,
-            dense_ratio=config.dense_ratio, overrides=config.parsed_overrides,
-            distribution=config.distribution)
+        tensors, self.plans = plan_model(model, config)
         self.slots = [MaskedSlot(p, t) for p, t in zip(self.plans, tensors, strict=True)
                       if p.selected]
         self.model = model

@@ -74,7 +74,7 @@ def _parse_rule(regex: str, rule: Any) -> tuple[tuple[int, int], float]:
     return block, 1.0 - float(sparsity)
 
 
-def _skip_reason(name: str, module: nn.Linear, parents: dict[str, nn.Module],
+def swap_problem(name: str, module: nn.Linear, parents: dict[str, nn.Module],
                  names_of: dict[int, list[str]]) -> str | None:
     """Why swapping this Linear would change what the model computes, or None."""
     if not name:
@@ -123,7 +123,8 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(text)
 
 
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Put ``new`` where the submodule ``name`` is."""
     parent_name, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent_name), attr, new)
 
@@ -170,7 +171,7 @@ def sparsify(model: nn.Module, rules: Mapping[str, Mapping[str, Any]], *,
         regex = next((r for r in parsed if re.search(r, name)), None)
         if regex is None:
             rows.append(_row(name, module, None, "matches no rule"))
-        elif (reason := _skip_reason(name, module, parents, names_of)) is not None:
+        elif (reason := swap_problem(name, module, parents, names_of)) is not None:
             rows.append(_row(name, module, regex, reason))
         else:
             block, density = parsed[regex]
@@ -179,7 +180,7 @@ def sparsify(model: nn.Module, rules: Mapping[str, Mapping[str, Any]], *,
             swaps.append((name, layer))
             rows.append(_row(name, module, regex, "compressed", layer))
     for name, layer in swaps:
-        _replace(model, name, layer)
+        replace_module(model, name, layer)
     if verbose:
         print(format_rows(rows))
     return rows
@@ -200,5 +201,5 @@ def densify(model: nn.Module) -> int:
         if isinstance(module, BlockSparseLinear):
             if id(module) not in dense:
                 dense[id(module)] = module.to_dense().train(module.training)
-            _replace(model, name, dense[id(module)])
+            replace_module(model, name, dense[id(module)])
     return len(dense)

@@ -27,13 +27,18 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import nn
 
+from sparse_training.block_sparse import BlockSparseLinear
 from sparse_training.distributions import PER_LAYER
 from sparse_training.masks import as_matrix
 from sparse_training.patterns import Pattern
-from sparse_training.tensors import WeightTensor
+from sparse_training.tensors import WeightTensor, find_weight_tensors
+
+if TYPE_CHECKING:
+    from sparse_training.config import SparsityConfig
 
 DEFAULT_LAYER_TYPES: tuple[type[nn.Module], ...] = (
     nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention, nn.RNNBase)
@@ -152,7 +157,10 @@ def plan_tensors(
     rows: list[TensorPlan | None] = []
     eligible: list[int] = []
     for tensor in tensors:
-        if not any(isinstance(module, layer_types) for module, _ in tensor.owners):
+        if any(isinstance(module, BlockSparseLinear) for module, _ in tensor.owners):
+            rows.append(row(tensor, False, "compressed: BlockSparseLinear keeps only its "
+                                           "kept blocks"))
+        elif not any(isinstance(module, layer_types) for module, _ in tensor.owners):
             rows.append(row(tensor, False, f"type {tensor.kind} not in layer_types"))
         elif (regex := _first_match(deny, tensor.names)) is not None:
             rows.append(row(tensor, False, f"deny {regex!r}"))
@@ -206,6 +214,17 @@ def plan_tensors(
                                      old.reason.replace("selected", f"selected ({distribution})",
                                                         1), old.pattern, target)
     return rows
+
+
+def plan_model(model: nn.Module, config: SparsityConfig
+               ) -> tuple[list[WeightTensor], list[TensorPlan]]:
+    """The weight tensors of ``model`` and their plans under ``config``'s selection."""
+    tensors = find_weight_tensors(model)
+    return tensors, plan_tensors(
+        tensors, pattern=config.parsed_pattern, sparsity=config.sparsity,
+        layer_types=config.layer_types, allow=config.allow, deny=config.deny,
+        dense_ratio=config.dense_ratio, overrides=config.parsed_overrides,
+        distribution=config.distribution)
 
 
 def format_table(plans: Sequence[TensorPlan]) -> str:

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from sparse_training.patcher import densify
 from sparse_training.selection import TensorPlan
 from sparse_training.tensors import WeightTensor
 
@@ -99,8 +100,9 @@ class MaskedSlot:
 
 
 def make_permanent(model: nn.Module) -> nn.Module:
-    """Remove the mask buffers, for inference or hand-off (a later fit starts from fresh
-    masks). Returns ``model``.
+    """Remove the mask buffers and swap compressed layers back to ``nn.Linear``
+    (:func:`~sparse_training.patcher.densify`), for inference or hand-off (a later fit
+    starts from fresh masks). Returns ``model``.
 
     A mask in force has zero weights at every pruned position (the engine keeps them so);
     its buffer goes, the zeros stay. A mask that is not in force, left by an earlier fit on
@@ -113,4 +115,5 @@ def make_permanent(model: nn.Module) -> nn.Module:
                 if (name.endswith(MASK_SUFFIX) and param is not None and buffer is not None
                         and buffer.dtype == torch.bool and buffer.shape == param.shape):
                     del module._buffers[name]
+    densify(model)
     return model

@@ -25,7 +25,7 @@ FORMAT = 1
 # Settings that decide which tensors are masked and how: masks saved under other values
 # cannot continue under these.
 MASK_SETTINGS = ("pattern", "sparsity", "layer_types", "allow", "deny", "dense_ratio",
-                 "overrides", "distribution", "regrow", "score")
+                 "overrides", "distribution", "regrow", "score", "compress")
 # Settings whose resolved values the checkpoint carries: its values win on resume.
 SCHEDULE_SETTINGS = ("schedule", "start", "end", "frequency", "regrow_end")
 

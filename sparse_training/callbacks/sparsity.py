@@ -13,6 +13,9 @@ from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
+from sparse_training.block_sparse import BlockSparseLinear
+from sparse_training.compression import compress_selected
+from sparse_training.compression import format_rows as format_compression
 from sparse_training.config import SparsityConfig, settings_signature
 from sparse_training.engine import SparsityEngine
 from sparse_training.schedules import GRADUAL
@@ -78,7 +81,15 @@ class SparsityCallback(Callback):
             raise RuntimeError("SparsityCallback was not set up: add it to a Trainer and fit")
         return self.engine
 
-    # -- fit start ---------------------------------------------------------------------------
+    # -- setup and fit start ---------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """With ``compress``, swap the selected Linear layers for ``BlockSparseLinear``
+        here, before ``configure_optimizers``: the optimizers see compressed parameters."""
+        if stage == "fit" and self.config.compress:
+            rows = compress_selected(pl_module, self.config)
+            rank_zero_info("SparsityCallback: training paths (compress="
+                           f"{self.config.compress!r})\n" + format_compression(rows))
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         restored, self._restored = self._restored, None
         engine = self.engine
@@ -94,7 +105,7 @@ class SparsityCallback(Callback):
                 engine.restart()
                 rank_zero_info("SparsityCallback: a new fit runs the schedule again from its "
                                "start, beginning with the current masks")
-        if not engine.slots:
+        if not engine.slots and not _compressed(pl_module):
             raise ValueError("SparsityCallback selected no weight tensor (setup table below)\n"
                              + format_table(engine.plans))
         if trainer.ckpt_path is not None and restored is None:
@@ -156,21 +167,46 @@ class SparsityCallback(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._log(pl_module, on_step=False)
 
-    def _log(self, pl_module: pl.LightningModule, on_step: bool) -> None:
+    def _sparsity(self, pl_module: pl.LightningModule) -> dict[str, Any]:
+        """Global, target and final sparsity and the per-tensor values, over the masked
+        tensors and the compressed layers (fixed: their target is what they hold)."""
         engine = self._engine()
-        metrics = {"sparsity/global": engine.sparsity, "sparsity/target": engine.target}
+        compressed = _compressed(pl_module)
+        per_tensor = {**engine.tensor_sparsity,
+                      **{name: m.sparsity for name, m in compressed.items()}}
+        if not compressed:
+            return {"global": engine.sparsity, "target": engine.target,
+                    "final": engine.final_sparsity, "per_tensor": per_tensor}
+        sizes = {s.name: s.plan.numel for s in engine.slots}
+        sizes.update({name: m.in_features * m.out_features for name, m in compressed.items()})
+        total = sum(sizes.values())
+
+        def mean(masked: float | None) -> float:
+            return sum(sizes[n] * (per_tensor[n] if masked is None or n in compressed
+                                   else masked) for n in sizes) / total
+        return {"global": mean(None), "target": mean(engine.target),
+                "final": mean(engine.final_sparsity), "per_tensor": per_tensor}
+
+    def _log(self, pl_module: pl.LightningModule, on_step: bool) -> None:
+        sparsity = self._sparsity(pl_module)
+        metrics = {"sparsity/global": sparsity["global"], "sparsity/target": sparsity["target"]}
         if self.config.log_layers:
-            metrics.update({f"sparsity/{name}": s for name, s in engine.tensor_sparsity.items()})
+            metrics.update({f"sparsity/{name}": s
+                            for name, s in sparsity["per_tensor"].items()})
         # CPU tensors: a Python float would be copied to the GPU, a sync at every call
         pl_module.log_dict({k: torch.tensor(v) for k, v in metrics.items()}, on_step=on_step,
                            on_epoch=not on_step)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         engine = self._engine()
-        weights = sum(s.plan.numel for s in engine.slots)
-        rank_zero_info(f"SparsityCallback: {engine.sparsity:.2%} of {weights:,} weights in "
-                       f"{len(engine.slots)} tensors are zero (target now {engine.target:.2%},"
-                       f" final {engine.final_sparsity:.2%}); last mask update at step "
+        compressed = _compressed(pl_module)
+        weights = sum(s.plan.numel for s in engine.slots) + sum(
+            m.in_features * m.out_features for m in compressed.values())
+        sparsity = self._sparsity(pl_module)
+        rank_zero_info(f"SparsityCallback: {sparsity['global']:.2%} of {weights:,} weights in "
+                       f"{len(engine.slots) + len(compressed)} tensors are zero ("
+                       f"{len(compressed)} compressed; target now {sparsity['target']:.2%},"
+                       f" final {sparsity['final']:.2%}); last mask update at step "
                        f"{engine.updater.last_update}")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -211,6 +247,12 @@ class SparsityCallback(Callback):
             self._engine().load_state_dict(state_dict)
         else:  # the usual order: installed at on_fit_start, once the model is final
             self._restored = dict(state_dict)
+
+
+def _compressed(model: torch.nn.Module) -> dict[str, BlockSparseLinear]:
+    """The model's compressed layers by the name of their ``values`` tensor."""
+    return {f"{name}.values": m for name, m in model.named_modules()
+            if isinstance(m, BlockSparseLinear)}
 
 
 def _settings_docs() -> str:

@@ -1,0 +1,148 @@
+"""Train compressed from setup: selected ``nn.Linear`` weights become ``BlockSparseLinear``.
+
+Where a block pattern's kept count is fixed from the first step (``schedule="oneshot"`` or
+``"constant"`` at ``start=0``, no regrowth, a per-tensor distribution), a selected Linear
+weight needs no dense copy at all: it is swapped for a :class:`BlockSparseLinear` before
+the optimizers are built, so weights, gradients and optimizer state hold only the kept
+blocks. The kept blocks are the largest by L2 norm (``score="magnitude"``) or a random
+draw seeded by ``seed`` (``score="random"``). Everything else stays masked-dense (the
+engine), and :func:`compress_selected` says, per tensor, which path it takes and why.
+
+``compress="auto"`` compresses only where the block-sparse kernels beat a masked dense
+matmul (:func:`slower_reason`); ``True`` compresses every eligible tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from sparse_training.block_sparse import BLOCK_SIZES, BlockSparseLinear
+from sparse_training.kernels.block_sparse import block_grid, top_blocks
+from sparse_training.masks import kept_count
+from sparse_training.patcher import replace_module, swap_problem
+from sparse_training.selection import plan_model
+
+if TYPE_CHECKING:
+    from sparse_training.config import SparsityConfig
+
+COMPRESS = ("auto", True, False)
+AUTO_MAX_DENSITY = 0.5  # measured on an H100: docs/performance.md, block-sparse layer table
+AUTO_MIN_BLOCK = 64
+
+
+@dataclass(frozen=True)
+class CompressionRow:
+    """One selected tensor's training path: ``compressed`` or ``masked-dense``, and why."""
+
+    name: str
+    shape: tuple[int, ...]
+    path: str
+    reason: str
+
+
+def fixed_count_problem(config: SparsityConfig) -> str | None:
+    """Why ``config`` does not fix the kept blocks' count from the first step, or None."""
+    pattern = config.parsed_pattern
+    if pattern.is_nm or pattern.block_rows * pattern.block_cols == 1:
+        return f"pattern {pattern.spec!r} is not a block pattern"
+    if config.regrow is not None:
+        return (f"regrow={config.regrow!r} moves blocks at every update; compressed "
+                f"regrowth is not implemented, it trains masked-dense")
+    if config.schedule not in ("oneshot", "constant") or config.start != 0:
+        return (f"schedule={config.schedule!r} from start={config.start!r} reaches its "
+                f"sparsity after the first step; it trains masked-dense (docs/block_sparse.md)")
+    if config.distribution == "global":
+        return "distribution='global' sets per-tensor counts at the update, not at setup"
+    return None
+
+
+def slower_reason(shape: tuple[int, int], block: tuple[int, int], density: float,
+                  device: torch.device) -> str | None:
+    """Why ``compress="auto"`` keeps this tensor masked-dense, or None to compress it.
+
+    The kernels run on CUDA only (elsewhere the layer computes with a dense copy), and on an
+    H100 they beat the dense matmul at densities <= 0.5 with blocks of 64 or more.
+    """
+    if device.type != "cuda":
+        return f"auto: on {device.type} the compressed layer multiplies a dense copy"
+    if min(block) < AUTO_MIN_BLOCK:
+        return f"auto: blocks under {AUTO_MIN_BLOCK} are slower than a dense matmul"
+    if density > AUTO_MAX_DENSITY:
+        return f"auto: density {density:.2f} > {AUTO_MAX_DENSITY} is slower than dense"
+    return None
+
+
+def _block_mask(linear: nn.Linear, block: tuple[int, int], sparsity: float,
+                config: SparsityConfig) -> torch.Tensor | None:
+    """The random kept blocks of ``score="random"`` (None: magnitude, chosen by from_dense)."""
+    if config.score != "random":
+        return None
+    grid = block_grid(linear.out_features, linear.in_features, block)
+    scores = torch.rand(grid, generator=torch.Generator().manual_seed(config.seed))
+    return top_blocks(scores, kept_count(grid[0] * grid[1], sparsity)).to(linear.weight.device)
+
+
+def compress_selected(model: nn.Module, config: SparsityConfig) -> list[CompressionRow]:
+    """Swap the selected Linear weights that can train compressed, in place (module doc).
+
+    Returns:
+        One row per selected tensor: the path it takes and why.
+
+    Raises:
+        ValueError: ``config.compress`` is True and nothing can be (or already is)
+            compressed (the rows say why), raised before anything is swapped.
+    """
+    problem = fixed_count_problem(config)
+    tensors, plans = plan_model(model, config)
+    parents = dict(model.named_modules())
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    rows, swaps = [], []
+    for plan, tensor in zip(plans, tensors, strict=True):
+        if not plan.selected:
+            continue
+        module, attr = tensor.owners[0]
+        module_name = plan.name.rpartition(".")[0]
+        block = (plan.pattern.block_rows, plan.pattern.block_cols)
+        if problem is not None:
+            reason = problem
+        elif not isinstance(module, nn.Linear) or attr != "weight" or len(tensor.owners) > 1:
+            reason = f"{type(module).__name__}.{attr} is not an nn.Linear weight"
+        elif (swap := swap_problem(module_name, module, parents, names_of)) is not None:
+            reason = swap
+        elif not set(block) <= set(BLOCK_SIZES):
+            reason = f"block {block[0]}x{block[1]}: the kernels take blocks of {BLOCK_SIZES}"
+        elif config.compress == "auto" and (slow := slower_reason(
+                tuple(plan.shape), block, 1 - plan.sparsity, module.weight.device)):
+            reason = slow
+        else:
+            mask = _block_mask(module, block, plan.sparsity, config)
+            layer = BlockSparseLinear.from_dense(
+                module, block, density=None if mask is not None else 1 - plan.sparsity,
+                mask=mask)
+            layer.train(module.training)
+            swaps.append((module_name, layer))
+            rows.append(CompressionRow(plan.name, plan.shape, "compressed",
+                                       f"BlockSparseLinear, {layer.nnz} blocks"))
+            continue
+        rows.append(CompressionRow(plan.name, plan.shape, "masked-dense", reason))
+    if config.compress is True and not swaps and not any(
+            isinstance(m, BlockSparseLinear) for m in model.modules()):
+        lines = "\n".join(f"  {r.name}: {r.reason}" for r in rows) or "  (no tensor selected)"
+        raise ValueError(f"compress=True but no selected tensor can train compressed; "
+                         f"use compress='auto' or False. Per tensor:\n{lines}")
+    for name, layer in swaps:
+        replace_module(model, name, layer)
+    return rows
+
+
+def format_rows(rows: list[CompressionRow]) -> str:
+    """The compression table: one line per selected tensor."""
+    width = max((len(r.name) for r in rows), default=6)
+    return "\n".join([f"{'tensor'.ljust(width)}  {'path':12s}  reason"]
+                     + [f"{r.name.ljust(width)}  {r.path:12s}  {r.reason}" for r in rows])

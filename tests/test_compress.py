@@ -1,0 +1,130 @@
+"""SparsityCallback(compress=...): selected Linear layers train as BlockSparseLinear."""
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import make_loader, make_trainer
+from pytorch_lightning.callbacks import ModelCheckpoint
+from torch import nn
+
+from sparse_training import BlockSparseLinear, SparsityCallback, make_permanent
+from sparse_training.kernels.block_sparse import block_norms, top_blocks
+
+SETTINGS = dict(pattern="block:16x16", sparsity=0.75)
+
+
+class BlockNet(pl.LightningModule):
+    """Two 16-divisible Linear layers (selected) and a 4-output head (skipped by shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                                 nn.Linear(64, 4))
+        self.optimizer_shapes: list[tuple[int, ...]] = []
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        self.optimizer_shapes = [tuple(p.shape) for p in self.parameters()]
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_compress_true_trains_compressed_from_setup_and_reports_forward_sparsity():
+    model = BlockNet()
+    initial = {i: model.net[i].weight.detach().clone() for i in (0, 2)}
+    trainer = make_trainer([SparsityCallback(**SETTINGS, compress=True, log_layers=True)],
+                           max_epochs=1, logger=pl.loggers.CSVLogger("logs"))
+    trainer.fit(model, make_loader())
+    for i in (0, 2):
+        layer = model.net[i]
+        assert isinstance(layer, BlockSparseLinear)
+        # the kept blocks are the largest by norm of the weights at setup
+        expected = top_blocks(block_norms(initial[i], (16, 16)), layer.nnz)
+        assert torch.equal(layer.block_mask, expected)
+        assert layer.nnz == layer.block_mask.numel() // 4
+    assert type(model.net[4]) is nn.Linear  # 4 outputs cannot take 16x16 blocks
+    # the optimizer was built over the compressed values: no dense weight of the layers
+    assert (4, 16, 16) in model.optimizer_shapes and (64, 64) not in model.optimizer_shapes
+    logged = trainer.callback_metrics
+    zeros = sum(int((model.net[i].weight == 0).sum()) for i in (0, 2))
+    total = sum(model.net[i].weight.numel() for i in (0, 2))
+    assert float(logged["sparsity/global"]) == pytest.approx(zeros / total, abs=1e-6)
+    assert float(logged["sparsity/net.2.values"]) == pytest.approx(
+        float((model.net[2].weight == 0).float().mean()), abs=1e-6)
+
+
+def fit(max_epochs, ckpt_path=None, callbacks=()):
+    pl.seed_everything(0, verbose=False)
+    model = BlockNet()
+    trainer = make_trainer([SparsityCallback(**SETTINGS, compress=True), *callbacks],
+                           max_epochs=max_epochs, enable_checkpointing=bool(callbacks))
+    trainer.fit(model, make_loader(), ckpt_path=ckpt_path)
+    return model
+
+
+def test_a_compressed_checkpoint_resumes_exactly(tmp_path):
+    uninterrupted = fit(2)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    fit(1, callbacks=[checkpoint])
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]
+    assert saved["net.2.values"].shape == (4, 16, 16)  # the compressed form
+    assert "net.2.weight" not in saved
+    resumed = fit(2, ckpt_path=tmp_path / "last.ckpt")
+    for i in (0, 2):
+        assert torch.equal(resumed.net[i].block_mask, uninterrupted.net[i].block_mask)
+        assert torch.equal(resumed.net[i].values, uninterrupted.net[i].values)
+
+
+def test_random_static_masks_are_the_seeded_draw():
+    model = BlockNet()
+    make_trainer([SparsityCallback(**SETTINGS, score="random", schedule="constant", seed=3,
+                                   compress=True)], max_epochs=1).fit(model, make_loader())
+    scores = torch.rand((4, 1), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(model.net[0].block_mask, top_blocks(scores, 1))
+
+
+def test_auto_keeps_masked_dense_where_the_kernels_would_be_slower(lightning_log):
+    model = BlockNet()
+    callback = SparsityCallback(**SETTINGS, compress="auto")
+    make_trainer([callback], max_epochs=1).fit(model, make_loader())
+    assert type(model.net[2]) is nn.Linear and hasattr(model.net[2], "weight_mask")
+    assert "auto: on cpu the compressed layer multiplies a dense copy" in lightning_log.text
+    assert callback.engine.sparsity == pytest.approx(0.75)
+
+
+def test_make_permanent_gives_dense_linear_layers_with_the_zeros():
+    model = fit(1)
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        outputs = model(x)
+    make_permanent(model)
+    assert type(model.net[2]) is nn.Linear
+    assert float((model.net[2].weight == 0).float().mean()) == 0.75
+    with torch.no_grad():
+        assert torch.allclose(model(x), outputs, atol=1e-6)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(schedule="gmp"), "schedule='gmp' from start=0 reaches its sparsity after the first"),
+    (dict(regrow="rigl", schedule="constant"), "regrow='rigl' moves blocks"),
+    (dict(start=10), "schedule='oneshot' from start=10"),
+    (dict(pattern="unstructured"), "pattern 'unstructured' is not a block pattern"),
+])
+def test_compress_true_refuses_schedules_without_a_fixed_count(settings, message):
+    with pytest.raises(ValueError, match=message):
+        SparsityCallback(**{**SETTINGS, **settings}, compress=True)
+
+
+def test_compress_true_on_layers_the_kernels_cannot_take_names_each_reason():
+    model = BlockNet()
+    callback = SparsityCallback(pattern="block:4x4", sparsity=0.5, compress=True)
+    with pytest.raises(ValueError, match=r"net.0.weight: block 4x4: the kernels take blocks"):
+        make_trainer([callback], max_epochs=1).fit(model, make_loader())
+    assert type(model.net[0]) is nn.Linear
