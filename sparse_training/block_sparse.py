@@ -295,13 +295,8 @@ class BlockSparseLinear(nn.Module):
                              f"got {what}")
         layer = cls(linear.in_features, linear.out_features, block, bias=linear.bias is not None,
                     device=weight.device, dtype=weight.dtype, block_mask=block_mask)
-        with torch.no_grad():
-            layer.values.copy_(dense_to_values(weight, layer.topology))
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias)
-        layer.values.requires_grad_(linear.weight.requires_grad)
-        if linear.bias is not None:
-            layer.bias.requires_grad_(linear.bias.requires_grad)
+        _transfer(layer.values, dense_to_values(weight, layer.topology),
+                  linear.weight.requires_grad, layer.bias, linear.bias)
         return layer
 
     def to_dense(self) -> nn.Linear:
@@ -310,13 +305,8 @@ class BlockSparseLinear(nn.Module):
         linear = nn.utils.skip_init(nn.Linear, self.in_features, self.out_features,
                                     bias=self.bias is not None, device=self.values.device,
                                     dtype=self.values.dtype)
-        with torch.no_grad():
-            linear.weight.copy_(values_to_dense(self.values, self.topology))
-            if self.bias is not None:
-                linear.bias.copy_(self.bias)
-        linear.weight.requires_grad_(self.values.requires_grad)
-        if self.bias is not None:
-            linear.bias.requires_grad_(self.bias.requires_grad)
+        _transfer(linear.weight, values_to_dense(self.values, self.topology),
+                  self.values.requires_grad, linear.bias, self.bias)
         return linear
 
     def extra_repr(self) -> str:
@@ -324,6 +314,18 @@ class BlockSparseLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"block={r}x{c}, density={self.density:.4f}, nnz={self.nnz}, "
                 f"bias={self.bias is not None}")
+
+
+def _transfer(weight: nn.Parameter, new_weight: Tensor, weight_requires_grad: bool,
+              bias: nn.Parameter | None, source_bias: nn.Parameter | None) -> None:
+    """Copy a converted weight and the bias in, with their ``requires_grad``."""
+    with torch.no_grad():
+        weight.copy_(new_weight)
+        if source_bias is not None:
+            bias.copy_(source_bias)
+    weight.requires_grad_(weight_requires_grad)
+    if source_bias is not None:
+        bias.requires_grad_(source_bias.requires_grad)
 
 
 def _after_load(module: BlockSparseLinear, incompatible_keys) -> None:
