@@ -99,7 +99,7 @@ def memory_rows() -> list[dict]:
           f"{'ratio':>6s} {'peak ratio':>10s}")
     for name, (in_f, out_f) in list(LAYER_SHAPES.items())[::2]:
         sizes = {}
-        for kind in ("dense", "sparse"):
+        for kind in ("warm-up", "dense", "sparse"):  # warm-up: autotuning's buffers
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             x = torch.randn(64, in_f, device="cuda", dtype=DTYPE)

@@ -205,18 +205,23 @@ def _tma_allocator(size: int, alignment: int, stream) -> Tensor:
     return torch.empty(size, dtype=torch.int8, device="cpu" if interpret_mode() else "cuda")
 
 
+@functools.cache
+def _install_tma_allocator() -> None:
+    triton.set_allocator(_tma_allocator)
+
+
 def _tma_ready(block: tuple[int, int], *tensors: Tensor) -> bool:
     """Whether tensor descriptors serve: 128 x 128 blocks (where they measured faster on an
     H100; 64 x 64 ran 5-15% slower), a Hopper or newer GPU (or the interpreter), and
     16-byte aligned bases and row strides."""
     if min(block) < 128:
         return False
-    if not interpret_mode() and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+    if not interpret_mode() and _major_capability(tensors[0].device.index) < 9:
         return False
     if not all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
                for t in tensors):
         return False
-    triton.set_allocator(_tma_allocator)
+    _install_tma_allocator()
     return True
 
 
@@ -261,6 +266,11 @@ def launch_input_grad(grad_out: Tensor, values: Tensor, topology: BlockTopology,
     return _dense_sparse(grad_out, values, None, topology.t_offsets, topology.t_row_indices,
                          topology.t_block_ids, topology.in_features, kb=r, nb=c,
                          transposed_blocks=False, use_tma=use_tma)
+
+
+@functools.cache
+def _major_capability(device_index: int | None) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
 
 
 @functools.cache
