@@ -205,11 +205,6 @@ def _tma_allocator(size: int, alignment: int, stream) -> Tensor:
     return torch.empty(size, dtype=torch.int8, device="cpu" if interpret_mode() else "cuda")
 
 
-@functools.cache
-def _install_tma_allocator() -> None:
-    triton.set_allocator(_tma_allocator)
-
-
 def _tma_ready(block: tuple[int, int], *tensors: Tensor) -> bool:
     """Whether tensor descriptors serve: 128 x 128 blocks (where they measured faster on an
     H100; 64 x 64 ran 5-15% slower), a Hopper or newer GPU (or the interpreter), and
@@ -221,8 +216,8 @@ def _tma_ready(block: tuple[int, int], *tensors: Tensor) -> bool:
     if not all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
                for t in tensors):
         return False
-    _install_tma_allocator()
-    return True
+    triton.set_allocator(_tma_allocator)  # per call: Triton keeps it per thread (the
+    return True                           # backward runs on autograd's own thread)
 
 
 def _dense_sparse(a: Tensor, values: Tensor, bias: Tensor | None, offsets: Tensor,
