@@ -27,6 +27,7 @@ from sparse_training.kernels.block_sparse import (
     top_blocks,
     values_to_dense,
 )
+from sparse_training.kernels.block_sparse.topology import kept_positions
 from sparse_training.masks import kept_count
 
 BLOCK_SIZES = (16, 32, 64, 128)
@@ -242,7 +243,7 @@ class BlockSparseLinear(nn.Module):
                                                  self.block, nnz=self.nnz)
         if values is None:
             rows, cols = topology.row_indices.long(), topology.col_indices.long()
-            old_position = (self.block_mask.flatten().cumsum(0) - 1).view(mask.shape)
+            old_position = kept_positions(self.block_mask)
             was_kept = self.block_mask[rows, cols]
             values = torch.where(was_kept[:, None, None],
                                  self.values[old_position[rows, cols].clamp(min=0)], 0)

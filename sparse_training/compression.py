@@ -4,9 +4,10 @@ Where a block pattern's kept count is fixed from the first step (``schedule="one
 ``"constant"`` at ``start=0``, no regrowth, a per-tensor distribution), a selected Linear
 weight needs no dense copy at all: it is swapped for a :class:`BlockSparseLinear` before
 the optimizers are built, so weights, gradients and optimizer state hold only the kept
-blocks. The kept blocks are the largest by L2 norm (``score="magnitude"``) or a random
-draw seeded by ``seed`` (``score="random"``). Everything else stays masked-dense (the
-engine), and :func:`compress_selected` says, per tensor, which path it takes and why.
+blocks. The kept blocks are exactly those the masked-dense engine would keep at step 0
+(the same mask function and seeded scores), so ``compress`` changes how a layer trains,
+not which blocks it keeps. Everything else stays masked-dense (the engine), and
+:func:`compress_selected` says, per tensor, which path it takes and why.
 
 ``compress="auto"`` compresses only where the block-sparse kernels beat a masked dense
 matmul (:func:`slower_reason`); ``True`` compresses every eligible tensor.
@@ -21,10 +22,10 @@ import torch
 from torch import nn
 
 from sparse_training.block_sparse import BLOCK_SIZES, BlockSparseLinear
-from sparse_training.kernels.block_sparse import block_grid, top_blocks
-from sparse_training.masks import kept_count
-from sparse_training.patcher import replace_module, swap_problem
-from sparse_training.selection import plan_model
+from sparse_training.masks import pattern_mask
+from sparse_training.patcher import replace_module, swap_checker
+from sparse_training.regrowth import random_scores
+from sparse_training.selection import TensorPlan, plan_model
 
 if TYPE_CHECKING:
     from sparse_training.config import SparsityConfig
@@ -83,14 +84,13 @@ def slower_reason(shape: tuple[int, int], block: tuple[int, int], density: float
     return None
 
 
-def _block_mask(linear: nn.Linear, block: tuple[int, int], sparsity: float,
-                config: SparsityConfig) -> torch.Tensor | None:
-    """The random kept blocks of ``score="random"`` (None: magnitude, chosen by from_dense)."""
-    if config.score != "random":
-        return None
-    grid = block_grid(linear.out_features, linear.in_features, block)
-    scores = torch.rand(grid, generator=torch.Generator().manual_seed(config.seed))
-    return top_blocks(scores, kept_count(grid[0] * grid[1], sparsity)).to(linear.weight.device)
+def _first_mask(weight: torch.Tensor, plan: TensorPlan, index: int,
+                config: SparsityConfig) -> torch.Tensor:
+    """The mask the masked-dense engine would set at step 0: the pattern's mask of |w|, or
+    of the random scores of the ``index``-th selected tensor (``ScheduledMasks.score``)."""
+    score = None if config.score == "magnitude" else random_scores(
+        weight.shape, config.seed, 0, index, weight.device)
+    return pattern_mask(weight.detach(), plan.pattern, plan.sparsity, score)
 
 
 def compress_selected(model: nn.Module, config: SparsityConfig) -> list[CompressionRow]:
@@ -105,14 +105,10 @@ def compress_selected(model: nn.Module, config: SparsityConfig) -> list[Compress
     """
     problem = fixed_count_problem(config)
     tensors, plans = plan_model(model, config)
-    parents = dict(model.named_modules())
-    names_of: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(param), []).append(name)
+    swap_problem = swap_checker(model)
     rows, swaps = [], []
-    for plan, tensor in zip(plans, tensors, strict=True):
-        if not plan.selected:
-            continue
+    selected = [(p, t) for p, t in zip(plans, tensors, strict=True) if p.selected]
+    for index, (plan, tensor) in enumerate(selected):
         module, attr = tensor.owners[0]
         module_name = plan.name.rpartition(".")[0]
         block = (plan.pattern.block_rows, plan.pattern.block_cols)
@@ -120,7 +116,7 @@ def compress_selected(model: nn.Module, config: SparsityConfig) -> list[Compress
             reason = problem
         elif not isinstance(module, nn.Linear) or attr != "weight" or len(tensor.owners) > 1:
             reason = f"{type(module).__name__}.{attr} is not an nn.Linear weight"
-        elif (swap := swap_problem(module_name, module, parents, names_of)) is not None:
+        elif (swap := swap_problem(module_name, module)) is not None:
             reason = swap
         elif not set(block) <= set(BLOCK_SIZES):
             reason = f"block {block[0]}x{block[1]}: the kernels take blocks of {BLOCK_SIZES}"
@@ -128,10 +124,8 @@ def compress_selected(model: nn.Module, config: SparsityConfig) -> list[Compress
                 tuple(plan.shape), block, 1 - plan.sparsity, module.weight.device)):
             reason = slow
         else:
-            mask = _block_mask(module, block, plan.sparsity, config)
             layer = BlockSparseLinear.from_dense(
-                module, block, density=None if mask is not None else 1 - plan.sparsity,
-                mask=mask)
+                module, block, mask=_first_mask(module.weight, plan, index, config))
             layer.train(module.training)
             swaps.append((module_name, layer))
             rows.append(CompressionRow(plan.name, plan.shape, "compressed",

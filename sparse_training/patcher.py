@@ -18,9 +18,10 @@ Everything is validated, and every new layer built, before the first swap.
 
 from __future__ import annotations
 
+import functools
 import numbers
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import nn
@@ -74,9 +75,18 @@ def _parse_rule(regex: str, rule: Any) -> tuple[tuple[int, int], float]:
     return block, 1.0 - float(sparsity)
 
 
-def swap_problem(name: str, module: nn.Linear, parents: dict[str, nn.Module],
-                 names_of: dict[int, list[str]]) -> str | None:
-    """Why swapping this Linear would change what the model computes, or None."""
+def swap_checker(model: nn.Module) -> Callable[[str, nn.Linear], str | None]:
+    """``problem(name, linear)``: why swapping that Linear of ``model`` would change what
+    the model computes, or None (module names and ties read once)."""
+    parents = dict(model.named_modules())
+    names_of: dict[int, list[str]] = {}
+    for param_name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(param_name)
+    return functools.partial(_swap_problem, parents=parents, names_of=names_of)
+
+
+def _swap_problem(name: str, module: nn.Linear, parents: dict[str, nn.Module],
+                  names_of: dict[int, list[str]]) -> str | None:
     if not name:
         return "skipped: the root module cannot be swapped in place (use from_dense)"
     parent_name, _, attr = name.rpartition(".")
@@ -162,16 +172,13 @@ def sparsify(model: nn.Module, rules: Mapping[str, Mapping[str, Any]], *,
             raise ValueError(f"rule regex {regex!r} matches no nn.Linear; their names are: "
                              f"{shown or 'none'} (regexes are searched in these names)")
 
-    parents = dict(model.named_modules())
-    names_of: dict[int, list[str]] = {}
-    for param_name, param in model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(param), []).append(param_name)
+    swap_problem = swap_checker(model)
     rows, swaps = [], []
     for name, module in linears:
         regex = next((r for r in parsed if re.search(r, name)), None)
         if regex is None:
             rows.append(_row(name, module, None, "matches no rule"))
-        elif (reason := swap_problem(name, module, parents, names_of)) is not None:
+        elif (reason := swap_problem(name, module)) is not None:
             rows.append(_row(name, module, regex, reason))
         else:
             block, density = parsed[regex]

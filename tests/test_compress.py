@@ -8,7 +8,6 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 
 from sparse_training import BlockSparseLinear, SparsityCallback, make_permanent
-from sparse_training.kernels.block_sparse import block_norms, top_blocks
 
 SETTINGS = dict(pattern="block:16x16", sparsity=0.75)
 
@@ -36,18 +35,30 @@ class BlockNet(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def test_compress_true_trains_compressed_from_setup_and_reports_forward_sparsity():
+def masked_dense_masks(**settings) -> dict[int, torch.Tensor]:
+    """The masks a compress=False fit of the same model and settings keeps."""
+    pl.seed_everything(0, verbose=False)
     model = BlockNet()
-    initial = {i: model.net[i].weight.detach().clone() for i in (0, 2)}
+    make_trainer([SparsityCallback(**settings)], max_epochs=1).fit(model, make_loader())
+    return {i: model.net[i].weight_mask for i in (0, 2)}
+
+
+def expanded(layer: BlockSparseLinear) -> torch.Tensor:
+    return layer.block_mask.repeat_interleave(16, 0).repeat_interleave(16, 1)
+
+
+def test_compress_true_trains_compressed_from_setup_and_reports_forward_sparsity():
+    expected = masked_dense_masks(**SETTINGS)
+    pl.seed_everything(0, verbose=False)
+    model = BlockNet()
     trainer = make_trainer([SparsityCallback(**SETTINGS, compress=True, log_layers=True)],
                            max_epochs=1, logger=pl.loggers.CSVLogger("logs"))
     trainer.fit(model, make_loader())
     for i in (0, 2):
         layer = model.net[i]
         assert isinstance(layer, BlockSparseLinear)
-        # the kept blocks are the largest by norm of the weights at setup
-        expected = top_blocks(block_norms(initial[i], (16, 16)), layer.nnz)
-        assert torch.equal(layer.block_mask, expected)
+        # the blocks masked-dense training keeps: the largest at setup, by the same rule
+        assert torch.equal(expanded(layer), expected[i])
         assert layer.nnz == layer.block_mask.numel() // 4
     assert type(model.net[4]) is nn.Linear  # 4 outputs cannot take 16x16 blocks
     # the optimizer was built over the compressed values: no dense weight of the layers
@@ -82,12 +93,15 @@ def test_a_compressed_checkpoint_resumes_exactly(tmp_path):
         assert torch.equal(resumed.net[i].values, uninterrupted.net[i].values)
 
 
-def test_random_static_masks_are_the_seeded_draw():
+def test_random_static_masks_are_the_seeded_draw_of_masked_dense_training():
+    settings = dict(SETTINGS, score="random", schedule="constant", seed=3)
+    expected = masked_dense_masks(**settings)
+    pl.seed_everything(0, verbose=False)
     model = BlockNet()
-    make_trainer([SparsityCallback(**SETTINGS, score="random", schedule="constant", seed=3,
-                                   compress=True)], max_epochs=1).fit(model, make_loader())
-    scores = torch.rand((4, 1), generator=torch.Generator().manual_seed(3))
-    assert torch.equal(model.net[0].block_mask, top_blocks(scores, 1))
+    make_trainer([SparsityCallback(**settings, compress=True)],
+                 max_epochs=1).fit(model, make_loader())
+    for i in (0, 2):
+        assert torch.equal(expanded(model.net[i]), expected[i])
 
 
 def test_auto_keeps_masked_dense_where_the_kernels_would_be_slower(lightning_log):

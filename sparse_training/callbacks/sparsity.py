@@ -64,6 +64,7 @@ class SparsityCallback(Callback):
         self._restored: dict[str, Any] | None = None
         self._unused_checked = False
         self._fitting = False  # between on_fit_start and teardown
+        self._compressed: dict[str, tuple[int, float]] = {}
 
     @classmethod
     def from_config(cls, source: str | Path | Mapping[str, Any]) -> SparsityCallback:
@@ -105,7 +106,11 @@ class SparsityCallback(Callback):
                 engine.restart()
                 rank_zero_info("SparsityCallback: a new fit runs the schedule again from its "
                                "start, beginning with the current masks")
-        if not engine.slots and not _compressed(pl_module):
+        # compressed layers: (entries of the dense form, fraction zero by structure), read
+        # once per fit (their count is fixed; the logs then cost no device reads)
+        self._compressed = {name: (m.in_features * m.out_features, m.sparsity)
+                            for name, m in _compressed(pl_module).items()}
+        if not engine.slots and not self._compressed:
             raise ValueError("SparsityCallback selected no weight tensor (setup table below)\n"
                              + format_table(engine.plans))
         if trainer.ckpt_path is not None and restored is None:
@@ -167,28 +172,23 @@ class SparsityCallback(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._log(pl_module, on_step=False)
 
-    def _sparsity(self, pl_module: pl.LightningModule) -> dict[str, Any]:
-        """Global, target and final sparsity and the per-tensor values, over the masked
+    def _sparsity(self) -> dict[str, Any]:
+        """Global, target and final sparsity and the per-tensor values over the masked
         tensors and the compressed layers (fixed: their target is what they hold)."""
         engine = self._engine()
-        compressed = _compressed(pl_module)
-        per_tensor = {**engine.tensor_sparsity,
-                      **{name: m.sparsity for name, m in compressed.items()}}
-        if not compressed:
-            return {"global": engine.sparsity, "target": engine.target,
-                    "final": engine.final_sparsity, "per_tensor": per_tensor}
-        sizes = {s.name: s.plan.numel for s in engine.slots}
-        sizes.update({name: m.in_features * m.out_features for name, m in compressed.items()})
-        total = sum(sizes.values())
+        masked = sum(s.plan.numel for s in engine.slots)
+        total = masked + sum(size for size, _ in self._compressed.values())
+        fixed_zeros = sum(size * sparsity for size, sparsity in self._compressed.values())
 
-        def mean(masked: float | None) -> float:
-            return sum(sizes[n] * (per_tensor[n] if masked is None or n in compressed
-                                   else masked) for n in sizes) / total
-        return {"global": mean(None), "target": mean(engine.target),
-                "final": mean(engine.final_sparsity), "per_tensor": per_tensor}
+        def overall(masked_sparsity: float) -> float:
+            return (masked_sparsity * masked + fixed_zeros) / total if total else 0.0
+        return {"global": overall(engine.sparsity), "target": overall(engine.target),
+                "final": overall(engine.final_sparsity), "weights": total,
+                "per_tensor": {**engine.tensor_sparsity,
+                               **{n: s for n, (_, s) in self._compressed.items()}}}
 
     def _log(self, pl_module: pl.LightningModule, on_step: bool) -> None:
-        sparsity = self._sparsity(pl_module)
+        sparsity = self._sparsity()
         metrics = {"sparsity/global": sparsity["global"], "sparsity/target": sparsity["target"]}
         if self.config.log_layers:
             metrics.update({f"sparsity/{name}": s
@@ -199,13 +199,11 @@ class SparsityCallback(Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         engine = self._engine()
-        compressed = _compressed(pl_module)
-        weights = sum(s.plan.numel for s in engine.slots) + sum(
-            m.in_features * m.out_features for m in compressed.values())
-        sparsity = self._sparsity(pl_module)
-        rank_zero_info(f"SparsityCallback: {sparsity['global']:.2%} of {weights:,} weights in "
-                       f"{len(engine.slots) + len(compressed)} tensors are zero ("
-                       f"{len(compressed)} compressed; target now {sparsity['target']:.2%},"
+        sparsity = self._sparsity()
+        rank_zero_info(f"SparsityCallback: {sparsity['global']:.2%} of {sparsity['weights']:,} "
+                       f"weights in {len(sparsity['per_tensor'])} tensors are zero ("
+                       f"{len(self._compressed)} compressed; target now "
+                       f"{sparsity['target']:.2%},"
                        f" final {sparsity['final']:.2%}); last mask update at step "
                        f"{engine.updater.last_update}")
 

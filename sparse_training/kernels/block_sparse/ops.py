@@ -65,7 +65,7 @@ def _gradients(needs: tuple[bool, ...], grad_out: Tensor, x: Tensor, values: Ten
 
 class BlockSparseLinearFunction(torch.autograd.Function):
     """Eager autograd of ``Y = X W^T + b`` (2-D ``x``): the launchers called directly,
-    without the custom-op dispatch (about 0.2 ms of host time per layer step)."""
+    without the custom ops' Python dispatch layers (host time the layer step pays)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, values: Tensor, topology: BlockTopology,

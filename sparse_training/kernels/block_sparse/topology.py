@@ -30,6 +30,12 @@ def block_grid(out_features: int, in_features: int, block: tuple[int, int]) -> t
     return math.ceil(out_features / block[0]), math.ceil(in_features / block[1])
 
 
+def kept_positions(block_mask: Tensor) -> Tensor:
+    """Each kept block's index in ``values`` (row-major order of the kept blocks), shaped
+    like the mask; dropped blocks hold the index of the last kept block before them."""
+    return (block_mask.flatten().cumsum(0) - 1).view(block_mask.shape)
+
+
 def _offsets(counts: Tensor) -> Tensor:
     return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
 
@@ -69,7 +75,7 @@ class BlockTopology:
             nnz = int(block_mask.sum())
         kept = torch.nonzero_static(block_mask, size=nnz).to(torch.int32)
         kept_t = torch.nonzero_static(block_mask.t(), size=nnz).to(torch.int32)
-        positions = (block_mask.flatten().cumsum(0) - 1).view(grid)
+        positions = kept_positions(block_mask)
         return cls(
             out_features, in_features, tuple(block),
             row_offsets=_offsets(block_mask.sum(1)),
