@@ -218,6 +218,18 @@ class BlockSparseLinear(nn.Module):
         self._topology = None  # a device move replaces block_mask
         return super()._apply(fn, recurse)
 
+    def block_sources(self, mask: Tensor) -> Tensor:
+        """For each block ``mask`` keeps (row-major order), its position in ``values`` now,
+        or -1 where it is not kept now: int64 ``[nnz]``, what :func:`gather_blocks` takes.
+
+        Raises:
+            ValueError: a mask of another shape or dtype.
+        """
+        _check_block_mask(mask, tuple(self.block_mask.shape))
+        rows, cols = mask.to(self.block_mask.device).nonzero(as_tuple=True)
+        return torch.where(self.block_mask[rows, cols],
+                           kept_positions(self.block_mask)[rows, cols], -1)
+
     @torch.no_grad()
     def set_block_mask(self, mask: Tensor, values: Tensor | None = None) -> None:
         """Keep the blocks of ``mask`` from now on (same count: ``values`` keeps its shape).
@@ -226,8 +238,9 @@ class BlockSparseLinear(nn.Module):
         values and a newly kept block starts at zeros; otherwise ``values[nnz, R, C]`` (in
         row-major block order of ``mask``) are copied in. Padded tails are zeroed either
         way. The ``values`` parameter is updated in place, so an optimizer keeps it; its
-        state is not touched (a moved block inherits the old position's moments: reset
-        them where that matters). Reads the mask's count from the device once.
+        state is not touched (move it with :meth:`block_sources` and :func:`gather_blocks`,
+        as :class:`~sparse_training.slots.CompressedSlot` does). Reads the mask's count from
+        the device once.
 
         Raises:
             ValueError: a mask of another shape, dtype or kept count, or values of another
@@ -239,17 +252,13 @@ class BlockSparseLinear(nn.Module):
         if kept != self.nnz:
             raise ValueError(f"mask keeps {kept} blocks, the layer has nnz = {self.nnz}; "
                              f"set_block_mask keeps the count (build a new layer to change it)")
-        topology = BlockTopology.from_block_mask(mask, self.out_features, self.in_features,
-                                                 self.block, nnz=self.nnz)
         if values is None:
-            rows, cols = topology.row_indices.long(), topology.col_indices.long()
-            old_position = kept_positions(self.block_mask)
-            was_kept = self.block_mask[rows, cols]
-            values = torch.where(was_kept[:, None, None],
-                                 self.values[old_position[rows, cols].clamp(min=0)], 0)
+            values = gather_blocks(self.values, self.block_sources(mask))
         elif tuple(values.shape) != tuple(self.values.shape):
             raise ValueError(f"values shape {tuple(values.shape)} != (nnz, R, C) = "
                              f"{tuple(self.values.shape)}")
+        topology = BlockTopology.from_block_mask(mask, self.out_features, self.in_features,
+                                                 self.block, nnz=self.nnz)
         self.values.copy_(values.to(self.values) * _inside(topology))
         self.block_mask.copy_(mask)
         self._topology = topology
@@ -315,6 +324,13 @@ class BlockSparseLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"block={r}x{c}, density={self.density:.4f}, nnz={self.nnz}, "
                 f"bias={self.bias is not None}")
+
+
+def gather_blocks(blocks: Tensor, sources: Tensor) -> Tensor:
+    """``blocks[sources]`` along the first dimension, zeros where ``sources`` is -1: values
+    or optimizer state ``[nnz, R, C]`` re-ordered for a new block mask
+    (:meth:`BlockSparseLinear.block_sources`)."""
+    return torch.where((sources >= 0)[:, None, None], blocks[sources.clamp(min=0)], 0)
 
 
 def _transfer(weight: nn.Parameter, new_weight: Tensor, weight_requires_grad: bool,

@@ -1,7 +1,8 @@
 """Train compressed from setup: selected ``nn.Linear`` weights become ``BlockSparseLinear``.
 
 Where a block pattern's kept count is fixed from the first step (``schedule="oneshot"`` or
-``"constant"`` at ``start=0``, no regrowth, a per-tensor distribution), a selected Linear
+``"constant"`` at ``start=0``, a per-tensor distribution; RigL and SET move blocks inside
+that count, :class:`~sparse_training.slots.CompressedSlot`), a selected Linear
 weight needs no dense copy at all: it is swapped for a :class:`BlockSparseLinear` before
 the optimizers are built, so weights, gradients and optimizer state hold only the kept
 blocks. The kept blocks are exactly those the masked-dense engine would keep at step 0
@@ -53,9 +54,6 @@ def fixed_count_problem(config: SparsityConfig) -> str | None:
     pattern = config.parsed_pattern
     if pattern.is_nm or pattern.block_rows * pattern.block_cols == 1:
         return f"pattern {pattern.spec!r} is not a block pattern"
-    if config.regrow is not None:
-        return (f"regrow={config.regrow!r} moves blocks at every update; compressed "
-                f"regrowth is not implemented, it trains masked-dense")
     if config.schedule not in ("oneshot", "constant") or config.start != 0:
         return (f"schedule={config.schedule!r} from start={config.start!r} reaches its "
                 f"sparsity after the first step; it trains masked-dense (docs/block_sparse.md)")

@@ -24,70 +24,27 @@ optimizer kernel; optimizer state is zeroed wherever a mask update prunes or gro
 from __future__ import annotations
 
 import functools
-import operator
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torch.utils.hooks import RemovableHandle
 
+from sparse_training.block_sparse import BlockSparseLinear
 from sparse_training.config import SparsityConfig
 from sparse_training.kernels import zero_pruned_
+from sparse_training.optimizer_hooks import Attached, after_step, fused_step, masked_gradients_step
 from sparse_training.ranks import check_across_ranks
 from sparse_training.selection import plan_model
-from sparse_training.slots import MaskedSlot
+from sparse_training.slots import CompressedSlot, MaskedSlot
 from sparse_training.state import FORMAT, check_masks, check_settings, check_state, pack_masks
 from sparse_training.tensors import zeros_problem
 from sparse_training.updaters import UPDATERS
 
 # id(parameter) -> (parameter, engine), both weak: which live engine masks a tensor
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
-_GRAD = operator.attrgetter("grad")
-
-
-class _Attached:
-    """An optimizer's slots and the lists its per-step passes read, built once (the hot
-    path is a few C-level maps, not a Python loop over slots)."""
-
-    def __init__(self, slots: list[MaskedSlot]) -> None:
-        self.slots = slots
-        self.handles: list[RemovableHandle] = []
-        self.params = [s.param for s in slots]
-        self._buffers = [s.module._buffers for s in slots]
-        self._keys = [s.mask_key for s in slots]
-        self._masks: list[Tensor] = []
-        self._by_param: dict[Tensor, Tensor] = {}
-
-    @property
-    def masks(self) -> list[Tensor]:
-        """The mask buffers, checked by identity (C-level maps): a ``.to()`` of the model or
-        of any submodule replaces buffers, and the lists follow."""
-        current = list(map(dict.__getitem__, self._buffers, self._keys))
-        if len(current) != len(self._masks) or not all(map(operator.is_, current, self._masks)):
-            self._masks = current
-            self._by_param = dict(zip(self.params, current, strict=True))
-        return self._masks
-
-    @property
-    def masks_by_param(self) -> dict[Tensor, Tensor]:
-        """Parameter -> mask, for the fused step."""
-        self.masks  # noqa: B018  (refreshes after a device move)
-        return self._by_param
-
-    def zero_pruned_gradients(self) -> None:
-        grads = list(map(_GRAD, self.params))
-        masks = self.masks
-        if any(g is None for g in grads):  # unused tensors (`None in grads` calls __eq__)
-            pairs = [(g, m) for g, m in zip(grads, masks, strict=True) if g is not None]
-            grads, masks = [g for g, _ in pairs], [m for _, m in pairs]
-        zero_pruned_(grads, masks)
-
-    def zero_pruned_weights(self) -> None:
-        with torch.no_grad():
-            zero_pruned_(self.params, self.masks)
 
 
 def _owner(param: Tensor) -> SparsityEngine | None:
@@ -119,10 +76,20 @@ class SparsityEngine:
         tensors, self.plans = plan_model(model, config)
         self.slots = [MaskedSlot(p, t) for p, t in zip(self.plans, tensors, strict=True)
                       if p.selected]
+        self.compressed = [CompressedSlot(f"{name}.values", module)
+                           for name, module in model.named_modules()
+                           if isinstance(module, BlockSparseLinear)]
+        # random streams by tensor, in model order over masked and compressed tensors: a
+        # tensor draws the same scores whether it trains masked-dense or compressed
+        self.streams = {p.name: i for i, p in enumerate(
+            p for p in self.plans if p.selected or p.kind == BlockSparseLinear.__name__)}
         self.model = model
-        self._attached: dict[Optimizer, _Attached] = {}
+        self._attached: dict[Optimizer, Attached] = {}
         self.fused_optimizers: set[Optimizer] = set()
         self._stats: dict[str, float] | None = None
+        # the loss scale of the gradients at the optimizer step (an AMP GradScaler's; the
+        # Lightning callback sets it): recorded dense gradients are divided by it
+        self.loss_scale: Callable[[], float] = lambda: 1.0
         self._check_slots()
         self.updater = UPDATERS[config.regrow](config)
         restored = self._check_state(state) if state is not None else None
@@ -177,7 +144,7 @@ class SparsityEngine:
         ``make_permanent``, nor after ``configure_model`` built new layers)."""
         params = {id(p) for p in model.parameters()}
         return self.model is model and self.installed and all(
-            id(slot.param) in params for slot in self.slots)
+            id(slot.param) in params for slot in (*self.slots, *self.compressed))
 
     def _check_state(self, state: dict[str, Any]) -> dict[str, Tensor]:
         check_state(state)
@@ -209,7 +176,9 @@ class SparsityEngine:
         """
         attached = self._attached.get(optimizer)
         slots = attached.slots if attached is not None else self._slots_of(optimizer)
-        self.updater.before_step(self, slots, step)
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self.updater.before_step(self, [*slots, *(s for s in self.compressed
+                                                  if id(s.param) in params)], step)
         if self.updater.masks_gradients and (clipping or attached is None):
             if attached is not None:
                 attached.zero_pruned_gradients()
@@ -227,16 +196,29 @@ class SparsityEngine:
         self.updater.update_masks(self, fraction, step=0, created=True)
 
     @property
-    def final_sparsity(self) -> float:
-        """The mean final target over the selected weights."""
+    def masked_final_sparsity(self) -> float:
+        """The mean final target over the masked weights (schedules scale it)."""
         total = sum(s.plan.numel for s in self.slots)
         return sum(s.plan.numel * (self.config.sparsity if s.plan.sparsity is None
                                    else s.plan.sparsity) for s in self.slots) / max(total, 1)
 
     @property
+    def final_sparsity(self) -> float:
+        """The final target over all selected and compressed weights."""
+        return self._overall(self.masked_final_sparsity)
+
+    @property
     def target(self) -> float:
-        """The sparsity the schedule asks for now."""
-        return self.updater.target
+        """The sparsity the schedule asks for now, over all selected and compressed weights."""
+        return self._overall(self.updater.target)
+
+    def _overall(self, masked: float) -> float:
+        """``masked`` (a sparsity of the masked weights) with the compressed layers' zeros:
+        the fraction over every selected and compressed weight."""
+        numel = sum(s.plan.numel for s in self.slots)
+        total = numel + sum(s.numel for s in self.compressed)
+        zeros = sum(self.tensor_sparsity[s.name] * s.numel for s in self.compressed)
+        return (masked * numel + zeros) / total if total else 0.0
 
     @torch.no_grad()
     def set_masks(self, new_masks: dict[str, Tensor], step: int | None, broadcast: bool,
@@ -258,6 +240,18 @@ class SparsityEngine:
         self._stats = None
         if check:
             check_across_ranks(self.slots, step, broadcast, self.config.check_masks)
+
+    def move_blocks(self, new_masks: dict[str, Tensor], step: int,
+                    gradients: dict[str, Tensor]) -> None:
+        """Move compressed layers' blocks to ``new_masks`` (block grids keyed by tensor
+        name, same counts): values, gradients and optimizer state follow kept blocks, new
+        ones start at zero with their block of the dense ``gradients``
+        (:meth:`CompressedSlot.move`); checksums compared across ranks."""
+        moved = [s for s in self.compressed if s.name in new_masks]
+        for slot in moved:
+            slot.move(new_masks[slot.name], self._attached, gradients.get(slot.name))
+        self._stats = None
+        check_across_ranks(moved, step, False, self.config.check_masks)
 
     def zero_pruned_gradients(self, slots: Iterable[MaskedSlot]) -> None:
         """Zero the gradients of pruned weights, one multi-tensor pass."""
@@ -294,16 +288,16 @@ class SparsityEngine:
             return
         slots = self._slots_of(optimizer)
         fused = self._use_fused(optimizer, slots)  # raises before anything is registered
-        attached = self._attached[optimizer] = _Attached(slots)
+        attached = self._attached[optimizer] = Attached(slots)
         if fused:
             attached.handles.append(optimizer.register_step_pre_hook(
-                functools.partial(_fused_step, attached)))
+                functools.partial(fused_step, attached)))
             self.fused_optimizers.add(optimizer)
         else:
             attached.handles += [
                 optimizer.register_step_pre_hook(
-                    functools.partial(_masked_gradients_step, self, attached)),
-                optimizer.register_step_post_hook(functools.partial(_after_step, self, attached))]
+                    functools.partial(masked_gradients_step, self, attached)),
+                optimizer.register_step_post_hook(functools.partial(after_step, self, attached))]
         if not self.updater.dense_state:
             self.set_masks({s.name: s.mask.clone() for s in slots}, step=None, broadcast=False,
                            check=False)
@@ -331,6 +325,9 @@ class SparsityEngine:
                 handle.remove()
         self._attached.clear()
         self.fused_optimizers.clear()
+        for compressed in self.compressed:
+            compressed.recording = False
+            compressed.clear_gradient()
         for slot in self.slots:
             if _owner(slot.param) is self:
                 del _OWNERS[id(slot.param)]
@@ -343,20 +340,22 @@ class SparsityEngine:
     # -- reporting and state ----------------------------------------------------------------
     @property
     def tensor_sparsity(self) -> dict[str, float]:
-        """Fraction of zeros in each selected tensor's mask (one sync per mask change)."""
+        """Fraction of zeros in each selected tensor's mask and each compressed layer's dense
+        form (one sync per mask change)."""
         if self._stats is None:
             kept = torch.stack([s.mask.sum() for s in self.slots]).tolist() if self.slots \
                 else []
             self._stats = {s.name: 1.0 - k / s.plan.numel
                            for s, k in zip(self.slots, kept, strict=True)}
+            self._stats.update({s.name: s.layer.sparsity for s in self.compressed})
         return self._stats
 
     @property
     def sparsity(self) -> float:
-        """Fraction of zeros in the masks over all selected weights."""
-        total = sum(s.plan.numel for s in self.slots)
-        pruned = sum(self.tensor_sparsity[s.name] * s.plan.numel for s in self.slots)
-        return pruned / total if total else 0.0
+        """Fraction of zeros over all selected and compressed weights."""
+        numel = sum(s.plan.numel for s in self.slots)
+        masked = sum(self.tensor_sparsity[s.name] * s.plan.numel for s in self.slots)
+        return self._overall(masked / numel if numel else 0.0)
 
     def state_dict(self) -> dict[str, Any]:
         """Masks (bit-packed), the settings that made them and the updater's progress;
@@ -373,53 +372,3 @@ class SparsityEngine:
         masks = self._check_state(state)
         self.updater.load_state_dict(state["updater"])
         self.set_masks(masks, step=None, broadcast=False, check=False)
-
-
-StepArgs = tuple[tuple[Any, ...], dict[str, Any]]
-
-
-def _closure_first(args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepArgs | None:
-    """Run a step's closure now (Lightning's: forward, backward, ``on_before_optimizer_step``
-    of every callback and the module, clipping), so that what follows sees the final
-    gradients; the step then gets a closure that returns the same loss. None: no closure."""
-    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0]: optimizer
-    if closure is None:
-        return None
-    with torch.enable_grad():
-        loss = closure()
-    return args[:1], {**kwargs, "closure": lambda: loss}
-
-
-def _masked_gradients_step(engine: SparsityEngine, attached: _Attached, optimizer: Optimizer,
-                           args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepArgs | None:
-    """Optimizer pre-step hook of the hook path: the pruned gradients zeroed right before the
-    update, after everything that may have changed them, so pruned weights and their
-    optimizer state see exact zeros."""
-    new_args = _closure_first(args, kwargs)
-    if engine.updater.masks_gradients:
-        attached.zero_pruned_gradients()
-    return new_args
-
-
-def _fused_step(attached: _Attached, optimizer: Optimizer, args: tuple[Any, ...],
-                kwargs: dict[str, Any]) -> StepArgs | None:
-    """Optimizer pre-step hook of the fused path: the masked weights in the fused kernels
-    (they ignore pruned gradients). The handled gradients become None, so
-    ``optimizer.step`` goes on with the unmasked parameters only."""
-    from sparse_training import kernels
-
-    new_args = _closure_first(args, kwargs)
-    # torch's own fused optimizers step on scaled gradients: GradScaler hands them its
-    # scale and overflow flag as attributes (and calls step even on an overflow)
-    kernels.fused_masked_step(optimizer, attached.masks_by_param,
-                              grad_scale=getattr(optimizer, "grad_scale", None),
-                              found_inf=getattr(optimizer, "found_inf", None))
-    return new_args
-
-
-def _after_step(engine: SparsityEngine, attached: _Attached, optimizer: Optimizer,
-                args: Any, kwargs: Any) -> None:
-    """Optimizer post-step hook: the updater's step end, then the pruned weights zeroed,
-    whatever moved them (the optimizer, or gradients changed after they were masked)."""
-    engine.updater.after_step(engine, attached.slots)
-    attached.zero_pruned_weights()

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from sparse_training.slots import MaskedSlot
+from sparse_training.slots import CompressedSlot, MaskedSlot
 
 
 def mask_checksum(mask: Tensor) -> Tensor:
@@ -28,9 +28,24 @@ def mask_checksum(mask: Tensor) -> Tensor:
     return torch.where(flat, keys, 0).sum()
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 @torch.no_grad()
-def check_across_ranks(slots: Sequence[MaskedSlot], step: int | None, broadcast: bool,
-                       check: bool) -> None:
+def average_across_ranks(tensors: Sequence[Tensor]) -> None:
+    """In place, under torch.distributed: each tensor averaged over the ranks, as DDP
+    averages gradients (a compressed layer's recorded dense gradient, which DDP does not
+    see)."""
+    if _distributed():
+        for tensor in tensors:
+            dist.all_reduce(tensor)
+            tensor.div_(dist.get_world_size())
+
+
+@torch.no_grad()
+def check_across_ranks(slots: Sequence[MaskedSlot | CompressedSlot], step: int | None,
+                       broadcast: bool, check: bool) -> None:
     """Under torch.distributed: rank 0's masks and weights installed everywhere
     (``broadcast``, once, when the masks are created), then (``check``) one checksum
     all-reduce.
@@ -38,7 +53,7 @@ def check_across_ranks(slots: Sequence[MaskedSlot], step: int | None, broadcast:
     Raises:
         RuntimeError: a rank's masks differ, naming the tensors.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not slots or not _distributed():
         return
     if broadcast:  # rank 0's masks and weights, so that no rank keeps what another pruned
         for slot in slots:

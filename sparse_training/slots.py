@@ -9,15 +9,27 @@ positions), so a sparse checkpoint loads into the plain model with a strict load
 masks travel in the engine's own state (:mod:`sparse_training.state`).
 
 Every slot answers the same questions: its parameter (what the optimizer updates), its
-mask, the tensor the forward pass uses, and the optimizer-state tensors shaped like it.
+mask, the dense gradient regrowth ranks, and the optimizer-state tensors shaped like its
+parameter.
+
+:class:`CompressedSlot` is a :class:`~sparse_training.block_sparse.BlockSparseLinear`:
+only the kept blocks exist, their count is fixed, and its mask is the block grid's. The
+engine never masks it; regrowth moves its blocks (:meth:`CompressedSlot.move`).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterable
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
+from sparse_training.block_sparse import BlockSparseLinear, gather_blocks
+from sparse_training.kernels.block_sparse import dense_to_values
 from sparse_training.patcher import densify
 from sparse_training.selection import TensorPlan
 from sparse_training.tensors import WeightTensor
@@ -32,6 +44,8 @@ class MaskedSlot:
         plan: the tensor's row of the setup table.
         tensor: where the tensor lives (names, owners, stored parameter).
     """
+
+    compressed = False
 
     def __init__(self, plan: TensorPlan, tensor: WeightTensor) -> None:
         self.plan, self.tensor = plan, tensor
@@ -88,15 +102,142 @@ class MaskedSlot:
         self.param.masked_fill_(~self.mask, 0)
         return restart
 
+    @property
+    def movable(self) -> bool:
+        """Whether regrowth has anything to swap (not a tensor kept dense)."""
+        return self.plan.sparsity != 0.0
+
+    @property
+    def dense_shape(self) -> torch.Size:
+        return self.param.shape
+
+    @property
+    def dense_gradient(self) -> Tensor | None:
+        """The gradient at every position, pruned ones included (before masking)."""
+        return self.param.grad
+
     def state_tensors(self, optimizer: Optimizer) -> list[Tensor]:
         """The optimizer's state tensors shaped like the parameter (moments, buffers)."""
-        param = self.param
-        return [v for v in optimizer.state.get(param, {}).values()
-                if isinstance(v, Tensor) and v.shape == param.shape]
+        return _state_tensors(optimizer, self.param)
 
     def forward_weight(self) -> Tensor:
         """The tensor the forward pass uses (a parametrization evaluated)."""
         return self.tensor.forward_weight()
+
+
+class CompressedSlot:
+    """A :class:`~sparse_training.block_sparse.BlockSparseLinear`: its kept blocks move,
+    their count never changes.
+
+    Drop and grow rank blocks by the sums of ``|w|`` and of ``|score|`` over each block's
+    entries, as a masked block pattern does (:func:`~sparse_training.regrowth.drop_and_grow`
+    on the block grid). The dense gradient RigL grows by does not exist in a compressed
+    layer: while :attr:`recording`, a forward hook adds ``dY^T X`` of each micro-batch to a
+    float32 buffer of the dense weight's shape (the update steps only: a dense-sized
+    buffer and one dense matmul per micro-batch there, nothing at other steps). It ranks
+    RigL's growth and is the first gradient of every grown block (RigL and SET).
+
+    Args:
+        name: the ``values`` tensor's qualified name.
+        layer: the compressed layer.
+    """
+
+    movable = compressed = True
+
+    def __init__(self, name: str, layer: BlockSparseLinear) -> None:
+        self.name, self.layer = name, layer
+        self._gradient: Tensor | None = None
+        self._hook: RemovableHandle | None = None
+
+    @property
+    def param(self) -> nn.Parameter:
+        return self.layer.values
+
+    @property
+    def mask(self) -> Tensor:
+        """Bool ``(block_rows, block_cols)`` grid, True where a block is kept."""
+        return self.layer.block_mask
+
+    @property
+    def dense_shape(self) -> torch.Size:
+        return torch.Size((self.layer.out_features, self.layer.in_features))
+
+    @property
+    def numel(self) -> int:
+        """Entries of the dense weight."""
+        return self.layer.out_features * self.layer.in_features
+
+    @property
+    def recording(self) -> bool:
+        return self._hook is not None
+
+    @recording.setter
+    def recording(self, on: bool) -> None:
+        if on and self._hook is None:
+            self._hook = self.layer.register_forward_hook(self._record)
+        elif not on and self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    @property
+    def dense_gradient(self) -> Tensor | None:
+        """``sum over micro-batches of dY^T X`` since :meth:`clear_gradient`, float32, or
+        None if nothing was recorded (loss-scaled under AMP: a constant factor, which no
+        ranking sees)."""
+        return self._gradient
+
+    def clear_gradient(self) -> None:
+        self._gradient = None
+
+    def _record(self, module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+        if output.requires_grad:
+            output.register_hook(functools.partial(self._accumulate, inputs[0].detach()))
+
+    def _accumulate(self, x: Tensor, grad_out: Tensor) -> None:
+        gradient = grad_out.reshape(-1, grad_out.shape[-1]).T.float() @ x.reshape(
+            -1, x.shape[-1]).float()
+        self._gradient = gradient if self._gradient is None else self._gradient.add_(gradient)
+
+    def block_scores(self, scores: Tensor) -> Tensor:
+        """Float32 ``(block_rows, block_cols)`` sums of ``|scores|`` (dense-shaped) over each
+        block's entries inside the weight."""
+        (r, c), (rows, cols) = self.layer.block, self.mask.shape
+        out, inp = self.dense_shape
+        padded = F.pad(scores.detach().abs().float(), (0, cols * c - inp, 0, rows * r - out))
+        return padded.view(rows, r, cols, c).sum((1, 3))
+
+    def magnitudes(self) -> Tensor:
+        """Float32 ``(block_rows, block_cols)`` sums of ``|w|`` per block, zero where none."""
+        topology = self.layer.topology
+        grid = torch.zeros(self.mask.shape, device=self.mask.device)
+        grid[topology.row_indices.long(), topology.col_indices.long()] = (
+            self.param.detach().abs().float().sum((1, 2)))
+        return grid
+
+    @torch.no_grad()
+    def move(self, mask: Tensor, optimizers: Iterable[Optimizer],
+             gradient: Tensor | None = None) -> None:
+        """Keep the blocks of ``mask`` (same count) between backward and the optimizer
+        step: a block kept before keeps its values, gradient and optimizer state; a newly
+        kept block starts with zero values and state and takes its block of the dense
+        ``gradient`` (zero without one), as a grown masked-dense weight does."""
+        sources = self.layer.block_sources(mask)
+        self.layer.set_block_mask(mask, gather_blocks(self.param, sources))
+        grad = self.param.grad
+        if grad is not None:
+            moved = gather_blocks(grad, sources)
+            if gradient is not None:
+                grown = dense_to_values(gradient.to(grad.dtype), self.layer.topology)
+                moved += torch.where((sources < 0)[:, None, None], grown, 0)
+            grad.copy_(moved)
+        for optimizer in optimizers:
+            for state in _state_tensors(optimizer, self.param):
+                state.copy_(gather_blocks(state, sources))
+
+
+def _state_tensors(optimizer: Optimizer, param: Tensor) -> list[Tensor]:
+    return [v for v in optimizer.state.get(param, {}).values()
+            if isinstance(v, Tensor) and v.shape == param.shape]
 
 
 def make_permanent(model: nn.Module) -> nn.Module:

@@ -27,13 +27,17 @@ import torch
 from torch import Tensor
 
 from sparse_training.masks import global_masks, pattern_masks
+from sparse_training.patterns import parse_pattern
+from sparse_training.ranks import average_across_ranks
 from sparse_training.regrowth import cosine_fraction, drop_and_grow, random_scores, sr_ste_gradient
 from sparse_training.schedules import Schedule, to_steps
 
 if TYPE_CHECKING:
     from sparse_training.config import SparsityConfig
     from sparse_training.engine import SparsityEngine
-    from sparse_training.slots import MaskedSlot
+    from sparse_training.slots import CompressedSlot, MaskedSlot
+
+    Slot = MaskedSlot | CompressedSlot
 
 
 class ScheduledMasks:
@@ -92,10 +96,11 @@ class ScheduledMasks:
         """What a scheduled update keeps: None (|w|) or seeded random scores."""
         return None if self.config.score == "magnitude" else self.random(engine, slot, step)
 
-    def random(self, engine: SparsityEngine, slot: MaskedSlot, step: int) -> Tensor:
-        """Uniform scores seeded by (seed, step, tensor): equal on every rank."""
-        return random_scores(slot.param.shape, self.config.seed, step,
-                             engine.slots.index(slot), slot.param.device)
+    def random(self, engine: SparsityEngine, slot: Slot, step: int) -> Tensor:
+        """Uniform scores of the dense shape seeded by (seed, step, tensor): equal on every
+        rank, and for a tensor whether it trains masked or compressed."""
+        return random_scores(slot.dense_shape, self.config.seed, step,
+                             engine.streams[slot.name], slot.param.device)
 
     @torch.no_grad()
     def update_masks(self, engine: SparsityEngine, fraction: float, step: int,
@@ -116,7 +121,7 @@ class ScheduledMasks:
                                   None if scores[0] is None else scores)
             new_masks.update({s.name: m for s, m in zip(group, masks, strict=True)})
         engine.set_masks(new_masks, step, broadcast=created)
-        self.target = engine.final_sparsity * fraction
+        self.target = engine.masked_final_sparsity * fraction
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -133,7 +138,12 @@ class DropAndGrow(ScheduledMasks):
     """Regrowth on top of the schedule: at the first step of every ``frequency``-long
     period from ``start`` until ``regrow_end``, each tensor swaps the cosine-decayed share
     f(t) = alpha/2 (1 + cos(pi t / T_end)) of its active blocks: the smallest |w| out, the
-    largest :meth:`grow_score` in, exactly as many (:func:`regrowth.drop_and_grow`)."""
+    largest :meth:`grow_score` in, exactly as many (:func:`regrowth.drop_and_grow`).
+
+    Compressed layers (:class:`~sparse_training.slots.CompressedSlot`) swap whole blocks of
+    their grid the same way; their values and optimizer state move with their blocks, and
+    they record the dense gradient at the steps they are due to regrow (RigL ranks growth by
+    it; with SET too it is the first gradient of the grown blocks)."""
 
     def __init__(self, config: SparsityConfig) -> None:
         super().__init__(config)
@@ -156,19 +166,43 @@ class DropAndGrow(ScheduledMasks):
                 f"{self.schedule.frequency} steps from step {self.schedule.start} until step "
                 f"{self.regrow_end}")
 
-    def grow_score(self, engine: SparsityEngine, slot: MaskedSlot, step: int) -> Tensor:
+    def grow_score(self, engine: SparsityEngine, slot: Slot, step: int) -> Tensor:
+        """Dense-shaped scores where blocks grow."""
         raise NotImplementedError
 
-    def before_step(self, engine: SparsityEngine, slots: list[MaskedSlot], step: int) -> None:
+    def _period(self, step: int) -> int | None:
+        """The regrowth period ``step`` falls in, or None outside regrowth."""
         start = self.schedule.start
         if self.last_update is None or not start <= step < self.regrow_end:
-            return
-        period = (step - start) // self.schedule.frequency
-        if period <= self._period_done:
-            return
+            return None
+        return (step - start) // self.schedule.frequency
+
+    def on_step_start(self, engine: SparsityEngine, step: int) -> bool:
+        """Scheduled updates; then compressed layers record the dense gradient (RigL) at
+        the steps where they are due to regrow."""
+        changed = super().on_step_start(engine, step)
+        period = self._period(step)
+        for slot in engine.compressed:
+            slot.recording = period is not None and (
+                self.regrown_period.get(slot.name, -1) < period)
+        return changed
+
+    def before_step(self, engine: SparsityEngine, slots: list[Slot], step: int) -> None:
+        period = self._period(step)
+        try:
+            if period is not None and period > self._period_done:
+                self._regrow_due(engine, slots, step, period)
+        finally:  # a recorded gradient serves one step's update
+            for slot in slots:
+                if slot.compressed:
+                    slot.clear_gradient()
+
+    def _regrow_due(self, engine: SparsityEngine, slots: list[Slot], step: int,
+                    period: int) -> None:
         due = [s for s in slots if self.regrown_period.get(s.name, -1) < period]
         # dense tensors have nothing to swap, unused ones no gradient: they count as done
-        swap = [s for s in due if s.plan.sparsity != 0.0 and s.param.grad is not None]
+        swap = [s for s in due if s.movable and s.param.grad is not None
+                and s.dense_gradient is not None]
         kept: list[int] = []
         if swap:  # one device sync for every count and the finiteness of every gradient
             *kept, finite = torch.stack(
@@ -181,23 +215,38 @@ class DropAndGrow(ScheduledMasks):
             self.regrown_period[slot.name] = period
         if swap:
             self.regrow(engine, swap, step, kept)
-        if len(self.regrown_period) == len(engine.slots) and all(
+        if len(self.regrown_period) == len(engine.slots) + len(engine.compressed) and all(
                 p == period for p in self.regrown_period.values()):
             self._period_done = period
 
     @torch.no_grad()
-    def regrow(self, engine: SparsityEngine, slots: list[MaskedSlot], step: int,
+    def regrow(self, engine: SparsityEngine, slots: list[Slot], step: int,
                kept: list[int] | None = None) -> None:
         """Drop and grow in ``slots`` (``kept``: their masks' counts, if known)."""
         fraction = cosine_fraction(step, self.regrow_end, self.config.regrow_fraction)
+        kept = kept if kept is not None else [int(s.mask.sum()) for s in slots]
+        masked = [i for i, s in enumerate(slots) if not s.compressed]
+        compressed = [i for i, s in enumerate(slots) if s.compressed]
         new_masks = {}
-        for (pattern, _), indices in _by_target(slots).items():
-            group = [slots[i] for i in indices]
+        for (pattern, _), indices in _by_target([slots[i] for i in masked]).items():
+            group = [slots[masked[i]] for i in indices]
             masks = drop_and_grow([s.mask for s in group], [s.param for s in group],
                                   [self.grow_score(engine, s, step) for s in group], pattern,
-                                  fraction, None if kept is None else [kept[i] for i in indices])
+                                  fraction, [kept[masked[i]] for i in indices])
             new_masks.update({s.name: m for s, m in zip(group, masks, strict=True)})
-        engine.set_masks(new_masks, step, broadcast=False)
+        if new_masks:
+            engine.set_masks(new_masks, step, broadcast=False)
+        if compressed:  # on the block grids: one block is one entry
+            group = [slots[i] for i in compressed]
+            # each rank recorded its own micro-batches, loss-scaled under AMP
+            average_across_ranks([s.dense_gradient for s in group])
+            scale = engine.loss_scale()
+            gradients = {s.name: s.dense_gradient.div_(scale) for s in group}
+            scores = [s.block_scores(self.grow_score(engine, s, step)) for s in group]
+            masks = drop_and_grow([s.mask for s in group], [s.magnitudes() for s in group],
+                                  scores, _ENTRIES, fraction, [kept[i] for i in compressed])
+            engine.move_blocks({s.name: m for s, m in zip(group, masks, strict=True)}, step,
+                               gradients)
         self.last_regrow = step
 
     def state_dict(self) -> dict[str, Any]:
@@ -213,14 +262,14 @@ class DropAndGrow(ScheduledMasks):
 class RigL(DropAndGrow):
     """Grow where the dense gradient is largest (Evci et al. 2020, "Rigging the Lottery")."""
 
-    def grow_score(self, engine: SparsityEngine, slot: MaskedSlot, step: int) -> Tensor:
-        return slot.param.grad
+    def grow_score(self, engine: SparsityEngine, slot: Slot, step: int) -> Tensor:
+        return slot.dense_gradient
 
 
 class SET(DropAndGrow):
     """Grow at random, seeded by (seed, step, tensor) (Mocanu et al. 2018)."""
 
-    def grow_score(self, engine: SparsityEngine, slot: MaskedSlot, step: int) -> Tensor:
+    def grow_score(self, engine: SparsityEngine, slot: Slot, step: int) -> Tensor:
         return self.random(engine, slot, step)
 
 
@@ -264,7 +313,7 @@ class SparseRefinedSTE(ScheduledMasks):
             masks.update({s.name: m for s, m in zip(group, found, strict=True)})
         check = created or (step - self.schedule.start) % self.schedule.frequency == 0
         engine.set_masks(masks, step, broadcast=created, reset_state=False, check=check)
-        self.target = engine.final_sparsity * fraction
+        self.target = engine.masked_final_sparsity * fraction
         self.last_update = step
         return True
 
@@ -310,6 +359,8 @@ def _by_target(slots: list[MaskedSlot]) -> dict[tuple[Any, float | None], list[i
         groups.setdefault((slot.plan.pattern, slot.plan.sparsity), []).append(i)
     return groups
 
+
+_ENTRIES = parse_pattern("unstructured")  # a compressed layer's block grid: entry by entry
 
 UPDATERS: dict[str | None, type[ScheduledMasks]] = {
     None: ScheduledMasks, "rigl": RigL, "set": SET, "sr-ste": SparseRefinedSTE}

@@ -15,6 +15,7 @@ from pytorch_lightning.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from sparse_training import BlockSparseLinear
 from sparse_training.masks import as_matrix, kept_count, pool_blocks
 
 
@@ -156,6 +157,34 @@ def forward_sparsity(engine) -> dict[str, float]:
         total += forward.numel()
     result["global"] = zeros / total
     return result
+
+
+class BlockNet(pl.LightningModule):
+    """Two 16-divisible Linear layers (selected) and a 4-output head (skipped by shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                                 nn.Linear(64, 4))
+        self.optimizer_shapes: list[tuple[int, ...]] = []
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        self.optimizer_shapes = [tuple(p.shape) for p in self.parameters()]
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def expanded(layer: BlockSparseLinear) -> torch.Tensor:
+    """A 16x16-block layer's block mask over the dense weight's entries."""
+    return layer.block_mask.repeat_interleave(16, 0).repeat_interleave(16, 1)
 
 
 def make_loader(n: int = 128, conv: bool = False, batch_size: int = 16, seed: int = 0):

@@ -3,7 +3,7 @@
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import make_loader, make_trainer
+from conftest import BlockNet, expanded, make_loader, make_trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 
@@ -12,39 +12,12 @@ from sparse_training import BlockSparseLinear, SparsityCallback, make_permanent
 SETTINGS = dict(pattern="block:16x16", sparsity=0.75)
 
 
-class BlockNet(pl.LightningModule):
-    """Two 16-divisible Linear layers (selected) and a 4-output head (skipped by shape)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
-                                 nn.Linear(64, 4))
-        self.optimizer_shapes: list[tuple[int, ...]] = []
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.cross_entropy(self(x), y)
-        self.log("loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        self.optimizer_shapes = [tuple(p.shape) for p in self.parameters()]
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-
 def masked_dense_masks(**settings) -> dict[int, torch.Tensor]:
     """The masks a compress=False fit of the same model and settings keeps."""
     pl.seed_everything(0, verbose=False)
     model = BlockNet()
     make_trainer([SparsityCallback(**settings)], max_epochs=1).fit(model, make_loader())
     return {i: model.net[i].weight_mask for i in (0, 2)}
-
-
-def expanded(layer: BlockSparseLinear) -> torch.Tensor:
-    return layer.block_mask.repeat_interleave(16, 0).repeat_interleave(16, 1)
 
 
 def test_compress_true_trains_compressed_from_setup_and_reports_forward_sparsity():
@@ -127,7 +100,7 @@ def test_make_permanent_gives_dense_linear_layers_with_the_zeros():
 
 @pytest.mark.parametrize("settings, message", [
     (dict(schedule="gmp"), "schedule='gmp' from start=0 reaches its sparsity after the first"),
-    (dict(regrow="rigl", schedule="constant"), "regrow='rigl' moves blocks"),
+    (dict(regrow="rigl", schedule="gmp"), "schedule='gmp' from start=0"),
     (dict(start=10), "schedule='oneshot' from start=10"),
     (dict(pattern="unstructured"), "pattern 'unstructured' is not a block pattern"),
 ])

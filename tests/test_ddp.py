@@ -1,4 +1,5 @@
-"""Exact masks under Lightning's DDP on CPU (gloo): RigL and SET, compared at every step."""
+"""Exact masks under Lightning's DDP on CPU (gloo): RigL and SET, masked-dense and RigL
+compressed, compared at every step."""
 
 import json
 import os
@@ -21,14 +22,15 @@ def ddp_results(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("regrow", ["rigl", "set"])
-def test_every_rank_holds_the_same_masks_at_every_step(ddp_results, regrow):
-    ranks = [json.loads((ddp_results / f"{regrow}_rank{r}.json").read_text()) for r in (0, 1)]
+@pytest.mark.parametrize("run, masks_seen", [("rigl", 3), ("set", 3), ("rigl-compressed", 2)])
+def test_every_rank_holds_the_same_masks_at_every_step(ddp_results, run, masks_seen):
+    ranks = [json.loads((ddp_results / f"{run}_rank{r}.json").read_text()) for r in (0, 1)]
     rows0, rows1 = ranks[0]["rows"], ranks[1]["rows"]
-    assert len(rows0) == len(rows1) == 8  # 128 samples / 2 ranks / 16 per batch x 2 epochs
-    assert rows0 == rows1
+    # before training, then 128 samples / 2 ranks / 16 per batch x 2 epochs
+    assert len(rows0) == len(rows1) == 1 + 8
+    assert rows0 == rows1  # masks and parameters
     regrowth_steps = {row["last_regrow"] for row in rows0} - {None}
     assert len(regrowth_steps) >= 2  # masks really moved during the run
-    assert len({tuple(row["checksums"]) for row in rows0}) >= 3
-    assert all(row["counts"] == rows0[0]["counts"] for row in rows0)  # exact counts
+    assert len({tuple(row["checksums"]) for row in rows0}) >= masks_seen
+    assert all(row["counts"] == rows0[-1]["counts"] for row in rows0[1:])  # exact counts
     assert ranks[0]["mismatch_caught"] and ranks[1]["mismatch_caught"]

@@ -13,7 +13,6 @@ from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
-from sparse_training.block_sparse import BlockSparseLinear
 from sparse_training.compression import compress_selected
 from sparse_training.compression import format_rows as format_compression
 from sparse_training.config import SparsityConfig, settings_signature
@@ -64,7 +63,6 @@ class SparsityCallback(Callback):
         self._restored: dict[str, Any] | None = None
         self._unused_checked = False
         self._fitting = False  # between on_fit_start and teardown
-        self._compressed: dict[str, tuple[int, float]] = {}
 
     @classmethod
     def from_config(cls, source: str | Path | Mapping[str, Any]) -> SparsityCallback:
@@ -106,11 +104,7 @@ class SparsityCallback(Callback):
                 engine.restart()
                 rank_zero_info("SparsityCallback: a new fit runs the schedule again from its "
                                "start, beginning with the current masks")
-        # compressed layers: (entries of the dense form, fraction zero by structure), read
-        # once per fit (their count is fixed; the logs then cost no device reads)
-        self._compressed = {name: (m.in_features * m.out_features, m.sparsity)
-                            for name, m in _compressed(pl_module).items()}
-        if not engine.slots and not self._compressed:
+        if not engine.slots and not engine.compressed:
             raise ValueError("SparsityCallback selected no weight tensor (setup table below)\n"
                              + format_table(engine.plans))
         if trainer.ckpt_path is not None and restored is None:
@@ -124,6 +118,9 @@ class SparsityCallback(Callback):
                        f"tensors selected; {engine.updater.describe(total)}\n"
                        + format_table(engine.plans))
         self._unused_checked = False
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:  # gradients are unscaled before on_before_optimizer_step
+            engine.loss_scale = lambda: float(scaler.get_scale())
         for optimizer in trainer.optimizers:
             engine.attach(optimizer)
         self._fitting = True
@@ -172,39 +169,23 @@ class SparsityCallback(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._log(pl_module, on_step=False)
 
-    def _sparsity(self) -> dict[str, Any]:
-        """Global, target and final sparsity and the per-tensor values over the masked
-        tensors and the compressed layers (fixed: their target is what they hold)."""
-        engine = self._engine()
-        masked = sum(s.plan.numel for s in engine.slots)
-        total = masked + sum(size for size, _ in self._compressed.values())
-        fixed_zeros = sum(size * sparsity for size, sparsity in self._compressed.values())
-
-        def overall(masked_sparsity: float) -> float:
-            return (masked_sparsity * masked + fixed_zeros) / total if total else 0.0
-        return {"global": overall(engine.sparsity), "target": overall(engine.target),
-                "final": overall(engine.final_sparsity), "weights": total,
-                "per_tensor": {**engine.tensor_sparsity,
-                               **{n: s for n, (_, s) in self._compressed.items()}}}
-
     def _log(self, pl_module: pl.LightningModule, on_step: bool) -> None:
-        sparsity = self._sparsity()
-        metrics = {"sparsity/global": sparsity["global"], "sparsity/target": sparsity["target"]}
+        engine = self._engine()
+        metrics = {"sparsity/global": engine.sparsity, "sparsity/target": engine.target}
         if self.config.log_layers:
-            metrics.update({f"sparsity/{name}": s
-                            for name, s in sparsity["per_tensor"].items()})
+            metrics.update({f"sparsity/{name}": s for name, s in engine.tensor_sparsity.items()})
         # CPU tensors: a Python float would be copied to the GPU, a sync at every call
         pl_module.log_dict({k: torch.tensor(v) for k, v in metrics.items()}, on_step=on_step,
                            on_epoch=not on_step)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         engine = self._engine()
-        sparsity = self._sparsity()
-        rank_zero_info(f"SparsityCallback: {sparsity['global']:.2%} of {sparsity['weights']:,} "
-                       f"weights in {len(sparsity['per_tensor'])} tensors are zero ("
-                       f"{len(self._compressed)} compressed; target now "
-                       f"{sparsity['target']:.2%},"
-                       f" final {sparsity['final']:.2%}); last mask update at step "
+        weights = sum(s.plan.numel for s in engine.slots) + sum(
+            s.numel for s in engine.compressed)
+        rank_zero_info(f"SparsityCallback: {engine.sparsity:.2%} of {weights:,} weights in "
+                       f"{len(engine.tensor_sparsity)} tensors are zero "
+                       f"({len(engine.compressed)} compressed; target now {engine.target:.2%},"
+                       f" final {engine.final_sparsity:.2%}); last mask update at step "
                        f"{engine.updater.last_update}")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -245,12 +226,6 @@ class SparsityCallback(Callback):
             self._engine().load_state_dict(state_dict)
         else:  # the usual order: installed at on_fit_start, once the model is final
             self._restored = dict(state_dict)
-
-
-def _compressed(model: torch.nn.Module) -> dict[str, BlockSparseLinear]:
-    """The model's compressed layers by the name of their ``values`` tensor."""
-    return {f"{name}.values": m for name, m in model.named_modules()
-            if isinstance(m, BlockSparseLinear)}
 
 
 def _settings_docs() -> str:

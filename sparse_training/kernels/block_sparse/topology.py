@@ -132,7 +132,7 @@ def dense_to_values(weight: Tensor, topology: BlockTopology) -> Tensor:
 
 def block_norms(weight: Tensor, block: tuple[int, int]) -> Tensor:
     """L2 norm of each ``block`` of a weight, tails padded with zeros: the score that
-    :meth:`BlockSparseLinear.from_dense` and RigL's block growth rank."""
+    :meth:`BlockSparseLinear.from_dense` ranks blocks by."""
     rows, cols = block_grid(*weight.shape, block)
     padded = weight.new_zeros(rows * block[0], cols * block[1], dtype=torch.float32)
     padded[:weight.shape[0], :weight.shape[1]] = weight.detach()

@@ -1,0 +1,119 @@
+"""The optimizer hooks of the engine: what keeps pruned weights and their state at zero.
+
+:meth:`SparsityEngine.attach <sparse_training.engine.SparsityEngine.attach>` registers, per
+optimizer, either the fused path (a step pre-hook running the masked Triton step,
+:func:`fused_step`) or the hook path (a pre-hook zeroing pruned gradients right before the
+update, :func:`masked_gradients_step`, and a post-hook zeroing pruned weights after it,
+:func:`after_step`). Both run a step's closure first, so everything that changes gradients
+inside it (Lightning's backward, clipping) has happened.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+from sparse_training.kernels import zero_pruned_
+
+if TYPE_CHECKING:
+    from sparse_training.engine import SparsityEngine
+    from sparse_training.slots import MaskedSlot
+
+_GRAD = operator.attrgetter("grad")
+
+
+class Attached:
+    """An optimizer's slots and the lists its per-step passes read, built once (the hot
+    path is a few C-level maps, not a Python loop over slots)."""
+
+    def __init__(self, slots: list[MaskedSlot]) -> None:
+        self.slots = slots
+        self.handles: list[RemovableHandle] = []
+        self.params = [s.param for s in slots]
+        self._buffers = [s.module._buffers for s in slots]
+        self._keys = [s.mask_key for s in slots]
+        self._masks: list[Tensor] = []
+        self._by_param: dict[Tensor, Tensor] = {}
+
+    @property
+    def masks(self) -> list[Tensor]:
+        """The mask buffers, checked by identity (C-level maps): a ``.to()`` of the model or
+        of any submodule replaces buffers, and the lists follow."""
+        current = list(map(dict.__getitem__, self._buffers, self._keys))
+        if len(current) != len(self._masks) or not all(map(operator.is_, current, self._masks)):
+            self._masks = current
+            self._by_param = dict(zip(self.params, current, strict=True))
+        return self._masks
+
+    @property
+    def masks_by_param(self) -> dict[Tensor, Tensor]:
+        """Parameter -> mask, for the fused step."""
+        self.masks  # noqa: B018  (refreshes after a device move)
+        return self._by_param
+
+    def zero_pruned_gradients(self) -> None:
+        grads = list(map(_GRAD, self.params))
+        masks = self.masks
+        if any(g is None for g in grads):  # unused tensors (`None in grads` calls __eq__)
+            pairs = [(g, m) for g, m in zip(grads, masks, strict=True) if g is not None]
+            grads, masks = [g for g, _ in pairs], [m for _, m in pairs]
+        zero_pruned_(grads, masks)
+
+    def zero_pruned_weights(self) -> None:
+        with torch.no_grad():
+            zero_pruned_(self.params, self.masks)
+
+
+StepArgs = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def _closure_first(args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepArgs | None:
+    """Run a step's closure now (Lightning's: forward, backward, ``on_before_optimizer_step``
+    of every callback and the module, clipping), so that what follows sees the final
+    gradients; the step then gets a closure that returns the same loss. None: no closure."""
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0]: optimizer
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        loss = closure()
+    return args[:1], {**kwargs, "closure": lambda: loss}
+
+
+def masked_gradients_step(engine: SparsityEngine, attached: Attached, optimizer: Optimizer,
+                           args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepArgs | None:
+    """Optimizer pre-step hook of the hook path: the pruned gradients zeroed right before the
+    update, after everything that may have changed them, so pruned weights and their
+    optimizer state see exact zeros."""
+    new_args = _closure_first(args, kwargs)
+    if engine.updater.masks_gradients:
+        attached.zero_pruned_gradients()
+    return new_args
+
+
+def fused_step(attached: Attached, optimizer: Optimizer, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> StepArgs | None:
+    """Optimizer pre-step hook of the fused path: the masked weights in the fused kernels
+    (they ignore pruned gradients). The handled gradients become None, so
+    ``optimizer.step`` goes on with the unmasked parameters only."""
+    from sparse_training import kernels
+
+    new_args = _closure_first(args, kwargs)
+    # torch's own fused optimizers step on scaled gradients: GradScaler hands them its
+    # scale and overflow flag as attributes (and calls step even on an overflow)
+    kernels.fused_masked_step(optimizer, attached.masks_by_param,
+                              grad_scale=getattr(optimizer, "grad_scale", None),
+                              found_inf=getattr(optimizer, "found_inf", None))
+    return new_args
+
+
+def after_step(engine: SparsityEngine, attached: Attached, optimizer: Optimizer,
+                args: Any, kwargs: Any) -> None:
+    """Optimizer post-step hook: the updater's step end, then the pruned weights zeroed,
+    whatever moved them (the optimizer, or gradients changed after they were masked)."""
+    engine.updater.after_step(engine, attached.slots)
+    attached.zero_pruned_weights()

@@ -1,0 +1,114 @@
+"""RigL and SET on compressed layers: blocks move inside a fixed count, values and optimizer
+state move with them, and the blocks chosen are those masked-dense regrowth chooses."""
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import BlockNet, expanded, make_loader, make_trainer
+from pytorch_lightning.callbacks import ModelCheckpoint
+
+from sparse_training import BlockSparseLinear, SparsityCallback
+from sparse_training.kernels.block_sparse import BlockTopology, values_to_dense
+from sparse_training.slots import CompressedSlot
+
+REGROW = dict(pattern="block:16x16", sparsity=0.75, schedule="constant", frequency=2,
+              regrow_fraction=0.5, regrow_end=1.0)
+
+
+def test_a_block_move_carries_values_and_optimizer_state_and_zeroes_new_blocks():
+    torch.manual_seed(0)
+    # 40 x 48 weight: a 3 x 3 grid whose last block row hangs 8 rows over the edge
+    layer = BlockSparseLinear(48, 40, block=(16, 16), density=0.5, dtype=torch.float64)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    layer(torch.randn(7, 48, dtype=torch.float64)).square().sum().backward()
+    optimizer.step()
+    old_mask, old_dense = layer.block_mask.clone(), layer.to_dense().weight.detach()
+    old_position = {tuple(rc): i for i, rc in enumerate(old_mask.nonzero().tolist())}
+    old_state = {k: v.clone() for k, v in optimizer.state[layer.values].items()
+                 if v.shape == layer.values.shape}
+    kept, free = old_mask.nonzero().tolist(), (~old_mask).nonzero().tolist()
+    new_mask = old_mask.clone()
+    for (i, j), (k, m) in zip(kept[:2], free[-2:], strict=True):  # two blocks move
+        new_mask[i, j], new_mask[k, m] = False, True
+
+    CompressedSlot("layer.values", layer).move(new_mask, [optimizer])
+
+    assert torch.equal(layer.block_mask, new_mask)
+    expected = BlockTopology.from_block_mask(new_mask, 40, 48, (16, 16), nnz=layer.nnz)
+    for field in ("row_offsets", "row_indices", "col_indices", "t_offsets", "t_row_indices",
+                  "t_block_ids"):
+        assert torch.equal(getattr(layer.topology, field), getattr(expected, field)), field
+    for new, (i, j) in enumerate(new_mask.nonzero().tolist()):
+        old = old_position.get((i, j))
+        for name, state in old_state.items():
+            moved = optimizer.state[layer.values][name][new]
+            assert torch.equal(moved, state[old] if old is not None else torch.zeros_like(moved))
+        if old is None:
+            assert not layer.values[new].any()
+    # the dense weight: the old one with the dropped blocks zeroed, the grown ones zero
+    keep = new_mask.repeat_interleave(16, 0).repeat_interleave(16, 1)[:40, :48]
+    assert torch.equal(values_to_dense(layer.values, layer.topology),
+                       torch.where(keep, old_dense, 0))
+    x = torch.randn(5, 48, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), x @ torch.where(keep, old_dense, 0).T + layer.bias)
+    optimizer.step()  # the moved state fits the parameter
+
+
+def fit(settings, max_epochs=2, ckpt_path=None, callbacks=(), **trainer_kwargs):
+    pl.seed_everything(0, verbose=False)
+    model = BlockNet()
+    sparse = SparsityCallback(**settings)
+    make_trainer([sparse, *callbacks], max_epochs=max_epochs,
+                 enable_checkpointing=bool(callbacks), **trainer_kwargs).fit(
+        model, make_loader(), ckpt_path=ckpt_path)
+    return model, sparse
+
+
+@pytest.mark.parametrize("regrow, accumulate", [("rigl", 1), ("rigl", 2), ("set", 1)])
+def test_compressed_regrowth_moves_the_blocks_masked_dense_regrowth_moves(regrow, accumulate):
+    settings = dict(REGROW, regrow=regrow)
+    dense, _ = fit(settings, accumulate_grad_batches=accumulate)
+    static, _ = fit(dict(REGROW, compress=True, regrow_end=0))  # no moves: the first masks
+    compressed, sparse = fit(dict(settings, compress=True), accumulate_grad_batches=accumulate)
+    assert sparse.engine.updater.last_regrow is not None
+    for i in (0, 2):
+        layer = compressed.net[i]
+        assert isinstance(layer, BlockSparseLinear)
+        assert torch.equal(expanded(layer), dense.net[i].weight_mask)  # the same blocks
+        assert layer.nnz == static.net[i].nnz  # the same count
+        # the same weights: values and optimizer state followed their blocks
+        torch.testing.assert_close(layer.weight, dense.net[i].weight, atol=1e-5, rtol=1e-4)
+    assert not torch.equal(compressed.net[2].block_mask, static.net[2].block_mask)  # moved
+    # reported: the zeros by structure (a grown block whose gradient is zero, feeding a
+    # block column of net.2 with no kept block, holds zeros that are not counted)
+    dropped = sum(int((~expanded(compressed.net[i])).sum()) for i in (0, 2))
+    assert sparse.engine.sparsity == dropped / (16 * 64 + 64 * 64) == 0.75
+
+
+def test_a_compressed_rigl_checkpoint_resumes_exactly(tmp_path):
+    settings = dict(REGROW, regrow="rigl", compress=True, regrow_end=20)  # steps: any run
+    uninterrupted, _ = fit(settings, max_epochs=3)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    fit(settings, max_epochs=1, callbacks=[checkpoint])  # 8 steps: mid-regrowth
+    resumed, sparse = fit(settings, max_epochs=3, ckpt_path=tmp_path / "last.ckpt")
+    assert sparse.engine.updater.last_regrow == 18
+    for i in (0, 2):
+        assert torch.equal(resumed.net[i].block_mask, uninterrupted.net[i].block_mask)
+        assert torch.equal(resumed.net[i].values, uninterrupted.net[i].values)
+
+
+def test_rigl_records_the_dense_gradient_only_at_regrowth_steps_and_frees_it():
+    recording, kept = [], []
+
+    class Watch(pl.Callback):  # runs after the sparsity callback's hooks
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            recording.append(all(s.recording for s in trainer.callbacks[0].engine.compressed))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            kept.append(any(s.dense_gradient is not None
+                            for s in trainer.callbacks[0].engine.compressed))
+
+    fit(dict(REGROW, regrow="rigl", compress=True, frequency=4, regrow_end=12), max_epochs=2,
+        callbacks=[Watch()])
+    assert recording == [True, False, False, False] * 3 + [False] * 4  # periods of 4 steps
+    assert kept == [False] * 16  # the dense-sized buffer is freed at the update
