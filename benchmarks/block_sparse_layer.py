@@ -127,10 +127,12 @@ def memory_rows() -> list[dict]:
 
 
 def main() -> None:
-    result = {"environment": environment(), "memory": memory_rows(), "mlp": mlp_rows(),
-              "layer": layer_rows()}
-    write_json(f"block_sparse_layer_{torch.cuda.get_device_name().replace(' ', '_')}.json",
-               result)
+    """The three tables; the JSON is rewritten after each, so a run cut short keeps them."""
+    name = f"block_sparse_layer_{torch.cuda.get_device_name().replace(' ', '_')}.json"
+    result = {"environment": environment()}
+    for table, rows in (("memory", memory_rows), ("mlp", mlp_rows), ("layer", layer_rows)):
+        result[table] = rows()
+        write_json(name, result)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ rounding of each output to bf16 (relative 2^-8 = 0.4%): 1% of the output scale b
 
 import pytest
 import torch
+import triton
 from torch.nn import functional as F
 
 from sparse_training.kernels.block_sparse import (
@@ -18,6 +19,7 @@ from sparse_training.kernels.block_sparse import (
     block_grid,
     block_sparse_linear,
     dense_to_values,
+    launch,
     values_to_dense,
 )
 from sparse_training.kernels.block_sparse import kernels as bsk
@@ -115,6 +117,89 @@ def test_weight_gradient_split_over_token_chunks_is_deterministic_and_exact():
     first = bsk.launch_weight_grad(g2, x2, topology, torch.float32)
     assert torch.equal(first, bsk.launch_weight_grad(g2, x2, topology, torch.float32))
     assert_close(first, dense_reference(topology, mask, values, x, bias, grad)[2], torch.float32)
+
+
+class CompiledStandIn:
+    """Plays the ``CompiledKernel`` that a GPU launch returns: its launcher gets every
+    argument positionally (constexprs included) and runs the interpreted kernel."""
+
+    def __init__(self, kernel):
+        while isinstance(kernel, triton.runtime.Heuristics):
+            kernel = kernel.fn
+        self.kernel, self.function, self.packed_metadata, self.launches = kernel, None, None, 0
+
+    def run(self, x, y, z, stream, function, packed, metadata, enter, exit, *args):
+        self.launches += 1
+        self.hooks = (metadata, enter, exit)
+        self.kernel[(x, y, z)](*args)
+
+    def launch_metadata(self, grid, stream, *args):
+        return ("metadata", grid)
+
+
+class AutotunerStandIn:
+    """The interpreter's autotuner, returning the compiled stand-in as the JIT would."""
+
+    def __init__(self, autotuner):
+        self.autotuner, self.arg_names, self.fn = autotuner, autotuner.arg_names, autotuner.fn
+        self.compiled = CompiledStandIn(autotuner.fn)
+
+    @property
+    def best_config(self):
+        return self.autotuner.best_config
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.autotuner[grid](*args, **kwargs)
+            return self.compiled
+        return run
+
+
+@pytest.mark.parametrize("out_f, in_f, tokens, block, kind", [
+    (70, 45, 11, (16, 32), "random"),      # masked tails (EVEN false)
+    (64, 96, 32, (32, 32), "random"),      # EVEN true
+    (128, 256, 32, (128, 128), "all"),     # tensor descriptors
+    (128, 256, 32, (128, 128), "random"),  # one kept block: index views off 16 bytes
+])
+def test_direct_launch_of_the_tuned_kernel_matches_the_autotuner_path(
+        monkeypatch, out_f, in_f, tokens, block, kind):
+    """The GPU's fast path (launcher called with the cached grid and constexprs) run under
+    the interpreter: the same results as ``kernel[grid]``, bit for bit."""
+    tuned = {}
+    for name in ("_DENSE_SPARSE", "_SAMPLED_DENSE_DENSE"):
+        plain = getattr(bsk, name)
+        tuned[name] = launch.TunedKernel(AutotunerStandIn(plain.kernel), plain.grid)
+        monkeypatch.setattr(bsk, name, tuned[name])
+    monkeypatch.setattr(launch, "current_stream", lambda device: 0)
+    topology, mask, values, x, bias, grad = case(out_f, in_f, tokens, block, kind,
+                                                 torch.float32)
+    x2, g2 = x.reshape(-1, in_f), grad.reshape(-1, out_f)
+
+    def products():
+        return (bsk.launch_forward(x2, values, topology, bias),
+                bsk.launch_input_grad(g2, values, topology),
+                bsk.launch_weight_grad(g2, x2, topology, values.dtype))
+    want = products()
+    for kernel in tuned.values():
+        kernel.fast = True
+    first, second = products(), products()  # the autotuner's path, then the direct one
+    compiled = [k.kernel.compiled for k in tuned.values()]
+    assert [c.launches for c in compiled] == [2, 1]
+    assert compiled[1].hooks == (None, None, None)  # empty hook chains
+    for got in (first, second):
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+
+    def hook(metadata):
+        pass
+    triton.knobs.runtime.launch_enter_hook.add(hook)  # a profiler: still direct, hooked
+    try:
+        bsk.launch_weight_grad(g2, x2, topology, values.dtype)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    metadata, enter, exit_ = compiled[1].hooks
+    assert compiled[1].launches == 2 and metadata[0] == "metadata" and exit_ is None
+    assert enter is triton.knobs.runtime.launch_enter_hook
 
 
 def test_topology_views_describe_the_same_blocks():

@@ -12,7 +12,8 @@ Two kernels serve the three products (stk's dsd / sdd split):
   is deterministic (no atomics).
 
 Loads are masked at the token and feature tails, so any token count and feature size
-works. The tile sizes are tuned per shape bucket over :func:`block_sparse_configs`.
+works. The tile sizes are tuned per shape bucket over :func:`block_sparse_configs`; once
+tuned, the GPU launches the compiled kernel directly (:class:`~.launch.TunedKernel`).
 ``UPCAST``: Triton 3.9's interpreter multiplies 16-bit floats wrong in ``tl.dot``, so under
 ``TRITON_INTERPRET=1`` the operands are upcast to fp32 first (the GPU build never is).
 """
@@ -25,7 +26,10 @@ import torch
 from torch import Tensor
 
 from sparse_training.kernels._triton import interpret_mode, tl, triton
+from sparse_training.kernels.block_sparse.launch import TunedKernel
 from sparse_training.kernels.block_sparse.topology import BlockTopology
+
+_INTERPRET = interpret_mode()  # fixed at import, as Triton fixes its kernels' mode
 
 
 def block_sparse_configs(op: str) -> list[triton.Config]:
@@ -34,7 +38,7 @@ def block_sparse_configs(op: str) -> list[triton.Config]:
 
     Under the interpreter one small config, so CI runs each kernel once.
     """
-    if interpret_mode():
+    if _INTERPRET:
         return [triton.Config({"BLOCK_M": 32, "BK": 16} if op == "dsd" else {"BLOCK_M": 32},
                               num_warps=4, num_stages=1)]
     if op == "dsd":
@@ -69,8 +73,9 @@ def _fits_block(configs, named_args, **meta) -> list[triton.Config]:
 
 
 def _token_bucket(tokens: int) -> int:
-    """Shape bucket of a token count for the autotune key (powers of two)."""
-    return triton.next_power_of_2(max(tokens, 16))
+    """Shape bucket of a token count for the autotune key (powers of two; not
+    ``triton.next_power_of_2``, a constexpr function and slow to call from the host)."""
+    return 1 << (max(tokens, 16) - 1).bit_length()
 
 
 @triton.autotune(configs=block_sparse_configs("dsd"), key=["m_bucket", "KB", "NB", "USE_TMA"],
@@ -199,12 +204,12 @@ def _precision(dtype: torch.dtype) -> str:
 
 def _tma_allocator(size: int, alignment: int, stream) -> Tensor:
     """Global scratch for the descriptors the kernels build on the device."""
-    return torch.empty(size, dtype=torch.int8, device="cpu" if interpret_mode() else "cuda")
+    return torch.empty(size, dtype=torch.int8, device="cpu" if _INTERPRET else "cuda")
 
 
 def _tma_ready(block: tuple[int, int], *tensors: Tensor) -> bool:
     """Whether tensor descriptors serve: 128 x 128 blocks, a Hopper or newer GPU (or the
-    interpreter), and 16-byte aligned bases and row strides.
+    interpreter), and 16-byte aligned bases and row strides (``stride(-2)``).
 
     On an H100 (``benchmarks/results/block_sparse_ops_*_run3_no_tma.json`` vs
     ``..._run4_tma_on.json``) descriptors made 128 x 128 blocks 10-30% faster on LLM
@@ -213,33 +218,42 @@ def _tma_ready(block: tuple[int, int], *tensors: Tensor) -> bool:
     """
     if min(block) < 128:
         return False
-    if not interpret_mode() and _major_capability(tensors[0].device.index) < 9:
+    if not _INTERPRET and _major_capability(tensors[0].device.index) < 9:
         return False
-    if not all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
-               for t in tensors):
+    bits = 0
+    for t in tensors:
+        bits |= t.data_ptr() | t.stride(-2) * t.element_size()
+    if bits % 16:
         return False
     triton.set_allocator(_tma_allocator)  # per call: Triton keeps it per thread (the
     return True                           # backward runs on autograd's own thread)
 
 
+_DENSE_SPARSE = TunedKernel(
+    _dense_sparse_kernel,
+    lambda args: (args["segments"] * triton.cdiv(args["M"], args["BLOCK_M"]),))
+_SAMPLED_DENSE_DENSE = TunedKernel(
+    _sampled_dense_dense_kernel,
+    lambda args: (args["nnz"], triton.cdiv(args["M"], args["chunk"])))
+
+
 def _dense_sparse(a: Tensor, values: Tensor, bias: Tensor | None, offsets: Tensor,
                   indices: Tensor, block_ids: Tensor | None, out_width: int, kb: int,
                   nb: int, transposed_blocks: bool, use_tma: bool | None) -> Tensor:
-    segments = offsets.numel() - 1
-    out = a.new_empty(a.shape[0], out_width)
-    if a.shape[0] == 0:
+    tokens, segments = a.shape[0], offsets.shape[0] - 1
+    out = a.new_empty(tokens, out_width)
+    if tokens == 0:
         return out
     if use_tma is None:
-        use_tma = _tma_ready((kb, nb), a, out, values.view(-1, values.shape[-1]))
-    grid = lambda meta: (segments * triton.cdiv(a.shape[0], meta["BLOCK_M"]),)  # noqa: E731
-    _dense_sparse_kernel[grid](
-        a, values, out, bias if bias is not None else values, offsets, indices,
-        block_ids if block_ids is not None else indices,
-        a.shape[0], a.shape[1], out_width, segments, values.shape[0] * values.shape[1],
-        _token_bucket(a.shape[0]), a.stride(0), out.stride(0),
+        use_tma = _tma_ready((kb, nb), a, out, values)
+    _DENSE_SPARSE(
+        (a, values, out, values if bias is None else bias, offsets, indices,
+         indices if block_ids is None else block_ids),
+        (tokens, a.shape[1], out_width, segments, values.shape[0] * values.shape[1],
+         _token_bucket(tokens), a.stride(0), out.stride(0)),
         KB=kb, NB=nb, GROUP_M=8, TRANS_B=transposed_blocks, USE_TMA=use_tma,
         HAS_BIAS=bias is not None, HAS_IDS=block_ids is not None,
-        PRECISION=_precision(a.dtype), UPCAST=interpret_mode())
+        PRECISION=_precision(a.dtype), UPCAST=_INTERPRET)
     return out
 
 
@@ -275,10 +289,11 @@ def _multiprocessors(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
 def _token_splits(tokens: int, nnz: int, device: torch.device) -> tuple[int, int]:
     """(tokens per chunk, chunks): split the token sum of the weight gradient until about
     two waves of programs fill the GPU, each chunk at least 512 tokens."""
-    programs = 2 * (132 if interpret_mode() else _multiprocessors(device.index))
+    programs = 2 * (132 if _INTERPRET else _multiprocessors(device.index))
     splits = max(1, min(triton.cdiv(programs, max(nnz, 1)), tokens // 512))
     chunk = triton.cdiv(triton.cdiv(tokens, splits), 256) * 256
     return chunk, triton.cdiv(tokens, chunk)
@@ -292,11 +307,11 @@ def launch_weight_grad(grad_out: Tensor, x: Tensor, topology: BlockTopology,
         return x.new_zeros((nnz, r, c), dtype=dtype)
     chunk, splits = _token_splits(tokens, nnz, x.device)
     partial = x.new_empty((splits, nnz, r, c), dtype=torch.float32 if splits > 1 else dtype)
-    _sampled_dense_dense_kernel[(nnz, splits)](
-        grad_out, x, partial, topology.row_indices, topology.col_indices,
-        tokens, grad_out.shape[1], x.shape[1], nnz, chunk, _token_bucket(tokens),
-        grad_out.stride(0), x.stride(0), R=r, C=c,
-        USE_TMA=_tma_ready((r, c), grad_out, x) if use_tma is None else use_tma,
-        PRECISION=_precision(x.dtype),
-        UPCAST=interpret_mode())
+    if use_tma is None:
+        use_tma = _tma_ready((r, c), grad_out, x)
+    _SAMPLED_DENSE_DENSE(
+        (grad_out, x, partial, topology.row_indices, topology.col_indices),
+        (tokens, grad_out.shape[1], x.shape[1], nnz, chunk, _token_bucket(tokens),
+         grad_out.stride(0), x.stride(0)),
+        R=r, C=c, USE_TMA=use_tma, PRECISION=_precision(x.dtype), UPCAST=_INTERPRET)
     return partial[0] if splits == 1 else partial.sum(0).to(dtype)
