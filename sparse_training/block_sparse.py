@@ -131,6 +131,8 @@ class BlockSparseLinear(nn.Module):
     ``±1/sqrt(in_features)``.
     """
 
+    trained_weight = "values"  # the parameter holding the weight
+
     def __init__(self, in_features: int, out_features: int,
                  block: tuple[int, int] = (64, 64), density: float = 0.1, bias: bool = True,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,

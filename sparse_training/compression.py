@@ -23,10 +23,13 @@ import torch
 from torch import nn
 
 from sparse_training.block_sparse import BLOCK_SIZES, BlockSparseLinear
+from sparse_training.kernels.semi_structured import cusparselt_problem, shape_problem
 from sparse_training.masks import pattern_mask
-from sparse_training.patcher import replace_module, swap_checker
+from sparse_training.patcher import COMPRESSED_LAYERS, replace_module, swap_checker
+from sparse_training.patterns import Pattern
 from sparse_training.regrowth import random_scores
 from sparse_training.selection import TensorPlan, plan_model
+from sparse_training.semi_structured import SemiStructuredLinear
 
 if TYPE_CHECKING:
     from sparse_training.config import SparsityConfig
@@ -49,11 +52,32 @@ class CompressionRow:
     reason: str
 
 
+def pattern_problem(pattern: Pattern) -> str | None:
+    """Why no compressed layer takes ``pattern``, or None: blocks of :data:`BLOCK_SIZES`
+    (``BlockSparseLinear``) or 2:4 (``SemiStructuredLinear``, transposable or not)."""
+    if pattern.is_nm:
+        if (pattern.n, pattern.m, pattern.block_rows, pattern.block_cols) != (2, 4, 1, 1):
+            return (f"pattern {pattern.spec!r}: of the N:M patterns only '2:4' and '2:4:2d' "
+                    f"compress (the sparse tensor cores)")
+        return None
+    block = (pattern.block_rows, pattern.block_cols)
+    if block == (1, 1):
+        return f"pattern {pattern.spec!r} is neither a block pattern nor 2:4"
+    if not set(block) <= set(BLOCK_SIZES):
+        return f"block {block[0]}x{block[1]}: the kernels take blocks of {BLOCK_SIZES}"
+    return None
+
+
 def fixed_count_problem(config: SparsityConfig) -> str | None:
-    """Why ``config`` does not fix the kept blocks' count from the first step, or None."""
+    """Why ``config`` does not fix the kept count from the first step, or None."""
     pattern = config.parsed_pattern
-    if pattern.is_nm or pattern.block_rows * pattern.block_cols == 1:
-        return f"pattern {pattern.spec!r} is not a block pattern"
+    if pattern.is_nm and (problem := pattern_problem(pattern)):
+        return problem
+    if not pattern.is_nm and pattern.block_rows * pattern.block_cols == 1:
+        return f"pattern {pattern.spec!r} is neither a block pattern nor 2:4"
+    if pattern.is_nm and config.regrow is not None:
+        return (f"regrow={config.regrow!r} moves 2:4 entries; the 2:4 layer keeps a fixed "
+                f"mask, so it trains masked-dense")
     if config.schedule not in ("oneshot", "constant") or config.start != 0:
         return (f"schedule={config.schedule!r} from start={config.start!r} reaches its "
                 f"sparsity after the first step; it trains masked-dense (docs/block_sparse.md)")
@@ -62,14 +86,19 @@ def fixed_count_problem(config: SparsityConfig) -> str | None:
     return None
 
 
-def slower_reason(shape: tuple[int, int], block: tuple[int, int], density: float,
+def slower_reason(shape: tuple[int, int], pattern: Pattern, density: float,
                   device: torch.device) -> str | None:
     """Why ``compress="auto"`` keeps this tensor masked-dense, or None to compress it.
 
-    The kernels run on CUDA only (elsewhere the layer computes with a dense copy); on an
-    H100 a layer's forward + backward beat cuBLAS for weights of 16M entries or more, at
-    density <= 0.5 with 128x128 blocks and <= 0.25 with 64x64 blocks.
+    2:4: wherever cuSPARSELt runs (the layer itself times each shape and keeps cuBLAS where
+    it is faster). Blocks: the kernels run on CUDA only (elsewhere the layer computes with a
+    dense copy); on an H100 a layer's forward + backward beat cuBLAS for weights of 16M
+    entries or more, at density <= 0.5 with 128x128 blocks and <= 0.25 with 64x64 blocks.
     """
+    if pattern.is_nm:
+        problem = cusparselt_problem(device) or shape_problem(shape[0], shape[1])
+        return None if problem is None else f"auto: {problem}"
+    block = (pattern.block_rows, pattern.block_cols)
     if device.type != "cuda":
         return f"auto: on {device.type} the compressed layer multiplies a dense copy"
     if shape[0] * shape[1] < AUTO_MIN_WEIGHTS:
@@ -109,35 +138,45 @@ def compress_selected(model: nn.Module, config: SparsityConfig) -> list[Compress
     for index, (plan, tensor) in enumerate(selected):
         module, attr = tensor.owners[0]
         module_name = plan.name.rpartition(".")[0]
-        block = (plan.pattern.block_rows, plan.pattern.block_cols)
         if problem is not None:
             reason = problem
         elif not isinstance(module, nn.Linear) or attr != "weight" or len(tensor.owners) > 1:
             reason = f"{type(module).__name__}.{attr} is not an nn.Linear weight"
         elif (swap := swap_problem(module_name, module)) is not None:
             reason = swap
-        elif not set(block) <= set(BLOCK_SIZES):
-            reason = f"block {block[0]}x{block[1]}: the kernels take blocks of {BLOCK_SIZES}"
+        elif (unsupported := pattern_problem(plan.pattern)) is not None:
+            reason = unsupported
         elif config.compress == "auto" and (slow := slower_reason(
-                tuple(plan.shape), block, 1 - plan.sparsity, module.weight.device)):
+                tuple(plan.shape), plan.pattern, 1 - plan.sparsity, module.weight.device)):
             reason = slow
         else:
-            layer = BlockSparseLinear.from_dense(
-                module, block, mask=_first_mask(module.weight, plan, index, config))
+            layer, what = _compressed_layer(module, plan.pattern,
+                                            _first_mask(module.weight, plan, index, config))
             layer.train(module.training)
             swaps.append((module_name, layer))
-            rows.append(CompressionRow(plan.name, plan.shape, "compressed",
-                                       f"BlockSparseLinear, {layer.nnz} blocks"))
+            rows.append(CompressionRow(plan.name, plan.shape, "compressed", what))
             continue
         rows.append(CompressionRow(plan.name, plan.shape, "masked-dense", reason))
     if config.compress is True and not swaps and not any(
-            isinstance(m, BlockSparseLinear) for m in model.modules()):
+            isinstance(m, COMPRESSED_LAYERS) for m in model.modules()):
         lines = "\n".join(f"  {r.name}: {r.reason}" for r in rows) or "  (no tensor selected)"
         raise ValueError(f"compress=True but no selected tensor can train compressed; "
                          f"use compress='auto' or False. Per tensor:\n{lines}")
     for name, layer in swaps:
         replace_module(model, name, layer)
     return rows
+
+
+def _compressed_layer(linear: nn.Linear, pattern: Pattern, mask: torch.Tensor
+                      ) -> tuple[nn.Module, str]:
+    """The compressed form of ``linear`` under ``mask`` and its line in the table."""
+    if pattern.is_nm:
+        layer = SemiStructuredLinear.from_dense(linear, pattern.transposable, mask)
+        return layer, (f"SemiStructuredLinear {layer.pattern} (cuSPARSELt where measured "
+                       f"faster)")
+    layer = BlockSparseLinear.from_dense(linear, (pattern.block_rows, pattern.block_cols),
+                                         mask=mask)
+    return layer, f"BlockSparseLinear, {layer.nnz} blocks"
 
 
 def format_rows(rows: list[CompressionRow]) -> str:

@@ -32,10 +32,10 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from sparse_training.block_sparse import BlockSparseLinear
 from sparse_training.config import SparsityConfig
 from sparse_training.kernels import zero_pruned_
 from sparse_training.optimizer_hooks import Attached, after_step, fused_step, masked_gradients_step
+from sparse_training.patcher import COMPRESSED_LAYERS
 from sparse_training.ranks import check_across_ranks
 from sparse_training.selection import plan_model
 from sparse_training.slots import CompressedSlot, MaskedSlot
@@ -76,13 +76,14 @@ class SparsityEngine:
         tensors, self.plans = plan_model(model, config)
         self.slots = [MaskedSlot(p, t) for p, t in zip(self.plans, tensors, strict=True)
                       if p.selected]
-        self.compressed = [CompressedSlot(f"{name}.values", module)
+        self.compressed = [CompressedSlot(f"{name}.{module.trained_weight}", module)
                            for name, module in model.named_modules()
-                           if isinstance(module, BlockSparseLinear)]
+                           if isinstance(module, COMPRESSED_LAYERS)]
         # random streams by tensor, in model order over masked and compressed tensors: a
         # tensor draws the same scores whether it trains masked-dense or compressed
         self.streams = {p.name: i for i, p in enumerate(
-            p for p in self.plans if p.selected or p.kind == BlockSparseLinear.__name__)}
+            p for p in self.plans if p.selected
+            or p.kind in {t.__name__ for t in COMPRESSED_LAYERS})}
         self.model = model
         self._attached: dict[Optimizer, Attached] = {}
         self.fused_optimizers: set[Optimizer] = set()

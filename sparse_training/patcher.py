@@ -1,11 +1,13 @@
-"""Swap a model's ``nn.Linear`` layers for :class:`BlockSparseLinear` and back, in place.
+"""Swap a model's ``nn.Linear`` layers for compressed ones and back, in place.
 
 :func:`sparsify` takes rules, a mapping from a regex to ``{"pattern": "block:RxC",
-"sparsity": s}`` (or ``"density": d`` instead of ``"sparsity"``). Regexes are searched
+"sparsity": s}`` (or ``"density": d`` instead of ``"sparsity"``) for a
+:class:`BlockSparseLinear`, or ``{"pattern": "2:4"}`` (or ``"2:4:2d"``) for a
+:class:`~sparse_training.semi_structured.SemiStructuredLinear`. Regexes are searched
 (``re.search``) in the qualified module names (``bert.encoder.layer.0.output.dense``); the
 first matching rule wins and every regex must match some ``nn.Linear``. Each matching
-Linear is replaced by ``BlockSparseLinear.from_dense`` (its largest blocks by L2 norm),
-except where a swap would change what the model computes:
+Linear is replaced by ``from_dense`` (the largest blocks by L2 norm; the magnitude 2:4
+mask), except where a swap would change what the model computes:
 
 * ``out_proj`` of ``nn.MultiheadAttention``, which reads ``out_proj.weight`` itself;
 * a weight or bias tied to another parameter (the same ``Parameter`` under two names);
@@ -13,7 +15,7 @@ except where a swap would change what the model computes:
   subclasses that override ``forward``.
 
 Everything is validated, and every new layer built, before the first swap.
-:func:`densify` swaps every ``BlockSparseLinear`` back with ``to_dense``.
+:func:`densify` swaps every compressed layer back with ``to_dense``.
 """
 
 from __future__ import annotations
@@ -28,13 +30,15 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from sparse_training.block_sparse import BlockSparseLinear, check_block, check_density
-from sparse_training.patterns import parse_pattern
+from sparse_training.patterns import Pattern, parse_pattern
+from sparse_training.semi_structured import SemiStructuredLinear
 
 RULE_KEYS = ("pattern", "sparsity", "density")
+COMPRESSED_LAYERS = (BlockSparseLinear, SemiStructuredLinear)  # what densify swaps back
 
 
-def _parse_rule(regex: str, rule: Any) -> tuple[tuple[int, int], float]:
-    """A rule's ``(block, density)``.
+def _parse_rule(regex: str, rule: Any) -> tuple[Pattern, tuple[int, int] | None, float]:
+    """A rule's ``(pattern, block, density)`` (block None for 2:4).
 
     Raises:
         ValueError: naming the rule and its bad key or value.
@@ -52,9 +56,15 @@ def _parse_rule(regex: str, rule: Any) -> tuple[tuple[int, int], float]:
         pattern = parse_pattern(rule["pattern"])
     except ValueError as err:
         raise ValueError(f"rule {regex!r}: {err}") from None
+    if (pattern.n, pattern.m, pattern.block_cols) == (2, 4, 1):
+        if rule.get("sparsity", 0.5) != 0.5 or rule.get("density", 0.5) != 0.5:
+            raise ValueError(f"rule {regex!r}: 2:4 keeps half the weights; leave out "
+                             f"'sparsity' and 'density' (or give 0.5), got {dict(rule)!r}")
+        return pattern, None, 0.5
     if not pattern.spec.startswith("block:") or pattern.is_nm:
-        raise ValueError(f"rule {regex!r}: pattern {pattern.spec!r} is not a block pattern; "
-                         f"only 'block:RxC' patterns compress (R, C each one of 16, 32, 64, 128)")
+        raise ValueError(f"rule {regex!r}: pattern {pattern.spec!r} is neither a block pattern "
+                         f"nor 2:4; 'block:RxC' (R, C each one of 16, 32, 64, 128), '2:4' and "
+                         f"'2:4:2d' compress")
     try:
         block = check_block((pattern.block_rows, pattern.block_cols))
     except ValueError as err:
@@ -64,7 +74,7 @@ def _parse_rule(regex: str, rule: Any) -> tuple[tuple[int, int], float]:
                          f"'density' in (0, 1], got {dict(rule)!r}")
     if "density" in rule:
         try:
-            return block, check_density(rule["density"])
+            return pattern, block, check_density(rule["density"])
         except ValueError as err:
             raise ValueError(f"rule {regex!r}: {err}") from None
     sparsity = rule["sparsity"]
@@ -72,7 +82,7 @@ def _parse_rule(regex: str, rule: Any) -> tuple[tuple[int, int], float]:
             or not 0 <= sparsity < 1:
         raise ValueError(f"rule {regex!r}: sparsity must be a number in [0, 1), got "
                          f"{sparsity!r}")
-    return block, 1.0 - float(sparsity)
+    return pattern, block, 1.0 - float(sparsity)
 
 
 def swap_checker(model: nn.Module) -> Callable[[str, nn.Linear], str | None]:
@@ -110,10 +120,12 @@ def _swap_problem(name: str, module: nn.Linear, parents: dict[str, nn.Module],
 
 
 def _row(name: str, module: nn.Linear, rule: str | None, decision: str,
-         layer: BlockSparseLinear | None = None) -> dict:
+         layer: BlockSparseLinear | SemiStructuredLinear | None = None) -> dict:
+    blocks = isinstance(layer, BlockSparseLinear)
     return {"name": name, "shape": (module.out_features, module.in_features), "rule": rule,
-            "block": layer.block if layer else None, "density": layer.density if layer else None,
-            "nnz": layer.nnz if layer else None, "decision": decision}
+            "block": layer.block if blocks else None,
+            "density": None if layer is None else layer.density if blocks else 0.5,
+            "nnz": layer.nnz if blocks else None, "decision": decision}
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -141,7 +153,7 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
 
 def sparsify(model: nn.Module, rules: Mapping[str, Mapping[str, Any]], *,
              verbose: bool = True) -> list[dict]:
-    """Replace the ``nn.Linear`` layers that ``rules`` name by ``BlockSparseLinear`` (module
+    """Replace the ``nn.Linear`` layers that ``rules`` name by compressed layers (module
     docstring), in place.
 
     Returns:
@@ -181,8 +193,10 @@ def sparsify(model: nn.Module, rules: Mapping[str, Mapping[str, Any]], *,
         elif (reason := swap_problem(name, module)) is not None:
             rows.append(_row(name, module, regex, reason))
         else:
-            block, density = parsed[regex]
-            layer = BlockSparseLinear.from_dense(module, block, density=density)
+            pattern, block, density = parsed[regex]
+            layer = (SemiStructuredLinear.from_dense(module, pattern.transposable)
+                     if block is None else
+                     BlockSparseLinear.from_dense(module, block, density=density))
             layer.train(module.training)
             swaps.append((name, layer))
             rows.append(_row(name, module, regex, "compressed", layer))
@@ -194,18 +208,19 @@ def sparsify(model: nn.Module, rules: Mapping[str, Mapping[str, Any]], *,
 
 
 def densify(model: nn.Module) -> int:
-    """Replace every ``BlockSparseLinear`` of ``model`` by its ``to_dense()`` ``nn.Linear``, in
-    place (a layer shared under several names stays shared). Returns how many were replaced.
+    """Replace every compressed layer of ``model`` (``BlockSparseLinear``,
+    ``SemiStructuredLinear``) by its ``to_dense()`` ``nn.Linear``, in place (a layer shared
+    under several names stays shared). Returns how many were replaced.
 
     Raises:
-        ValueError: ``model`` itself is a ``BlockSparseLinear`` (call its ``to_dense``).
+        ValueError: ``model`` itself is a compressed layer (call its ``to_dense``).
     """
-    if isinstance(model, BlockSparseLinear):
-        raise ValueError("densify swaps submodules in place; for a BlockSparseLinear "
-                         "itself call model.to_dense()")
+    if isinstance(model, COMPRESSED_LAYERS):
+        raise ValueError(f"densify swaps submodules in place; for a {type(model).__name__} "
+                         f"itself call model.to_dense()")
     dense: dict[int, nn.Linear] = {}
     for name, module in list(model.named_modules(remove_duplicate=False)):
-        if isinstance(module, BlockSparseLinear):
+        if isinstance(module, COMPRESSED_LAYERS):
             if id(module) not in dense:
                 dense[id(module)] = module.to_dense().train(module.training)
             replace_module(model, name, dense[id(module)])

@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from sparse_training.block_sparse import BlockSparseLinear
 from sparse_training.distributions import PER_LAYER
 from sparse_training.masks import as_matrix
+from sparse_training.patcher import COMPRESSED_LAYERS
 from sparse_training.patterns import Pattern
 from sparse_training.tensors import WeightTensor, find_weight_tensors
 
@@ -157,9 +157,9 @@ def plan_tensors(
     rows: list[TensorPlan | None] = []
     eligible: list[int] = []
     for tensor in tensors:
-        if any(isinstance(module, BlockSparseLinear) for module, _ in tensor.owners):
-            rows.append(row(tensor, False, "compressed: BlockSparseLinear keeps only its "
-                                           "kept blocks"))
+        if any(isinstance(module, COMPRESSED_LAYERS) for module, _ in tensor.owners):
+            rows.append(row(tensor, False, f"compressed: {tensor.kind} holds its own "
+                                           f"sparsity"))
         elif not any(isinstance(module, layer_types) for module, _ in tensor.owners):
             rows.append(row(tensor, False, f"type {tensor.kind} not in layer_types"))
         elif (regex := _first_match(deny, tensor.names)) is not None:

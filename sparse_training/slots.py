@@ -12,9 +12,11 @@ Every slot answers the same questions: its parameter (what the optimizer updates
 mask, the dense gradient regrowth ranks, and the optimizer-state tensors shaped like its
 parameter.
 
-:class:`CompressedSlot` is a :class:`~sparse_training.block_sparse.BlockSparseLinear`:
-only the kept blocks exist, their count is fixed, and its mask is the block grid's. The
-engine never masks it; regrowth moves its blocks (:meth:`CompressedSlot.move`).
+:class:`CompressedSlot` is a layer that holds its own sparsity: a
+:class:`~sparse_training.block_sparse.BlockSparseLinear` (only the kept blocks exist, their
+count is fixed, its mask is the block grid's; regrowth moves its blocks,
+:meth:`CompressedSlot.move`) or a :class:`~sparse_training.semi_structured.SemiStructuredLinear`
+(a fixed 2:4 mask, never moved). The engine never masks either.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from sparse_training.block_sparse import BlockSparseLinear, gather_blocks
 from sparse_training.kernels.block_sparse import dense_to_values
 from sparse_training.patcher import densify
 from sparse_training.selection import TensorPlan
+from sparse_training.semi_structured import SemiStructuredLinear
 from sparse_training.tensors import WeightTensor
 
 MASK_SUFFIX = "_mask"
@@ -138,20 +141,21 @@ class CompressedSlot:
     RigL's growth and is the first gradient of every grown block (RigL and SET).
 
     Args:
-        name: the ``values`` tensor's qualified name.
-        layer: the compressed layer.
+        name: the qualified name of the layer's trained weight tensor.
+        layer: the compressed layer (the block methods need a ``BlockSparseLinear``).
     """
 
-    movable = compressed = True
+    compressed = True
 
-    def __init__(self, name: str, layer: BlockSparseLinear) -> None:
+    def __init__(self, name: str, layer: BlockSparseLinear | SemiStructuredLinear) -> None:
         self.name, self.layer = name, layer
+        self.movable = isinstance(layer, BlockSparseLinear)  # regrowth moves its blocks
         self._gradient: Tensor | None = None
         self._hook: RemovableHandle | None = None
 
     @property
     def param(self) -> nn.Parameter:
-        return self.layer.values
+        return getattr(self.layer, self.layer.trained_weight)
 
     @property
     def mask(self) -> Tensor:

@@ -183,7 +183,7 @@ class DropAndGrow(ScheduledMasks):
         changed = super().on_step_start(engine, step)
         period = self._period(step)
         for slot in engine.compressed:
-            slot.recording = period is not None and (
+            slot.recording = slot.movable and period is not None and (
                 self.regrown_period.get(slot.name, -1) < period)
         return changed
 

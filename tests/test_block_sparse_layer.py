@@ -305,9 +305,10 @@ def test_tied_parametrized_and_hooked_linears_are_skipped():
 
 
 @pytest.mark.parametrize(("rules", "message"), [
-    ({"linear1": {"pattern": "2:4", "density": 0.5}}, "pattern '2:4' is not a block pattern"),
-    ({"linear1": {"pattern": "unstructured", "sparsity": 0.5}}, "'unstructured' is not a"),
-    ({"linear1": {"pattern": "vector:16", "sparsity": 0.5}}, "'vector:16' is not a block"),
+    ({"linear1": {"pattern": "4:8", "density": 0.5}}, "pattern '4:8' is neither a block"),
+    ({"linear1": {"pattern": "2:4", "sparsity": 0.7}}, "2:4 keeps half the weights"),
+    ({"linear1": {"pattern": "unstructured", "sparsity": 0.5}}, "'unstructured' is neither a"),
+    ({"linear1": {"pattern": "vector:16", "sparsity": 0.5}}, "'vector:16' is neither a block"),
     ({"linear1": {"pattern": "block:16x16", "sparsty": 0.5}}, r"unknown key\(s\) \['sparsty'\]"),
     ({"linear1": {"pattern": "block:16x16", "sparsity": 0.5, "density": 0.5}},
      "exactly one of 'sparsity'"),

@@ -102,7 +102,7 @@ def test_make_permanent_gives_dense_linear_layers_with_the_zeros():
     (dict(schedule="gmp"), "schedule='gmp' from start=0 reaches its sparsity after the first"),
     (dict(regrow="rigl", schedule="gmp"), "schedule='gmp' from start=0"),
     (dict(start=10), "schedule='oneshot' from start=10"),
-    (dict(pattern="unstructured"), "pattern 'unstructured' is not a block pattern"),
+    (dict(pattern="unstructured"), "pattern 'unstructured' is neither a block pattern nor 2:4"),
 ])
 def test_compress_true_refuses_schedules_without_a_fixed_count(settings, message):
     with pytest.raises(ValueError, match=message):

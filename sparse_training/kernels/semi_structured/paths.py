@@ -1,0 +1,107 @@
+"""Sparse or dense, measured: the 2:4 Linear is never slower than cuBLAS.
+
+cuSPARSELt beats cuBLAS at large shapes only (on an H100 its host time per call is about
+0.8 ms in torch 2.11, and its default plan is slower than dense), so each shape is timed
+once, both ways, on the GPU it runs on: the forward, the input gradient (where the mask is
+transposable) and the refresh of the packed copies after an optimizer step. A product goes
+sparse where it is faster, and only if what the sparse products save per step is more than
+the refresh costs. Times are wall time of back-to-back calls, so host-bound calls count
+as the training step sees them. Decisions are cached per (GPU, dtype, shape, token count,
+transposable) for the process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from sparse_training.kernels.semi_structured.cusparselt import PackedWeight, sparse_mm
+
+CALLS = 10  # timed calls per candidate, after 2 warm-up calls
+
+
+@dataclass(frozen=True)
+class PathChoice:
+    """Which products of one shape run on cuSPARSELt, why, and the times (ms) behind it."""
+
+    forward: bool
+    input_grad: bool
+    reason: str
+    times_ms: dict[str, float]
+
+
+_CHOICES: dict[tuple, PathChoice] = {}
+
+
+def wall_ms(fn: Callable[[], object], calls: int = CALLS) -> float:
+    """Milliseconds per call of ``calls`` back-to-back calls (host and device)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def choose_paths(weight: torch.Tensor, packed: PackedWeight, packed_t: PackedWeight | None,
+                 tokens: int) -> PathChoice:
+    """The measured choice for ``tokens`` rows of input to this packed weight (cached)."""
+    out_features, in_features = weight.shape
+    dtype, device = packed.packed.dtype, weight.device
+    key = (torch.cuda.get_device_name(device), dtype, out_features, in_features, tokens,
+           packed_t is not None)
+    if key not in _CHOICES:
+        _CHOICES[key] = _measure(weight.detach().to(dtype), packed, packed_t, tokens)
+    return _CHOICES[key]
+
+
+def cached_choices() -> dict[tuple, PathChoice]:
+    """Every decision made in this process, keyed by (GPU, dtype, out, in, tokens,
+    transposable)."""
+    return dict(_CHOICES)
+
+
+def _measure(weight: torch.Tensor, packed: PackedWeight, packed_t: PackedWeight | None,
+             tokens: int) -> PathChoice:
+    x = torch.randn(tokens, weight.shape[1], device=weight.device, dtype=weight.dtype)
+    grad = torch.randn(tokens, weight.shape[0], device=weight.device, dtype=weight.dtype)
+    algorithm = packed.algorithm(x)
+    times = {"dense_forward": wall_ms(lambda: F.linear(x, weight)),
+             "sparse_forward": wall_ms(lambda: sparse_mm(packed.packed, x, algorithm)),
+             "refresh": wall_ms(lambda: packed.refresh(weight))}
+    if packed_t is not None:
+        algorithm_t = packed_t.algorithm(grad)
+        times.update(dense_input_grad=wall_ms(lambda: grad @ weight),
+                     sparse_input_grad=wall_ms(lambda: sparse_mm(packed_t.packed, grad,
+                                                                 algorithm_t)),
+                     refresh_transposed=wall_ms(lambda: packed_t.refresh(weight)))
+    return decide(times)
+
+
+def decide(times: dict[str, float]) -> PathChoice:
+    """The choice from measured milliseconds: ``dense_forward``, ``sparse_forward``,
+    ``refresh`` and, for a transposable mask, ``dense_input_grad``, ``sparse_input_grad``,
+    ``refresh_transposed``. A product goes sparse where it is faster, and only if the
+    products' savings per step exceed the refreshes they need."""
+    forward = times["sparse_forward"] < times["dense_forward"]
+    saved = times["dense_forward"] - times["sparse_forward"] if forward else 0.0
+    refresh = times["refresh"] if forward else 0.0
+    input_grad = "sparse_input_grad" in times and (
+        times["sparse_input_grad"] < times["dense_input_grad"])
+    if input_grad:
+        saved += times["dense_input_grad"] - times["sparse_input_grad"]
+        refresh += times["refresh_transposed"]
+    if not (forward or input_grad):
+        return PathChoice(False, False, "dense: cuBLAS was faster for every product", times)
+    if saved <= refresh:
+        return PathChoice(False, False, f"dense: the sparse products save {saved:.3f} ms but "
+                          f"repacking after each step costs {refresh:.3f} ms", times)
+    parts = [name for name, on in (("forward", forward), ("dX", input_grad)) if on]
+    return PathChoice(forward, input_grad, f"sparse {' and '.join(parts)}: saves "
+                      f"{saved - refresh:.3f} ms per step net of repacking", times)
