@@ -19,6 +19,14 @@ class NoLaunch:
         return lambda *args, **kwargs: None
 
 
+def linear_and_inputs(in_features: int, out_features: int, tokens: int,
+                      dtype: torch.dtype) -> tuple[torch.nn.Linear, torch.Tensor, torch.Tensor]:
+    """A CUDA ``nn.Linear``, an input that requires grad and an output gradient."""
+    dense = torch.nn.Linear(in_features, out_features, device="cuda", dtype=dtype)
+    x = torch.randn(tokens, in_features, device="cuda", dtype=dtype, requires_grad=True)
+    return dense, x, torch.randn(tokens, out_features, device="cuda", dtype=dtype)
+
+
 def bench_ms(fn) -> float:
     """Median milliseconds of ``fn`` (triton.testing.do_bench, CUDA events)."""
     return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))

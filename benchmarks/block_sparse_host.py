@@ -26,7 +26,7 @@ import pstats
 import statistics
 
 import torch
-from _common import bench_ms, environment, gpu_ms, host_ms, write_json
+from _common import bench_ms, environment, gpu_ms, host_ms, linear_and_inputs, write_json
 from torch import nn
 
 from sparse_training import BlockSparseLinear
@@ -100,9 +100,7 @@ def main(tokens: int = 8192) -> None:
     print(f"{'layer':28s} {'blk':>4s} {'path':>6s} {'host ms':>8s} {'gpu ms':>7s} "
           f"{'bench ms':>8s} {'vs dense':>8s}  launcher us (fwd dx dw)")
     for name, (in_f, out_f) in SHAPES.items():
-        dense = nn.Linear(in_f, out_f, device="cuda", dtype=DTYPE)
-        x = torch.randn(tokens, in_f, device="cuda", dtype=DTYPE, requires_grad=True)
-        grad = torch.randn(tokens, out_f, device="cuda", dtype=DTYPE)
+        dense, x, grad = linear_and_inputs(in_f, out_f, tokens, DTYPE)
         base = timings(step_of(dense, x, grad))
         rows.append({"layer": name, "block": None, "path": "dense", **base})
         print(f"{name:28s} {'':>4s} {'dense':>6s} {base['host_ms']:8.3f} {base['gpu_ms']:7.3f} "

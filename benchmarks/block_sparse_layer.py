@@ -17,7 +17,7 @@ Three tables, one run, bf16 (``python3 benchmarks/block_sparse_layer.py``):
 from __future__ import annotations
 
 import torch
-from _common import bench_ms, environment, write_json
+from _common import bench_ms, environment, linear_and_inputs, write_json
 from block_sparse_ops import torch_bsr_ms
 from torch import nn
 
@@ -41,9 +41,7 @@ def layer_rows(tokens: int = 8192) -> list[dict]:
     print(f"\n{'layer':28s} {'blk':>4s} {'dens':>5s} {'dense ms':>9s} {'ours':>7s} "
           f"{'torch bsr':>9s} {'speed-up':>8s} {'vs bsr':>7s}")
     for name, (in_f, out_f) in LAYER_SHAPES.items():
-        dense = nn.Linear(in_f, out_f, device="cuda", dtype=DTYPE)
-        x = torch.randn(tokens, in_f, device="cuda", dtype=DTYPE, requires_grad=True)
-        grad = torch.randn(tokens, out_f, device="cuda", dtype=DTYPE)
+        dense, x, grad = linear_and_inputs(in_f, out_f, tokens, DTYPE)
         dense_ms = fwd_bwd_ms(dense, x, grad)
         for block in (128, 64):
             for density in (0.1, 0.25, 0.5):
