@@ -55,26 +55,30 @@ class CompressionRow:
 def pattern_problem(pattern: Pattern) -> str | None:
     """Why no compressed layer takes ``pattern``, or None: blocks of :data:`BLOCK_SIZES`
     (``BlockSparseLinear``) or 2:4 (``SemiStructuredLinear``, transposable or not)."""
-    if pattern.is_nm:
-        if (pattern.n, pattern.m, pattern.block_rows, pattern.block_cols) != (2, 4, 1, 1):
-            return (f"pattern {pattern.spec!r}: of the N:M patterns only '2:4' and '2:4:2d' "
-                    f"compress (the sparse tensor cores)")
-        return None
+    if problem := _kind_problem(pattern):
+        return problem
     block = (pattern.block_rows, pattern.block_cols)
-    if block == (1, 1):
-        return f"pattern {pattern.spec!r} is neither a block pattern nor 2:4"
-    if not set(block) <= set(BLOCK_SIZES):
+    if not pattern.is_nm and not set(block) <= set(BLOCK_SIZES):
         return f"block {block[0]}x{block[1]}: the kernels take blocks of {BLOCK_SIZES}"
     return None
 
 
-def fixed_count_problem(config: SparsityConfig) -> str | None:
-    """Why ``config`` does not fix the kept count from the first step, or None."""
-    pattern = config.parsed_pattern
-    if pattern.is_nm and (problem := pattern_problem(pattern)):
-        return problem
+def _kind_problem(pattern: Pattern) -> str | None:
+    """Why no compressed layer takes patterns of this kind (block sizes aside), or None."""
+    if pattern.is_nm and not pattern.is_2_4:
+        return (f"pattern {pattern.spec!r}: of the N:M patterns only '2:4' and '2:4:2d' "
+                f"compress (the sparse tensor cores)")
     if not pattern.is_nm and pattern.block_rows * pattern.block_cols == 1:
         return f"pattern {pattern.spec!r} is neither a block pattern nor 2:4"
+    return None
+
+
+def fixed_count_problem(config: SparsityConfig) -> str | None:
+    """Why ``config`` does not fix the kept count from the first step, or None (the block
+    sizes are checked per tensor, by :func:`pattern_problem`)."""
+    pattern = config.parsed_pattern
+    if problem := _kind_problem(pattern):
+        return problem
     if pattern.is_nm and config.regrow is not None:
         return (f"regrow={config.regrow!r} moves 2:4 entries; the 2:4 layer keeps a fixed "
                 f"mask, so it trains masked-dense")

@@ -176,10 +176,10 @@ class SparsityEngine:
         this pass is skipped for it.
         """
         attached = self._attached.get(optimizer)
-        slots = attached.slots if attached is not None else self._slots_of(optimizer)
-        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        self.updater.before_step(self, [*slots, *(s for s in self.compressed
-                                                  if id(s.param) in params)], step)
+        slots, compressed = ((attached.slots, attached.compressed) if attached is not None
+                             else (self._slots_of(optimizer),
+                                   _of_optimizer(self.compressed, optimizer)))
+        self.updater.before_step(self, [*slots, *compressed], step)
         if self.updater.masks_gradients and (clipping or attached is None):
             if attached is not None:
                 attached.zero_pruned_gradients()
@@ -270,8 +270,7 @@ class SparsityEngine:
     def _slots_of(self, optimizer: Optimizer) -> list[MaskedSlot]:
         if optimizer in self._attached:
             return self._attached[optimizer].slots
-        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        return [slot for slot in self.slots if id(slot.param) in params]
+        return _of_optimizer(self.slots, optimizer)
 
     def attach(self, optimizer: Optimizer) -> None:
         """Take charge of this optimizer's masked weights; attaching twice is a no-op.
@@ -289,7 +288,8 @@ class SparsityEngine:
             return
         slots = self._slots_of(optimizer)
         fused = self._use_fused(optimizer, slots)  # raises before anything is registered
-        attached = self._attached[optimizer] = Attached(slots)
+        attached = self._attached[optimizer] = Attached(
+            slots, _of_optimizer(self.compressed, optimizer))
         if fused:
             attached.handles.append(optimizer.register_step_pre_hook(
                 functools.partial(fused_step, attached)))
@@ -373,3 +373,9 @@ class SparsityEngine:
         masks = self._check_state(state)
         self.updater.load_state_dict(state["updater"])
         self.set_masks(masks, step=None, broadcast=False, check=False)
+
+
+def _of_optimizer(slots: list, optimizer: Optimizer) -> list:
+    """The ``slots`` whose parameter ``optimizer`` updates."""
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return [slot for slot in slots if id(slot.param) in params]

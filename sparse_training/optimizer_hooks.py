@@ -22,17 +22,18 @@ from sparse_training.kernels import zero_pruned_
 
 if TYPE_CHECKING:
     from sparse_training.engine import SparsityEngine
-    from sparse_training.slots import MaskedSlot
+    from sparse_training.slots import CompressedSlot, MaskedSlot
 
 _GRAD = operator.attrgetter("grad")
 
 
 class Attached:
     """An optimizer's slots and the lists its per-step passes read, built once (the hot
-    path is a few C-level maps, not a Python loop over slots)."""
+    path is a few C-level maps, not a Python loop over slots). ``compressed``: its
+    compressed layers' slots, which regrowth moves but nothing masks."""
 
-    def __init__(self, slots: list[MaskedSlot]) -> None:
-        self.slots = slots
+    def __init__(self, slots: list[MaskedSlot], compressed: list[CompressedSlot]) -> None:
+        self.slots, self.compressed = slots, compressed
         self.handles: list[RemovableHandle] = []
         self.params = [s.param for s in slots]
         self._buffers = [s.module._buffers for s in slots]

@@ -56,7 +56,7 @@ def _parse_rule(regex: str, rule: Any) -> tuple[Pattern, tuple[int, int] | None,
         pattern = parse_pattern(rule["pattern"])
     except ValueError as err:
         raise ValueError(f"rule {regex!r}: {err}") from None
-    if (pattern.n, pattern.m, pattern.block_cols) == (2, 4, 1):
+    if pattern.is_2_4:
         if rule.get("sparsity", 0.5) != 0.5 or rule.get("density", 0.5) != 0.5:
             raise ValueError(f"rule {regex!r}: 2:4 keeps half the weights; leave out "
                              f"'sparsity' and 'density' (or give 0.5), got {dict(rule)!r}")

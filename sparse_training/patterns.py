@@ -67,6 +67,12 @@ class Pattern:
     spec: str = "unstructured"
 
     @property
+    def is_2_4(self) -> bool:
+        """Whether this is 2:4 of single entries (``2:4`` or ``2:4:2d``): what the sparse
+        tensor cores take."""
+        return (self.n, self.m, self.block_rows, self.block_cols) == (2, 4, 1, 1)
+
+    @property
     def is_nm(self) -> bool:
         """Whether the pattern fixes the kept count per group (N:M over blocks)."""
         return self.m is not None
