@@ -14,20 +14,26 @@ One run, bf16 (``cd benchmarks && PYTHONPATH=.. python3 semi_structured.py``), t
    - the repacking after a step: the values-only refresh vs ``_cslt_compress``;
    - the forward's GPU time under a CUDA graph (no host time), and the correctness of the
      sparse forward and dX against the dense masked product (max relative error).
-2. ``bert``: a BERT-large encoder (24 layers, built from a config, bf16) fine-tuning step,
-   16 x 384 tokens, AdamW, dense vs every encoder Linear a ``SemiStructuredLinear`` (the
-   automatic choice), and whether ``torch.compile`` traces the layer (outputs compared).
+2. ``bert``: a BERT-large encoder (24 layers, built from a config) fine-tuning step,
+   16 x 384 tokens, fused AdamW, dense vs every encoder Linear a ``SemiStructuredLinear``
+   (the automatic choice), with bf16 weights and under bf16 autocast with float32 weights,
+   alternating timed blocks in one process; and whether ``torch.compile`` traces the layer
+   (outputs compared).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
 from _common import bench_ms, environment, gpu_ms, write_json
 from torch import nn
 
+from sparse_training import SparsityConfig, SparsityEngine
 from sparse_training.kernels.semi_structured import PackedWeight
 from sparse_training.kernels.semi_structured import paths as path_module
 from sparse_training.kernels.semi_structured.cusparselt import sparse_mm
@@ -51,17 +57,47 @@ def relative_error(result: torch.Tensor, reference: torch.Tensor) -> float:
     return float((result.float() - reference.float()).abs().max() / reference.float().abs().max())
 
 
-def step_ms(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> float:
-    """Forward, backward (dX and dW) and a fused AdamW step."""
-    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-5, fused=True)
+def trainer_step(model: nn.Module, loss, engine: bool, deny: tuple[str, ...] = ()):
+    """One training step of ``model`` (``loss()`` runs forward and backward) with fused
+    AdamW: torch's (``engine`` False: a dense model, or 2:4 layers masking their own
+    gradient), or the callback's path (``engine``: a :class:`SparsityEngine` attached, its
+    optimizer hooks mask the 2:4 weights' gradients, the layers leave them alone: inside the
+    fused masked step for float32 weights, one multi-tensor pass for bf16 ones; the
+    dense Linears that ``deny`` does not name are masked 2:4 too)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    if not engine:
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            loss()
+            optimizer.step()
+        return step
+    sparse = SparsityEngine(model, SparsityConfig("2:4:2d", deny=list(deny)))
+    sparse.start(None)
+    sparse.attach(optimizer)  # fused for float32 weights; bf16 ones take the hook path
+
+    def engine_step():
+        sparse.on_step_start(0)
+        optimizer.zero_grad(set_to_none=True)
+        loss()
+        sparse.before_optimizer_step(optimizer, 0, clipping=False)
+        optimizer.step()
+        sparse.on_step_end()
+    return engine_step
+
+
+def step_ms(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor, mixed: bool = False,
+            engine: bool = False) -> float:
+    """Forward, backward (dX and dW) and a fused AdamW step (:func:`trainer_step`);
+    ``mixed``: under bf16 autocast (the layer's weights float32, as Lightning's
+    ``bf16-mixed`` keeps them)."""
     x = x.detach().requires_grad_()
 
-    def step():
-        optimizer.zero_grad(set_to_none=True)
+    def loss():
         x.grad = None
-        layer(x).backward(grad)
-        optimizer.step()
-    return bench_ms(step)
+        with torch.autocast("cuda", DTYPE, enabled=mixed):
+            y = layer(x)
+        y.backward(grad)
+    return bench_ms(trainer_step(nn.Sequential(layer), loss, engine))
 
 
 def layer_row(name: str, in_f: int, out_f: int, tokens: int) -> dict:
@@ -94,6 +130,16 @@ def layer_row(name: str, in_f: int, out_f: int, tokens: int) -> dict:
                                      grad.float() @ weight.float())
     row["step_dense"] = step_ms(dense, x, grad)
     row["step_ours"] = step_ms(sparse, x, grad)
+    row["step_engine_dense"] = row["step_dense"]
+    row["step_engine_ours"] = step_ms(copy.deepcopy(sparse), x, grad, engine=True)
+    dense_fp32 = nn.Linear(in_f, out_f, device="cuda")
+    row["step_mixed_dense"] = step_ms(dense_fp32, x, grad, mixed=True)
+    sparse_fp32 = SemiStructuredLinear.from_dense(dense_fp32, transposable=True)
+    del dense_fp32
+    row["step_mixed_ours"] = step_ms(sparse_fp32, x, grad, mixed=True)
+    row["step_mixed_engine_dense"] = row["step_mixed_dense"]
+    row["step_mixed_engine_ours"] = step_ms(sparse_fp32, x, grad, mixed=True, engine=True)
+    del sparse_fp32
     choice = sparse.paths(x)
     row["choice"] = {"forward": choice.forward, "input_grad": choice.input_grad,
                      "reason": choice.reason, "times_ms": choice.times_ms}
@@ -106,7 +152,7 @@ def layer_row(name: str, in_f: int, out_f: int, tokens: int) -> dict:
         row["layer_error_after_steps"] = relative_error(
             sparse(x), F.linear(x.float(), (sparse.weight * mask).float(), sparse.bias.float()))
     sparse._routes[key] = saved
-    for op in ("fwd", "dx", "step"):
+    for op in ("fwd", "dx", "step", "step_mixed", "step_engine", "step_mixed_engine"):
         row[f"{op}_speedup"] = row[f"{op}_dense"] / row[f"{op}_ours"]
     row["fwd_graph_speedup"] = row["fwd_dense_graph"] / row["fwd_ours_graph"]
     row["fwd_vs_torch_semi"] = row["fwd_torch_semi"] / row["fwd_ours"]
@@ -116,7 +162,7 @@ def layer_row(name: str, in_f: int, out_f: int, tokens: int) -> dict:
 
 def layer_rows(only: list[str]) -> list[dict]:
     print(f"{'layer':28s} {'tok':>6s} {'fwd':>6s} {'fwd g':>6s} {'dX':>6s} {'step':>6s} "
-          f"{'forced':>6s} {'vs t.semi':>9s} {'refresh':>8s} {'compress':>8s} {'err':>8s} "
+          f"{'mixed':>6s} {'eng':>6s} {'eng mx':>6s} {'forced':>6s} {'vs t.semi':>9s} {'refresh':>8s} {'compress':>8s} {'err':>8s} "
           f"choice")
     rows = []
     for name, ((in_f, out_f), token_counts) in SHAPES.items():
@@ -126,7 +172,8 @@ def layer_rows(only: list[str]) -> list[dict]:
             r = layer_row(name, in_f, out_f, tokens)
             rows.append(r)
             print(f"{name:28s} {tokens:6d} {r['fwd_speedup']:5.2f}x {r['fwd_graph_speedup']:5.2f}x "
-                  f"{r['dx_speedup']:5.2f}x {r['step_speedup']:5.2f}x "
+                  f"{r['dx_speedup']:5.2f}x {r['step_speedup']:5.2f}x {r['step_mixed_speedup']:5.2f}x "
+                  f"{r['step_engine_speedup']:5.2f}x {r['step_mixed_engine_speedup']:5.2f}x "
                   f"{r['step_forced_speedup']:5.2f}x {r['fwd_vs_torch_semi']:8.2f}x "
                   f"{r['refresh']:8.3f} {r['cslt_compress']:8.3f} "
                   f"{max(r['fwd_error'], r['dx_error']):8.1e} {r['choice']['reason']}",
@@ -135,32 +182,63 @@ def layer_rows(only: list[str]) -> list[dict]:
     return rows
 
 
-def bert_rows(batch: int = 16, length: int = 384) -> dict:
-    from transformers import BertConfig, BertModel
+def bert_model(config, variant: str, dtype: torch.dtype) -> nn.Module:
+    """BERT-large from ``config`` (seed 0) in ``dtype``; for ``2:4`` every encoder Linear a
+    ``SemiStructuredLinear(transposable=True)`` with the automatic choice."""
+    from transformers import BertModel
+
+    torch.manual_seed(0)
+    model = BertModel(config).to("cuda", dtype)
+    if variant == "2:4":
+        for name, module in list(model.encoder.named_modules()):
+            if isinstance(module, nn.Linear):
+                replace_module(model.encoder, name,
+                               SemiStructuredLinear.from_dense(module, transposable=True))
+    return model
+
+
+def bert_rows(batch: int = 16, length: int = 384, block: int = 10, rounds: int = 4) -> dict:
+    """Dense and 2:4 BERT-large steps in one process, alternating timed blocks of ``block``
+    steps (``rounds`` each) so both see the same clocks; per precision: ``bf16`` weights, and
+    ``bf16-mixed`` (float32 weights under bf16 autocast, Lightning's ``bf16-mixed``)."""
+    from transformers import BertConfig
 
     config = BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                         intermediate_size=4096)
     ids = torch.randint(0, config.vocab_size, (batch, length), device="cuda")
-    result = {"tokens": batch * length}
-    for variant in ("dense", "2:4"):
-        torch.manual_seed(0)
-        model = BertModel(config).to("cuda", DTYPE)
-        if variant == "2:4":
-            for name, module in list(model.encoder.named_modules()):
-                if isinstance(module, nn.Linear):
-                    replace_module(model.encoder, name,
-                                   SemiStructuredLinear.from_dense(module, transposable=True))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    result = {"tokens": batch * length, "block_steps": block, "rounds": rounds}
+    for precision, dtype in (("bf16", DTYPE), ("bf16-mixed", torch.float32)):
+        steps = {}
+        for variant in ("dense", "2:4", "2:4 engine"):
+            model = bert_model(config, variant.split()[0], dtype)
 
-        def step(model=model, optimizer=optimizer):
-            optimizer.zero_grad(set_to_none=True)
-            model(ids).last_hidden_state.float().square().mean().backward()
-            optimizer.step()
-        result[variant] = bench_ms(step)
-        print(f"BERT-large step {variant:5s} {result[variant]:8.2f} ms", flush=True)
-        del model, optimizer
+            def loss(model=model, mixed=dtype != DTYPE):
+                with torch.autocast("cuda", DTYPE, enabled=mixed):
+                    out = model(ids).last_hidden_state
+                out.float().square().mean().backward()
+            step = trainer_step(model, loss, engine=variant.endswith("engine"), deny=("pooler",))
+            for _ in range(3):  # the first steps time the 2:4 paths
+                step()
+            steps[variant] = step
+        blocks = {variant: [] for variant in steps}
+        for _ in range(rounds):
+            for variant, step in steps.items():
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(block):
+                    step()
+                torch.cuda.synchronize()
+                blocks[variant].append((time.perf_counter() - start) / block * 1e3)
+        row = {variant: statistics.median(ms) for variant, ms in blocks.items()}
+        row["blocks_ms"] = blocks
+        row["speedup"] = row["dense"] / row["2:4"]
+        row["engine_speedup"] = row["dense"] / row["2:4 engine"]
+        result[precision] = row
+        print(f"BERT-large step {precision:10s} dense {row['dense']:7.2f} ms  2:4 "
+              f"{row['2:4']:7.2f} ms ({row['speedup']:.3f}x)  2:4 engine {row['2:4 engine']:7.2f}"
+              f" ms ({row['engine_speedup']:.3f}x)  blocks {blocks}", flush=True)
+        del steps
         torch.cuda.empty_cache()
-    result["speedup"] = result["dense"] / result["2:4"]
     result["choices"] = [{"key": [str(k) for k in key], "forward": c.forward,
                           "input_grad": c.input_grad, "reason": c.reason}
                          for key, c in path_module.cached_choices().items()

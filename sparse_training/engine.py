@@ -287,9 +287,11 @@ class SparsityEngine:
         if optimizer in self._attached:
             return
         slots = self._slots_of(optimizer)
-        fused = self._use_fused(optimizer, slots)  # raises before anything is registered
-        attached = self._attached[optimizer] = Attached(
-            slots, _of_optimizer(self.compressed, optimizer))
+        attached = Attached(slots, _of_optimizer(self.compressed, optimizer))
+        fused = self._use_fused(optimizer, attached.enforced)  # raises before any change
+        self._attached[optimizer] = attached
+        for slot in attached.enforced[len(slots):]:
+            slot.layer.masks_gradient = False  # the step masks it
         if fused:
             attached.handles.append(optimizer.register_step_pre_hook(
                 functools.partial(fused_step, attached)))
@@ -329,6 +331,8 @@ class SparsityEngine:
         for compressed in self.compressed:
             compressed.recording = False
             compressed.clear_gradient()
+            if compressed.masked_dense:
+                compressed.layer.masks_gradient = True
         for slot in self.slots:
             if _owner(slot.param) is self:
                 del _OWNERS[id(slot.param)]

@@ -30,14 +30,16 @@ _GRAD = operator.attrgetter("grad")
 class Attached:
     """An optimizer's slots and the lists its per-step passes read, built once (the hot
     path is a few C-level maps, not a Python loop over slots). ``compressed``: its
-    compressed layers' slots, which regrowth moves but nothing masks."""
+    compressed layers' slots; regrowth moves the block layers' blocks, and the 2:4 layers'
+    dense weights (``masked_dense``) are masked with the masked slots: ``enforced``."""
 
     def __init__(self, slots: list[MaskedSlot], compressed: list[CompressedSlot]) -> None:
         self.slots, self.compressed = slots, compressed
+        self.enforced = [*slots, *(c for c in compressed if c.masked_dense)]
         self.handles: list[RemovableHandle] = []
-        self.params = [s.param for s in slots]
-        self._buffers = [s.module._buffers for s in slots]
-        self._keys = [s.mask_key for s in slots]
+        self.params = [s.param for s in self.enforced]
+        self._buffers = [s.module._buffers for s in self.enforced]
+        self._keys = [s.mask_key for s in self.enforced]
         self._masks: list[Tensor] = []
         self._by_param: dict[Tensor, Tensor] = {}
 

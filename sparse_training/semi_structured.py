@@ -14,7 +14,14 @@ fused optimizers do not move a parameter's version counter) or the weight was wr
 place. Each shape and token count
 is timed once, sparse against dense, and the faster path is kept
 (:mod:`sparse_training.kernels.semi_structured.paths`): never slower than ``nn.Linear``.
-Elsewhere (CPU, fp32, a shape cuSPARSELt refuses) the layer is a masked ``nn.Linear``.
+Elsewhere (CPU, fp32, a shape cuSPARSELt refuses) and where cuBLAS is faster the layer is
+``nn.Linear`` on the weight as it is (zero where pruned: ``set_mask`` and
+``load_state_dict`` zero it, the masked gradient keeps it so) with a masked weight gradient.
+
+Under :class:`~sparse_training.engine.SparsityEngine` (the callback) the optimizer step
+masks the gradient instead (inside the fused step, or with the engine's other masked
+tensors in one pass) and ``masks_gradient`` is False: the dense route is then exactly
+``F.linear`` and costs what ``nn.Linear`` costs.
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ class SemiStructuredLinear(nn.Module):
     """
 
     trained_weight = "weight"  # the parameter holding the weight
+    masks_gradient = True  # False while an engine's optimizer step masks the gradient
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
@@ -150,12 +158,16 @@ class SemiStructuredLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         dtype = self._compute_dtype(x)
         route = self.paths(x, dtype)
-        if isinstance(route, str) or not (route.forward or route.input_grad):
-            return F.linear(x, self.weight * self.mask, self.bias)  # masks dW too
-        packed, packed_t = self._refreshed(dtype, route)
-        return semi_structured_linear(x.to(dtype), self.weight, self.mask, self.bias,
-                                      packed if route.forward else None,
-                                      packed_t if route.input_grad else None)
+        packed = packed_t = None  # cuBLAS on the weight as it is: zero where pruned
+        if not isinstance(route, str) and (route.forward or route.input_grad):
+            packed, packed_t = self._refreshed(dtype, route)
+            packed, packed_t = (packed if route.forward else None,
+                                packed_t if route.input_grad else None)
+        elif not self.masks_gradient:
+            return F.linear(x, self.weight, self.bias)
+        return semi_structured_linear(x.to(dtype), self.weight,
+                                      self.mask if self.masks_gradient else None, self.bias,
+                                      packed, packed_t)
 
     def paths(self, x: Tensor, dtype: torch.dtype | None = None) -> PathChoice | str:
         """The measured choice for an input like ``x`` (timed at its first call), or why

@@ -146,10 +146,15 @@ class CompressedSlot:
     """
 
     compressed = True
+    mask_key = "mask"  # a 2:4 layer's dense mask buffer, which the optimizer hooks read
 
     def __init__(self, name: str, layer: BlockSparseLinear | SemiStructuredLinear) -> None:
         self.name, self.layer = name, layer
         self.movable = isinstance(layer, BlockSparseLinear)  # regrowth moves its blocks
+        # a 2:4 layer keeps a dense weight with zeros: the optimizer hooks mask it as they
+        # mask MaskedSlots (its gradient too, so the layer need not)
+        self.masked_dense = not self.movable
+        self.module = layer
         self._gradient: Tensor | None = None
         self._hook: RemovableHandle | None = None
 

@@ -2,6 +2,8 @@
 sparse/dense decision rule, and what tells the packed copies to refresh. (cuSPARSELt itself
 runs only on the GPU: benchmarks/semi_structured.py checks it there and records it.)"""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -33,6 +35,28 @@ def test_the_dense_path_matches_float64_references_and_masks_the_weight_gradient
     torch.testing.assert_close(weight.grad, weight_grad_reference(grad, x, mask))
     torch.testing.assert_close(bias.grad, grad.sum(0))
     assert not weight.grad[~mask].any()
+
+
+def test_under_autocast_the_layer_is_nn_linear_with_a_masked_gradient_in_the_weights_dtype():
+    """The dense route adds no weight pass of its own: same output and dX as ``nn.Linear``
+    under bf16 autocast, dW the masked float32 gradient (the mask fused into the cast)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(32, 16)
+    layer = SemiStructuredLinear.from_dense(linear)
+    linear.weight.data.copy_(layer.weight.detach())
+    x = torch.randn(3, 5, 32)
+    outputs = []
+    for module in (linear, layer):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = module(xi)
+        y.float().square().sum().backward()
+        outputs.append((y, xi.grad, module.weight.grad))
+    (y_ref, dx_ref, dw_ref), (y, dx, dw) = outputs
+    assert y.dtype == torch.bfloat16 and dw.dtype == torch.float32
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+    torch.testing.assert_close(dx, dx_ref, rtol=0, atol=0)
+    torch.testing.assert_close(dw, dw_ref * layer.mask, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("transposable", [False, True])
@@ -81,6 +105,42 @@ def test_training_keeps_pruned_weights_zero_and_counts_optimizer_steps():
     assert not layer.weight[~layer.mask].any() and layer.weight[layer.mask].all()
     # torch's fused AdamW leaves the version counter alone: the global step count moves
     assert semi_structured._OPTIMIZER_STEPS[0] == steps + 3
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_under_the_engine_the_optimizer_step_masks_the_gradient_instead_of_the_layer(fused):
+    """Attached to an engine, the layer leaves dW unmasked (its dense route is plain
+    ``F.linear``) and the engine's step masks it: the same weights as the layer masking its
+    own gradient under torch's AdamW, zeros held in weights and optimizer state."""
+    from sparse_training import SparsityConfig, SparsityEngine
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(SemiStructuredLinear(32, 16, transposable=True), nn.GELU(),
+                              SemiStructuredLinear(16, 8))
+    model = copy.deepcopy(reference)
+    engine = SparsityEngine(model, SparsityConfig("2:4", fused=fused))
+    engine.start(10)
+    inputs = [torch.randn(6, 32) for _ in range(3)]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)]
+    engine.attach(optimizers[1])
+    assert [m.masks_gradient for m in model if isinstance(m, SemiStructuredLinear)] == [False] * 2
+    for step, x in enumerate(inputs):
+        engine.on_step_start(step)
+        for net, optimizer in zip((reference, model), optimizers, strict=True):
+            optimizer.zero_grad()
+            net(x).square().mean().backward()
+            if net is model:
+                engine.before_optimizer_step(optimizer, step, clipping=False)
+            optimizer.step()
+        engine.on_step_end()
+    for ours, theirs in zip(model, reference, strict=True):
+        if isinstance(ours, SemiStructuredLinear):
+            torch.testing.assert_close(ours.weight, theirs.weight, rtol=1e-5, atol=1e-6)
+            assert not ours.weight[~ours.mask].any()
+            state = optimizers[1].state[ours.weight]
+            assert not state["exp_avg"][~ours.mask].any()
+    engine.detach()
+    assert all(m.masks_gradient for m in model if isinstance(m, SemiStructuredLinear))
 
 
 def times(**ms):
