@@ -1,13 +1,14 @@
-"""examples/mnist_sweep.py: config handling, and a reduced sweep on real MNIST whose outputs
-and offline W&B runs are read back (3,000 training images, one sparsity, two methods)."""
+"""examples/mnist_sweep.py: config handling, and a reduced sweep on real MNIST whose outputs,
+printed lines and offline W&B runs are read back (3,000 training images, one sparsity, two
+methods). The generic pieces (examples/reporting.py) are tested in tests/test_reporting.py."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
-import struct
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,8 @@ sys.path.insert(0, str(EXAMPLES))
 
 import mnist_data  # noqa: E402
 import mnist_sweep  # noqa: E402
+import reporting  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
 MNIST_DIR = mnist_data.resolve_data_dir(None)
 needs_mnist = pytest.mark.skipif(
@@ -30,8 +33,15 @@ needs_mnist = pytest.mark.skipif(
 # -- config -------------------------------------------------------------------------------------
 
 
+def load(argv: list[str]) -> DictConfig:
+    """The sweep's config as main() gets it: loaded by reporting, then checked."""
+    cfg = reporting.load_config(argv, mnist_sweep.CONFIG, mnist_sweep.DESCRIPTION)
+    mnist_sweep.check_config(cfg)
+    return cfg
+
+
 def test_default_config_is_the_issue_sweep() -> None:
-    cfg = mnist_sweep.load_config([])
+    cfg = load([])
     assert list(cfg.sparsities) == [0.7, 0.8, 0.9, 0.95, 0.98, 0.99]
     assert list(cfg.methods) == ["oneshot", "oneshot+finetune", "gmp", "rigl"]
     for method in cfg.methods:  # every method's callback arguments build a SparsityCallback
@@ -39,7 +49,7 @@ def test_default_config_is_the_issue_sweep() -> None:
 
 
 def test_command_line_overrides() -> None:
-    cfg = mnist_sweep.load_config(
+    cfg = load(
         [
             "sparsities=[0.9]",
             "methods=[gmp]",
@@ -54,7 +64,7 @@ def test_command_line_overrides() -> None:
 
 
 def test_new_method_from_the_command_line() -> None:
-    cfg = mnist_sweep.load_config(
+    cfg = load(
         [
             "methods=[gmp,linear]",
             "method_specs.linear={init: dense, train: true, callback: {pattern: unstructured, "
@@ -72,18 +82,16 @@ def test_new_method_from_the_command_line() -> None:
 def test_other_yaml_as_base(tmp_path: Path) -> None:
     base = mnist_sweep.CONFIG.read_text().replace("epochs: 10 ", "epochs: 2 ")
     (tmp_path / "mine.yaml").write_text(base)
-    cfg = mnist_sweep.load_config([f"config={tmp_path / 'mine.yaml'}", "seed=3"])
+    cfg = load([f"config={tmp_path / 'mine.yaml'}", "seed=3"])
     assert cfg.epochs == 2 and cfg.seed == 3
 
 
 @pytest.mark.parametrize(
     ("argv", "match"),
     [
-        (["epoch=3"], "epoch"),  # misspelt key: OmegaConf's struct mode names it
+        (["epoch=3"], r"unknown key 'epoch'; did you mean 'epochs'\?"),
         (["methods=[magic]"], r"unknown methods \['magic'\]; defined: \['oneshot'"),
         (["sparsities=[1.0]"], r"sparsities must lie in \[0, 1\), got \[1.0\]"),
-        (["logger=tensorboard"], "logger must be wandb or none, got 'tensorboard'"),
-        (["wandb_mode=cloud"], "wandb_mode must be auto, online, offline or disabled"),
         (["method_specs.gmp.init=random"], "method gmp: init must be dense or scratch"),
         (["method_specs.gmp.trian=false"], r"method gmp must have exactly the keys init, train"),
         (["method_specs.gmp.callback.ned=0.5"], r"method gmp: .*unexpected keyword argument 'ned'"),
@@ -93,8 +101,21 @@ def test_other_yaml_as_base(tmp_path: Path) -> None:
     ],
 )
 def test_bad_config_fails_before_training(argv: list[str], match: str) -> None:
-    with pytest.raises(mnist_sweep.ConfigError, match=match):
-        mnist_sweep.load_config(argv)
+    with pytest.raises(reporting.ConfigError, match=match):
+        load(argv)
+
+
+def test_help_lists_every_key(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        mnist_sweep.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("MNIST sparsity sweep: accuracy versus sparsity of LeNet-300-100")
+    assert "gmp                gradual magnitude pruning" in text  # the method list
+    assert "config=PATH" in text
+    for line in ["  epochs: 10 ", "  sparsities: [0.7, 0.8, 0.9, 0.95, 0.98, 0.99]"]:
+        assert line in text
+    assert "  wandb_mode: auto          # auto: online with an API key" in text
 
 
 def test_count_separates_pruned_layers_from_all_params() -> None:
@@ -108,56 +129,6 @@ def test_count_separates_pruned_layers_from_all_params() -> None:
     assert counts.sparsity_layers == pytest.approx(0.9, abs=1e-5)
     assert counts.params_total == 266_610
     assert counts.params_kept == counts.weights_kept + 100 * 10 + 300 + 100 + 10
-
-
-# -- reading an offline W&B run back ------------------------------------------------------------
-
-
-def wandb_records(path: Path) -> Iterator[Any]:
-    """Records of a `run-*.wandb` file: W&B's LevelDB-style log of protobuf `Record`s.
-
-    Layout: a 7-byte header (":W&B", magic, version), then 32 KiB blocks of chunks, each
-    with a 7-byte header (crc32c, little-endian length, type: 1 full, 2 first, 3 middle,
-    4 last); a block tail shorter than a chunk header is padding.
-    """
-    from wandb.proto import wandb_internal_pb2
-
-    data, block = path.read_bytes(), 32 * 1024
-    assert data[:4] == b":W&B", f"{path} is not a W&B run file"
-    pos, pending = 7, b""
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:
-            pos += block - pos % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
-        if kind in (1, 2):
-            pending = chunk
-        elif kind in (3, 4):
-            pending += chunk
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            yield record
-
-
-def offline_run(run_dir: Path) -> dict[str, Any]:
-    """Name, config, history keys and summary of one offline run, from its .wandb file."""
-    run: dict[str, Any] = {"history": {}, "summary": {}, "config": {}}
-    for record in wandb_records(next(run_dir.glob("run-*.wandb"))):
-        kind = record.WhichOneof("record_type")
-        if kind in ("run", "config"):  # wandb.init's config rides in the run record
-            if kind == "run":
-                run["name"] = record.run.display_name
-            config = record.run.config if kind == "run" else record.config
-            for item in config.update:
-                run["config"][item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
-        elif kind in ("history", "summary"):
-            items = record.history.item if kind == "history" else record.summary.update
-            for item in items:
-                key = item.key or "/".join(item.nested_key)
-                run[kind][key] = json.loads(item.value_json)
-    return run
 
 
 # -- the reduced sweep --------------------------------------------------------------------------
@@ -182,8 +153,9 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "logger=wandb",
         "wandb_mode=offline",
     ]
-    result = mnist_sweep.main(argv)
-    return {"out": out, "argv": argv, **result}
+    with contextlib.redirect_stdout(io.StringIO()) as stdout:
+        result = mnist_sweep.main(argv)
+    return {"out": out, "argv": argv, "stdout": stdout.getvalue(), **result}
 
 
 @needs_mnist
@@ -213,6 +185,19 @@ def test_sweep_tables(sweep: dict[str, Any]) -> None:
 
 
 @needs_mnist
+def test_sweep_prints_progress_and_the_sync_command(sweep: dict[str, Any]) -> None:
+    lines = sweep["stdout"].splitlines()
+    starts = [line for line in lines if line.startswith("run ")]
+    assert starts[0].startswith("run 1/2 · oneshot @ 0.90 · ")
+    assert starts[0].endswith(" elapsed · estimating time left")
+    assert starts[1].startswith("run 2/2 · gmp @ 0.90 · ") and starts[1].endswith(" left")
+    assert "~" in starts[1]  # an estimate once one run has finished
+    results = [line for line in lines if line.startswith("  gmp @ 0.90: accuracy ")]
+    assert len(results) == 1 and results[0].endswith("s") and "params kept" in results[0]
+    assert f"wandb sync {sweep['out'] / 'wandb'}/offline-run-*" in sweep["stdout"]
+
+
+@needs_mnist
 def test_sweep_pruned_nets_are_really_sparse(sweep: dict[str, Any]) -> None:
     # The gmp run's reported counts come from the net itself: recount from a fresh prune.
     rows = {r["method"]: r for r in sweep["rows"]}
@@ -223,29 +208,31 @@ def test_sweep_pruned_nets_are_really_sparse(sweep: dict[str, Any]) -> None:
 @needs_mnist
 def test_sweep_offline_wandb_runs(sweep: dict[str, Any]) -> None:
     run_dirs = sorted((sweep["out"] / "wandb").glob("offline-run-*"))
-    runs = {run["name"]: run for run in map(offline_run, run_dirs)}
+    runs = {run["_name"]: run for run in map(reporting.read_offline_run, run_dirs)}
     assert set(runs) == {"dense", "oneshot@0.9", "gmp@0.9", "summary"}
     for row in sweep["rows"]:  # one run per configuration, its result in the summary
         run = runs[f"{row['method']}@0.9"]
-        assert run["summary"]["accuracy"] == row["accuracy"]
-        assert run["config"]["method"] == row["method"]
-    assert any(k.startswith("sparsity/global") for k in runs["gmp@0.9"]["history"])
+        assert run["accuracy"] == row["accuracy"]
+        assert run["_config"]["method"] == row["method"]
+    assert any(k.startswith("sparsity/global") for k in runs["gmp@0.9"])
     summary = runs["summary"]
-    # The results table: logged as a table file whose rows are results.csv's.
-    assert summary["history"]["results/_type"] == "table-file"
-    table_dir = next(d for d in run_dirs if offline_run(d)["name"] == "summary") / "files"
-    table = json.loads((table_dir / summary["history"]["results/path"]).read_text())
+    # The results table: its rows are results.csv's.
+    table = summary["results"]
+    assert table["_type"] == "table-file"
     assert table["columns"][:3] == ["method", "sparsity", "sparsity_layers"]
     assert [row[table["columns"].index("accuracy")] for row in table["data"]] == [
         r["accuracy"] for r in sweep["rows"]
     ]
-    # The line plot: a custom chart over its own table, one stroke per method.
-    assert summary["history"]["accuracy_vs_sparsity_table/_type"] == "table-file"
-    chart = summary["config"]["_wandb/visualize/accuracy_vs_sparsity"]["panel_config"]
+    # The line plot: a custom chart over its own table, one stroke per series (method, dense,
+    # the reference's finetune column).
+    curve = summary["accuracy_vs_sparsity_table"]
+    assert curve["columns"] == ["series", "sparsity", "accuracy"]
+    assert {row[0] for row in curve["data"]} == {"oneshot", "gmp", "dense", "reference finetune"}
+    chart = summary["accuracy_vs_sparsity"]["panel_config"]
     assert chart["panelDefId"] == "wandb/line/v0"
-    assert chart["fieldSettings"] == {"x": "sparsity", "y": "accuracy", "stroke": "method"}
-    assert "accuracy_vs_sparsity_png/_type" in summary["history"]
-    assert summary["summary"]["dense_accuracy"] == sweep["dense"]["accuracy"]
+    assert chart["fieldSettings"] == {"x": "sparsity", "y": "accuracy", "stroke": "series"}
+    assert summary["accuracy_vs_sparsity_png"]["_type"] == "image-file"
+    assert summary["dense_accuracy"] == sweep["dense"]["accuracy"]
 
 
 @needs_mnist
