@@ -13,12 +13,19 @@ from sparse_training.engine import SparsityEngine
 from sparse_training.masks import global_masks, pattern_mask
 from sparse_training.patcher import densify, sparsify
 from sparse_training.patterns import Pattern, parse_pattern
+from sparse_training.permutations import (
+    find_sites,
+    kept_magnitude,
+    permute_channels,
+    search_permutation,
+)
 from sparse_training.semi_structured import SemiStructuredLinear
 from sparse_training.slots import make_permanent
 
 __all__ = ["BlockSparseLinear", "Pattern", "SemiStructuredLinear", "SparsityCallback",
-           "SparsityConfig", "SparsityEngine", "densify", "global_masks", "make_permanent", "parse_pattern",
-           "pattern_mask", "sparsify"]
+           "SparsityConfig", "SparsityEngine", "densify", "find_sites", "global_masks",
+           "kept_magnitude", "make_permanent", "parse_pattern", "pattern_mask",
+           "permute_channels", "search_permutation", "sparsify"]
 __version__ = "0.1.0"
 
 
