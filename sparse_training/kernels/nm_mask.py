@@ -23,15 +23,21 @@ def nm_topk_configs() -> list[triton.Config]:
     ]
 
 
-def _interpreter_prune(configs, named_args, **kwargs):
-    # Under TRITON_INTERPRET=1 timing candidates is meaningless and slow: keep one.
-    return configs[:1] if kernels_run_on(torch.device("cpu")) else configs
+TILE_BUDGET = 16384  # BLOCK_G x M_POW2 scores per iteration: more crashed Triton 3.6 at M = 32
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Tiles of at most TILE_BUDGET scores (a thread holds whole groups, so larger tiles at
+    M = 32 exhaust registers); under TRITON_INTERPRET=1 one candidate (timing is moot)."""
+    m_pow2 = kwargs.get("M_POW2", named_args.get("M_POW2", 1))
+    fitting = [c for c in configs if c.kwargs["BLOCK_G"] * m_pow2 <= TILE_BUDGET]
+    return fitting[:1] if kernels_run_on(torch.device("cpu")) else fitting
 
 
 @triton.autotune(
     configs=nm_topk_configs(),
     key=["M_POW2", "SCORE_DTYPE", "ALIGNED", "WORDS"],
-    prune_configs_by={"early_config_prune": _interpreter_prune},
+    prune_configs_by={"early_config_prune": _prune_configs},
 )
 @triton.jit
 def _nm_topk_kernel(
