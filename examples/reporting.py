@@ -46,7 +46,8 @@ def load_config(
     prog: str | None = None,
     open_keys: Iterable[str] = ("method_specs",),
 ) -> DictConfig:
-    """Base YAML (yaml_path, or `config=PATH`) merged with OmegaConf dot-list overrides.
+    """The YAML at yaml_path, then the keys of each `config=PATH` file (a recipe: any subset
+    of the keys), then OmegaConf dot-list overrides.
 
     Unknown keys fail naming the nearest valid key, except below `open_keys` (mappings of
     named entries, where new ones may be added); logger and wandb_mode must be one of
@@ -59,11 +60,15 @@ def load_config(
     overrides = [a for a in argv if not a.startswith("config=")]
     if bad := [a for a in overrides if "=" not in a]:
         raise ConfigError(f"arguments must be key=value overrides, got {bad} (see --help)")
-    base = Path(paths[-1]) if paths else yaml_path
-    if not base.is_file():
-        raise ConfigError(f"config file {base} not found")
-    cfg = OmegaConf.load(base)
+    cfg = OmegaConf.load(yaml_path)
     open_keys = [k for k in open_keys if isinstance(cfg.get(k), DictConfig)]
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise ConfigError(f"config file {path} not found")
+        recipe = OmegaConf.load(path)
+        for key in recipe:
+            _check_key(cfg, str(key), open_keys)
+        cfg = OmegaConf.merge(cfg, recipe)
     for override in overrides:
         _check_key(cfg, override.split("=", 1)[0], open_keys)
     OmegaConf.set_struct(cfg, True)  # a misspelt key in the code fails too
@@ -108,7 +113,7 @@ def config_help(yaml_path: Path, description: str, prog: str) -> str:
         "",
         "usage:",
         f"  {prog} [KEY=VALUE ...]              override any key below (OmegaConf dot-list)",
-        f"  {prog} config=PATH [KEY=VALUE ...]  another YAML file as the base",
+        f"  {prog} config=PATH [KEY=VALUE ...]  a YAML of keys to replace (a recipe)",
         f"  {prog} --help                       this text",
         "",
         f"configuration keys of {yaml_path.name} (KEY: default  # comment):",

@@ -331,7 +331,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             rows.append(row)
             reporting.write_results(Path(cfg.out_dir), rows)  # what a cut-off sweep leaves
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    header = (f"SQuAD v1.1 dev, articles 0-37 fine-tune / 38-47 scored; {gpu}; "
+    split = (f"trained on {cfg.train_file}, the whole dev set scored" if cfg.train_file else
+             "SQuAD v1.1 dev, articles 0-37 fine-tune / 38-47 scored")
+    header = (f"{split}; {gpu}; "
               f"torch {torch.__version__}; sweep {time.perf_counter() - sweep_start:.0f} s")
     report(cfg, rows, group, header)
     return rows

@@ -94,10 +94,17 @@ def test_load_config_overrides_and_other_base(small_yaml: Path, tmp_path: Path) 
     # Below an open key (method_specs) new entries may be added...
     cfg = reporting.load_config(["method_specs.rigl={train: false}"], small_yaml, "")
     assert cfg.method_specs.rigl.train is False
-    # ...and config=PATH replaces the base file.
+    # ...and config=PATH replaces the keys it holds (a whole file, or a recipe of a few).
     other = tmp_path / "other.yaml"
     other.write_text(small_yaml.read_text().replace("lr: 0.1", "lr: 0.3"))
     assert reporting.load_config([f"config={other}"], small_yaml, "").optim.lr == 0.3
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("sparsities: [0.7]\n")
+    cfg = reporting.load_config([f"config={recipe}", "optim.lr=0.2"], small_yaml, "")
+    assert list(cfg.sparsities) == [0.7] and cfg.optim.lr == 0.2
+    recipe.write_text("sparsity: [0.7]\n")
+    with pytest.raises(reporting.ConfigError, match="unknown key 'sparsity'"):
+        reporting.load_config([f"config={recipe}"], small_yaml, "")
 
 
 @pytest.mark.parametrize(

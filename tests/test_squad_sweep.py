@@ -61,6 +61,13 @@ def test_window_labels_point_at_the_answer_and_gold_spans_score_100(tokenizer):
     assert squad_data.squad_scores(predictions, kept) == {"exact_match": 100.0, "f1": 100.0}
 
 
+def test_the_full_size_recipe_is_a_valid_set_of_keys():
+    cfg = reporting.load_config([f"config={EXAMPLES / 'configs/squad_bert_large.yaml'}"],
+                                squad_sweep.CONFIG, "")
+    assert (cfg.model_dir, cfg.lr, cfg.epochs) == ("bert-large-uncased", 3e-5, 2)
+    assert len(cfg.runs) == 24  # the sweep's rows come from squad.yaml
+
+
 def test_tiny_sweep_end_to_end_with_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = tmp_path / "out"
