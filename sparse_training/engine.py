@@ -19,6 +19,8 @@ tensor, :func:`~sparse_training.selection.plan_tensors` decides, one
 pruned gradients are zeroed before the optimizer step and pruned weights after it, each
 in one multi-tensor pass (:func:`sparse_training.kernels.zero_pruned_`), or by the fused
 optimizer kernel; optimizer state is zeroed wherever a mask update prunes or grows.
+Parameters sharded by FSDP2 (DTensors) get masks of the whole tensor, computed from it
+gathered at mask updates, and enforced on the local shards (:mod:`sparse_training.sharding`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from sparse_training.optimizer_hooks import Attached, after_step, fused_step, ma
 from sparse_training.patcher import COMPRESSED_LAYERS
 from sparse_training.ranks import check_across_ranks
 from sparse_training.selection import plan_model
+from sparse_training.sharding import sharding_problem
 from sparse_training.slots import CompressedSlot, MaskedSlot
 from sparse_training.state import FORMAT, check_masks, check_settings, check_state, pack_masks
 from sparse_training.tensors import zeros_problem
@@ -100,6 +103,9 @@ class SparsityEngine:
             self.set_masks(restored, step=None, broadcast=False, check=False)
 
     def _check_slots(self) -> None:
+        if problem := sharding_problem(self.model, self.slots, self.compressed,
+                                       self.config.regrow):
+            raise ValueError(problem)
         for slot in self.slots:
             where = f"tensor {slot.name!r} ({slot.plan.kind})"
             if slot.param.is_meta:
@@ -223,24 +229,28 @@ class SparsityEngine:
 
     @torch.no_grad()
     def set_masks(self, new_masks: dict[str, Tensor], step: int | None, broadcast: bool,
-                  reset_state: bool = True, check: bool = True) -> None:
-        """Install masks (keyed by tensor name): zero the pruned weights and, with
-        ``reset_state``, every optimizer-state tensor wherever a position is not kept in
-        both the old and the new mask (pruned, or grown and so starting from zero). Under
-        torch.distributed, rank 0's masks are broadcast (``broadcast``) and checksums
-        compared (``check`` and ``config.check_masks``)."""
+                  reset_state: bool = True, check: bool = True,
+                  local_shard: bool = False) -> None:
+        """Install masks (keyed by tensor name; of the whole tensors, or with
+        ``local_shard`` of the local shards of sharded ones): zero the pruned weights and,
+        with ``reset_state``, every optimizer-state tensor wherever a position is not kept
+        in both the old and the new mask (pruned, or grown and so starting from zero).
+        Under torch.distributed, rank 0's masks are broadcast (``broadcast``) and checksums
+        compared (``check`` and ``config.check_masks``; of the new whole masks of sharded
+        tensors)."""
         for slot in self.slots:
             new = new_masks.get(slot.name)
             if new is None:
                 continue
-            restart = slot.set_mask(new)
+            restart = slot.set_mask(new, local_shard)
             if reset_state:
                 for optimizer in self._attached:
                     for value in slot.state_tensors(optimizer):
                         value.masked_fill_(restart, 0)
         self._stats = None
         if check:
-            check_across_ranks(self.slots, step, broadcast, self.config.check_masks)
+            check_across_ranks([s for s in self.slots if not s.sharded or s.name in new_masks],
+                               step, broadcast, self.config.check_masks, new_masks)
 
     def move_blocks(self, new_masks: dict[str, Tensor], step: int,
                     gradients: dict[str, Tensor]) -> None:
@@ -256,7 +266,7 @@ class SparsityEngine:
 
     def zero_pruned_gradients(self, slots: Iterable[MaskedSlot]) -> None:
         """Zero the gradients of pruned weights, one multi-tensor pass."""
-        pairs = [(s.param.grad, s.mask) for s in slots if s.param.grad is not None]
+        pairs = [(s.local_grad, s.mask) for s in slots if s.param.grad is not None]
         if pairs:
             zero_pruned_(*zip(*pairs, strict=True))
 
@@ -264,7 +274,7 @@ class SparsityEngine:
         """Zero the pruned weights, one multi-tensor pass."""
         slots = list(slots)
         with torch.no_grad():
-            zero_pruned_([s.param for s in slots], [s.mask for s in slots])
+            zero_pruned_([s.local_param for s in slots], [s.mask for s in slots])
 
     # -- optimizers -------------------------------------------------------------------------
     def _slots_of(self, optimizer: Optimizer) -> list[MaskedSlot]:
@@ -303,7 +313,7 @@ class SparsityEngine:
                 optimizer.register_step_post_hook(functools.partial(after_step, self, attached))]
         if not self.updater.dense_state:
             self.set_masks({s.name: s.mask.clone() for s in slots}, step=None, broadcast=False,
-                           check=False)
+                           check=False, local_shard=True)
 
     def _use_fused(self, optimizer: Optimizer, slots: list[MaskedSlot]) -> bool:
         """The fused-step policy: ``"auto"`` on CUDA where the kernels serve the optimizer,
@@ -313,6 +323,8 @@ class SparsityEngine:
         from sparse_training.kernels import fused_unsupported_reason
 
         reason = ("SR-STE keeps dense optimizer state" if self.updater.dense_state
+                  else "its parameters are sharded DTensors (FSDP2), the fused kernels take "
+                  "plain tensors" if any(s.sharded for s in slots)
                   else fused_unsupported_reason(optimizer))
         if self.config.fused is True and reason is not None:
             raise ValueError(f"fused=True cannot serve {type(optimizer).__name__}: {reason}; "
@@ -346,10 +358,9 @@ class SparsityEngine:
     @property
     def tensor_sparsity(self) -> dict[str, float]:
         """Fraction of zeros in each selected tensor's mask and each compressed layer's dense
-        form (one sync per mask change)."""
+        form (one sync per mask change; with sharded tensors an all-reduce, on every rank)."""
         if self._stats is None:
-            kept = torch.stack([s.mask.sum() for s in self.slots]).tolist() if self.slots \
-                else []
+            kept = torch.stack([s.kept() for s in self.slots]).tolist() if self.slots else []
             self._stats = {s.name: 1.0 - k / s.plan.numel
                            for s, k in zip(self.slots, kept, strict=True)}
             self._stats.update({s.name: s.layer.sparsity for s in self.compressed})

@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from sparse_training.kernels import zero_pruned_
+from sparse_training.sharding import is_sharded, local
 
 if TYPE_CHECKING:
     from sparse_training.engine import SparsityEngine
@@ -38,6 +39,9 @@ class Attached:
         self.enforced = [*slots, *(c for c in compressed if c.masked_dense)]
         self.handles: list[RemovableHandle] = []
         self.params = [s.param for s in self.enforced]
+        # FSDP2's DTensors: their local shards are zeroed, looked up at every pass (FSDP
+        # swaps a parameter's local tensor at its lazy init)
+        self.sharded = any(map(is_sharded, self.params))
         self._buffers = [s.module._buffers for s in self.enforced]
         self._keys = [s.mask_key for s in self.enforced]
         self._masks: list[Tensor] = []
@@ -61,6 +65,8 @@ class Attached:
 
     def zero_pruned_gradients(self) -> None:
         grads = list(map(_GRAD, self.params))
+        if self.sharded:
+            grads = [None if g is None else local(g) for g in grads]
         masks = self.masks
         if any(g is None for g in grads):  # unused tensors (`None in grads` calls __eq__)
             pairs = [(g, m) for g, m in zip(grads, masks, strict=True) if g is not None]
@@ -69,7 +75,8 @@ class Attached:
 
     def zero_pruned_weights(self) -> None:
         with torch.no_grad():
-            zero_pruned_(self.params, self.masks)
+            zero_pruned_(list(map(local, self.params)) if self.sharded else self.params,
+                         self.masks)
 
 
 StepArgs = tuple[tuple[Any, ...], dict[str, Any]]

@@ -4,11 +4,15 @@ Masks agree by construction (magnitudes of identical weights, RigL's gradients a
 DDP's all-reduce, random draws from (seed, step)). When they are created, rank 0's are
 broadcast once; after every update, one all-reduce of a checksum per tensor compares them
 (``check_masks``), and a difference raises, naming the tensors.
+
+A tensor sharded by FSDP2 (:mod:`sparse_training.sharding`) is compared by its whole mask:
+each rank computes it from the gathered tensor and keeps its shard, so the whole masks
+must agree; its weights are not broadcast (each rank holds its own shard of them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,25 +49,38 @@ def average_across_ranks(tensors: Sequence[Tensor]) -> None:
 
 @torch.no_grad()
 def check_across_ranks(slots: Sequence[MaskedSlot | CompressedSlot], step: int | None,
-                       broadcast: bool, check: bool) -> None:
+                       broadcast: bool, check: bool,
+                       whole_masks: Mapping[str, Tensor] | None = None) -> None:
     """Under torch.distributed: rank 0's masks and weights installed everywhere
     (``broadcast``, once, when the masks are created), then (``check``) one checksum
-    all-reduce.
+    all-reduce. A sharded slot is compared by its whole mask: ``whole_masks[name]`` if
+    given (just computed), else gathered.
 
     Raises:
         RuntimeError: a rank's masks differ, naming the tensors.
     """
     if not slots or not _distributed():
         return
+    whole_masks = whole_masks or {}
+
+    def whole(slot: MaskedSlot | CompressedSlot) -> Tensor:
+        if not slot.sharded:
+            return slot.mask
+        return whole_masks[slot.name] if slot.name in whole_masks else slot.full_mask()
+
     if broadcast:  # rank 0's masks and weights, so that no rank keeps what another pruned
+        received = {}
         for slot in slots:
-            as_bytes = slot.mask.to(torch.uint8)
+            as_bytes = whole(slot).to(torch.uint8)
             dist.broadcast(as_bytes, src=0)
-            dist.broadcast(slot.param.data, src=0)
-            slot.set_mask(as_bytes.bool())
+            if not slot.sharded:  # a sharded weight has no replica to agree with
+                dist.broadcast(slot.param.data, src=0)
+            received[slot.name] = as_bytes.bool()
+            slot.set_mask(received[slot.name])
+        whole_masks = received
     if not check:
         return
-    sums = torch.stack([mask_checksum(slot.mask) for slot in slots])
+    sums = torch.stack([mask_checksum(whole(slot)) for slot in slots])
     extremes = torch.cat([sums, -sums])
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
     high, low = extremes[: len(sums)], -extremes[len(sums):]

@@ -35,6 +35,7 @@ from sparse_training.kernels.block_sparse import dense_to_values
 from sparse_training.patcher import densify
 from sparse_training.selection import TensorPlan
 from sparse_training.semi_structured import SemiStructuredLinear
+from sparse_training.sharding import full, gather_like, is_sharded, local, shard_like, total_like
 from sparse_training.tensors import WeightTensor
 
 MASK_SUFFIX = "_mask"
@@ -67,9 +68,40 @@ class MaskedSlot:
         return self._parameters[self._param_key]
 
     @property
+    def sharded(self) -> bool:
+        """Whether the parameter is a DTensor (FSDP2): the mask buffer then holds the local
+        shard of the full tensor's mask (:mod:`sparse_training.sharding`)."""
+        return is_sharded(self.param)
+
+    @property
+    def local_param(self) -> Tensor:
+        """The parameter's local shard (the parameter itself when not sharded)."""
+        return local(self.param)
+
+    @property
     def mask(self) -> Tensor:
-        """Bool mask of the parameter's shape, True where kept."""
+        """Bool mask of the local parameter's shape (:attr:`local_param`), True where kept."""
         return self._buffers[self.mask_key]
+
+    def full_mask(self) -> Tensor:
+        """The mask of the whole tensor (gathered from every rank when sharded)."""
+        return gather_like(self.mask, self.param) if self.sharded else self.mask
+
+    def full_param(self) -> Tensor:
+        """The whole parameter (gathered from every rank when sharded)."""
+        return full(self.param)
+
+    def kept(self) -> Tensor:
+        """Kept weights of the whole tensor, a 0-dim tensor (an all-reduce when sharded)."""
+        kept = self.mask.sum()
+        return total_like(kept, self.param) if self.sharded else kept
+
+    def gradient_finite(self) -> Tensor:
+        """Whether every entry of the whole gradient is finite, a 0-dim bool tensor."""
+        grad = self.param.grad
+        if not is_sharded(grad):
+            return grad.isfinite().all()
+        return total_like((~local(grad).isfinite()).sum(), grad) == 0
 
     @property
     def installed(self) -> bool:
@@ -79,12 +111,12 @@ class MaskedSlot:
     def existing_mask_problem(self) -> str | None:
         """Why the attribute the mask needs is taken, or None."""
         existing = self._buffers.get(self.mask_key)
-        param = self.param
+        param = self.local_param
         if existing is not None and (existing.dtype != torch.bool
                                      or existing.shape != param.shape):
             return (f"{self.mask_key!r} ({existing.dtype}, {tuple(existing.shape)}) is not a "
-                    f"bool mask of its shape {tuple(param.shape)} (torch.nn.utils.prune?); "
-                    f"remove it")
+                    f"bool mask of its {'local shard' if self.sharded else 'shape'} "
+                    f"{tuple(param.shape)} (torch.nn.utils.prune?); remove it")
         if existing is None and hasattr(self.module, self.mask_key):
             return f"the attribute {self.mask_key!r} is taken; rename it"
         return None
@@ -93,16 +125,20 @@ class MaskedSlot:
         """Register the mask buffer: kept as it is when a bool mask of the right shape is
         there (masks of an earlier fit), all True otherwise."""
         if self.mask_key not in self._buffers:
-            mask = torch.ones_like(self.param, dtype=torch.bool)
+            mask = torch.ones_like(self.local_param, dtype=torch.bool)
             self.module.register_buffer(self.mask_key, mask, persistent=False)
 
     @torch.no_grad()
-    def set_mask(self, mask: Tensor) -> Tensor:
-        """Install ``mask`` and zero the pruned weights; returns the positions whose
-        optimizer state must restart (not kept in both the old and the new mask)."""
+    def set_mask(self, mask: Tensor, local_shard: bool = False) -> Tensor:
+        """Install ``mask``, the whole tensor's (this rank keeps its shard of it), or with
+        ``local_shard`` the local shard's, and zero the pruned weights; returns the local
+        positions whose optimizer state must restart (not kept in both the old and the new
+        mask)."""
+        if self.sharded and not local_shard:
+            mask = shard_like(mask, self.param)
         restart = ~(mask & self.mask)
         self.mask.copy_(mask)
-        self.param.masked_fill_(~self.mask, 0)
+        self.local_param.masked_fill_(~self.mask, 0)
         return restart
 
     @property
@@ -116,12 +152,21 @@ class MaskedSlot:
 
     @property
     def dense_gradient(self) -> Tensor | None:
-        """The gradient at every position, pruned ones included (before masking)."""
-        return self.param.grad
+        """The gradient at every position, pruned ones included (before masking), of the
+        whole tensor (gathered from every rank when sharded)."""
+        grad = self.param.grad
+        return None if grad is None else full(grad)
+
+    @property
+    def local_grad(self) -> Tensor | None:
+        """The gradient's local shard (the gradient itself when not sharded)."""
+        grad = self.param.grad
+        return None if grad is None else local(grad)
 
     def state_tensors(self, optimizer: Optimizer) -> list[Tensor]:
-        """The optimizer's state tensors shaped like the parameter (moments, buffers)."""
-        return _state_tensors(optimizer, self.param)
+        """The optimizer's state tensors shaped like the parameter (moments, buffers), their
+        local shards when sharded."""
+        return [local(v) for v in _state_tensors(optimizer, self.param)]
 
     def forward_weight(self) -> Tensor:
         """The tensor the forward pass uses (a parametrization evaluated)."""
@@ -146,6 +191,7 @@ class CompressedSlot:
     """
 
     compressed = True
+    sharded = False  # the engine refuses compressed layers with sharded parameters
     mask_key = "mask"  # a 2:4 layer's dense mask buffer, which the optimizer hooks read
 
     def __init__(self, name: str, layer: BlockSparseLinear | SemiStructuredLinear) -> None:
@@ -170,6 +216,18 @@ class CompressedSlot:
     @property
     def dense_shape(self) -> torch.Size:
         return torch.Size((self.layer.out_features, self.layer.in_features))
+
+    def full_mask(self) -> Tensor:
+        """The block grid (a compressed layer is never sharded)."""
+        return self.mask
+
+    def kept(self) -> Tensor:
+        """Kept blocks, a 0-dim tensor."""
+        return self.mask.sum()
+
+    def gradient_finite(self) -> Tensor:
+        """Whether every entry of the kept blocks' gradient is finite, a 0-dim bool tensor."""
+        return self.param.grad.isfinite().all()
 
     @property
     def numel(self) -> int:
@@ -263,7 +321,7 @@ def make_permanent(model: nn.Module) -> nn.Module:
             for name, buffer in list(module._buffers.items()):
                 param = module._parameters.get(name.removesuffix(MASK_SUFFIX))
                 if (name.endswith(MASK_SUFFIX) and param is not None and buffer is not None
-                        and buffer.dtype == torch.bool and buffer.shape == param.shape):
+                        and buffer.dtype == torch.bool and buffer.shape == local(param).shape):
                     del module._buffers[name]
     densify(model)
     return model

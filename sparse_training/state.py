@@ -31,9 +31,13 @@ SCHEDULE_SETTINGS = ("schedule", "start", "end", "frequency", "regrow_end")
 
 
 def pack_masks(slots: Sequence[MaskedSlot]) -> dict[str, dict[str, Any]]:
-    """Every slot's mask, bit-packed on the CPU (1 bit per weight)."""
-    return {s.name: {"shape": list(s.mask.shape), "bits": pack_mask(s.mask).cpu()}
-            for s in slots}
+    """Every slot's mask of the whole tensor, bit-packed on the CPU (1 bit per weight); a
+    sharded tensor's is gathered (a collective: every rank saves)."""
+    masks = {}
+    for slot in slots:
+        mask = slot.full_mask()
+        masks[slot.name] = {"shape": list(mask.shape), "bits": pack_mask(mask).cpu()}
+    return masks
 
 
 def check_masks(saved: Any, slots: Sequence[MaskedSlot]) -> dict[str, Tensor]:

@@ -109,7 +109,7 @@ class ScheduledMasks:
         new_masks: dict[str, Tensor] = {}
         pooled = [s for s in engine.slots if s.plan.sparsity is None]  # global distribution
         if pooled:
-            masks = global_masks([s.param for s in pooled], self.config.parsed_pattern,
+            masks = global_masks([s.full_param() for s in pooled], self.config.parsed_pattern,
                                  self.config.sparsity * fraction,
                                  [self.score(engine, s, step) for s in pooled])
             new_masks.update({s.name: m for s, m in zip(pooled, masks, strict=True)})
@@ -117,7 +117,7 @@ class ScheduledMasks:
         for (pattern, target), indices in _by_target(fixed).items():  # one ranking per shape
             group = [fixed[i] for i in indices]
             scores = [self.score(engine, s, step) for s in group]
-            masks = pattern_masks([s.param for s in group], pattern, target * fraction,
+            masks = pattern_masks([s.full_param() for s in group], pattern, target * fraction,
                                   None if scores[0] is None else scores)
             new_masks.update({s.name: m for s, m in zip(group, masks, strict=True)})
         engine.set_masks(new_masks, step, broadcast=created)
@@ -201,13 +201,14 @@ class DropAndGrow(ScheduledMasks):
                     period: int) -> None:
         due = [s for s in slots if self.regrown_period.get(s.name, -1) < period]
         # dense tensors have nothing to swap, unused ones no gradient: they count as done
+        # (a masked tensor's dense gradient is its gradient, gathered when sharded: not here)
         swap = [s for s in due if s.movable and s.param.grad is not None
-                and s.dense_gradient is not None]
+                and (not s.compressed or s.dense_gradient is not None)]
         kept: list[int] = []
         if swap:  # one device sync for every count and the finiteness of every gradient
             *kept, finite = torch.stack(
-                [s.mask.sum() for s in swap]
-                + [torch.stack([s.param.grad.isfinite().all() for s in swap]).all().long()]
+                [s.kept() for s in swap]
+                + [torch.stack([s.gradient_finite() for s in swap]).all().long()]
             ).tolist()
             if not finite:
                 return  # an AMP overflow step: no swaps; the next step of the period retries
@@ -224,13 +225,13 @@ class DropAndGrow(ScheduledMasks):
                kept: list[int] | None = None) -> None:
         """Drop and grow in ``slots`` (``kept``: their masks' counts, if known)."""
         fraction = cosine_fraction(step, self.regrow_end, self.config.regrow_fraction)
-        kept = kept if kept is not None else [int(s.mask.sum()) for s in slots]
+        kept = kept if kept is not None else [int(s.kept()) for s in slots]
         masked = [i for i, s in enumerate(slots) if not s.compressed]
         compressed = [i for i, s in enumerate(slots) if s.compressed]
         new_masks = {}
         for (pattern, _), indices in _by_target([slots[i] for i in masked]).items():
             group = [slots[masked[i]] for i in indices]
-            masks = drop_and_grow([s.mask for s in group], [s.param for s in group],
+            masks = drop_and_grow([s.full_mask() for s in group], [s.full_param() for s in group],
                                   [self.grow_score(engine, s, step) for s in group], pattern,
                                   fraction, [kept[masked[i]] for i in indices])
             new_masks.update({s.name: m for s, m in zip(group, masks, strict=True)})

@@ -10,6 +10,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.strategies import FSDPStrategy
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
@@ -19,6 +20,7 @@ from sparse_training.config import SparsityConfig, settings_signature
 from sparse_training.engine import SparsityEngine
 from sparse_training.schedules import GRADUAL
 from sparse_training.selection import format_table
+from sparse_training.sharding import FSDP1_PROBLEM
 from sparse_training.state import check_settings
 
 MIN_GRADUAL_UPDATES = 3  # fewer and a gradual schedule is a few jumps: warn
@@ -34,9 +36,12 @@ class SparsityCallback(Callback):
     steps. Masks are updated at the start of the optimizer steps the schedule names;
     gradients are masked in ``on_before_optimizer_step`` (after AMP unscaling, before
     gradient clipping), where regrowth also reads the dense gradients; pruned weights are
-    zeroed after every optimizer step that ran. The masks and the schedule's progress go
-    into Lightning's checkpoints as this callback's state; the model's ``state_dict``
-    stays plain. ``fit`` ends with a one-line summary.
+    zeroed after every optimizer step that ran. Under ``ModelParallelStrategy`` (FSDP2,
+    ``fully_shard`` in ``configure_model``) the masks are those of the whole tensors and
+    each rank enforces its shard (:mod:`sparse_training.sharding`); ``FSDPStrategy``
+    (FSDP1) is refused. The masks and the schedule's progress go into Lightning's
+    checkpoints as this callback's state; the model's ``state_dict`` stays plain. ``fit``
+    ends with a one-line summary.
 
     A later ``fit`` with the same callback: resuming (``ckpt_path``) restores the
     checkpoint's masks and schedule; a new Trainer without ``ckpt_path`` runs the
@@ -90,6 +95,8 @@ class SparsityCallback(Callback):
                            f"{self.config.compress!r})\n" + format_compression(rows))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if isinstance(trainer.strategy, FSDPStrategy):
+            raise ValueError(f"SparsityCallback cannot mask under FSDPStrategy: {FSDP1_PROBLEM}")
         restored, self._restored = self._restored, None
         engine = self.engine
         if engine is None or not engine.bound_to(pl_module):

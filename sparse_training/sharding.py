@@ -1,0 +1,130 @@
+"""Sharded parameters (FSDP2's DTensors): masks of the full tensor, kept on the local shard.
+
+Under FSDP2 (``torch.distributed.fsdp.fully_shard``, Lightning's ``ModelParallelStrategy``)
+a parameter is a ``DTensor``: each rank holds one shard of it (FSDP2 splits dim 0, rows),
+and its gradient and optimizer state are DTensors sharded alike. For such a parameter the
+engine keeps:
+
+- **the mask buffer: the local shard of the full tensor's mask**, shaped like
+  ``param.to_local()`` (a plain bool tensor beside the parameter). Everything per step
+  works on local shards and sends nothing: zeroing pruned gradients (after FSDP's
+  reduce-scatter) and weights, and optimizer state at mask updates.
+- **mask updates computed from the full tensors**, gathered (``DTensor.full_tensor()``) at
+  the update steps only. Every rank gathers the same values and computes the same full
+  mask, so the masks are those of one process: N:M groups, blocks and the global top-k
+  never see a shard boundary. Each rank then keeps its shard of it
+  (:func:`shard_like`, a slice: no traffic), and the full masks' checksums are compared
+  across ranks (:mod:`sparse_training.ranks`).
+
+The cost is paid at mask updates only, never per step:
+
+- per update, one all-gather of every updated tensor's weights (RigL also of its gradient
+  and its mask, 1 byte per weight), and the memory of those whole tensors on every rank
+  (for the global distribution, all pooled tensors at once: the whole masked model);
+- counting kept weights (the sparsity figures after a mask change, regrowth's counts): one
+  all-reduce per tensor;
+- a checkpoint gathers every mask (1 byte per weight) and saves it bit-packed, whole, in
+  the callback's state; the weights and optimizer state stay sharded.
+
+These are collectives: every rank must make the same calls (Lightning calls the hooks, the
+logging and ``state_dict`` on every rank). The whole-tensor gather is the simple correct
+design; at 7B scale a distributed threshold search (docs/distributed.md) would replace it.
+Not supported yet, and refused with a reason: the fused Triton step (it takes plain
+tensors; sharded parameters use the hook path, and ``fused=True`` raises), SR-STE, compressed
+layers with sharded parameters, and FSDP1 (:data:`FSDP1_PROBLEM`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+try:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError:  # torch built without distributed: nothing is ever sharded
+    DTensor = distribute_tensor = FullyShardedDataParallel = None  # type: ignore[assignment,misc]
+
+if TYPE_CHECKING:
+    from sparse_training.slots import CompressedSlot, MaskedSlot
+
+FSDP1_PROBLEM = (
+    "FSDP1 (FullyShardedDataParallel; Lightning's FSDPStrategy) flattens parameters into "
+    "1-D shards of other shapes, which masks cannot follow; shard with FSDP2 instead: "
+    "torch.distributed.fsdp.fully_shard, in Lightning ModelParallelStrategy with "
+    "fully_shard in the LightningModule's configure_model")
+
+
+def is_sharded(tensor: Tensor | None) -> bool:
+    """Whether ``tensor`` is a DTensor (a parameter, gradient or state of FSDP2)."""
+    return DTensor is not None and isinstance(tensor, DTensor)
+
+
+def local(tensor: Tensor) -> Tensor:
+    """This rank's shard of a DTensor (the tensor itself otherwise): writes to it are
+    writes to the DTensor's storage."""
+    if not is_sharded(tensor):
+        return tensor
+    with torch.no_grad():  # the local tensor itself, not an autograd view of it
+        return tensor.to_local()
+
+
+@torch.no_grad()
+def full(tensor: Tensor) -> Tensor:
+    """The whole tensor of a DTensor, gathered (a collective); the tensor itself otherwise."""
+    return tensor.full_tensor() if is_sharded(tensor) else tensor
+
+
+def shard_like(whole: Tensor, like: Tensor) -> Tensor:
+    """This rank's shard of ``whole`` (shaped like the DTensor ``like``), laid out as
+    ``like``'s local shard: a slice of ``whole``, nothing sent."""
+    shard = distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None)
+    return shard.to_local().contiguous()
+
+
+def as_dtensor(shard: Tensor, like: Tensor) -> Tensor:
+    """``shard`` (this rank's part of a tensor shaped like the DTensor ``like``) as a
+    DTensor laid out as ``like``."""
+    return DTensor.from_local(shard, like.device_mesh, like.placements, shape=like.shape,
+                              stride=like.stride())
+
+
+@torch.no_grad()
+def gather_like(shard: Tensor, like: Tensor) -> Tensor:
+    """The whole tensor from every rank's ``shard`` laid out as the DTensor ``like`` (an
+    all-gather; bool travels as uint8)."""
+    is_bool = shard.dtype == torch.bool
+    whole = as_dtensor(shard.to(torch.uint8) if is_bool else shard, like).full_tensor()
+    return whole.bool() if is_bool else whole
+
+
+@torch.no_grad()
+def total_like(shard_sum: Tensor, like: Tensor) -> Tensor:
+    """The sum over the whole tensor from each rank's sum over its shard (a 0-dim tensor):
+    one all-reduce over the ranks that hold different shards of ``like``."""
+    total = shard_sum.clone()
+    mesh = like.device_mesh
+    for dim, placement in enumerate(like.placements):
+        if placement.is_shard():  # replicas along the other dims hold the same shards
+            dist.all_reduce(total, group=mesh.get_group(dim))
+    return total
+
+
+def sharding_problem(model: nn.Module, slots: Sequence[MaskedSlot],
+                     compressed: Sequence[CompressedSlot], regrow: str | None) -> str | None:
+    """Why the engine cannot serve this model's sharding, or None: FSDP1 modules,
+    compressed layers with sharded parameters, SR-STE on sharded tensors."""
+    if FullyShardedDataParallel is not None and any(
+            isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        return f"the model holds FullyShardedDataParallel modules: {FSDP1_PROBLEM}"
+    if sharded := [s.name for s in compressed if is_sharded(s.param)]:
+        return (f"compressed layers {sharded} have sharded (FSDP2) parameters, which "
+                f"compressed layers do not support yet; use compress=False under FSDP")
+    if regrow == "sr-ste" and (sharded := [s.name for s in slots if s.sharded]):
+        return (f"tensors {sharded} are sharded (FSDP2): SR-STE keeps dense weights beside "
+                f"them, which sharded training does not support yet")
+    return None

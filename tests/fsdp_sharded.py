@@ -1,0 +1,217 @@
+"""Two-process CPU FSDP2 runs (gloo, Lightning's ``ModelParallelStrategy``, ``fully_shard``
+in ``configure_model``) of 2:4 (oneshot), GMP (unstructured, global distribution), block
+masks and RigL. Each rank writes, per optimizer step, its whole masks' checksums and
+counts, a hash of the whole parameters, and whether every pruned weight and optimizer
+moment of its local shards is zero. RigL also runs one epoch, saves a sharded (distributed)
+checkpoint and resumes from it for the second.
+
+    python tests/fsdp_sharded.py OUT_DIR [cpu|gpu]   # Lightning relaunches it for rank 1
+
+With ``gpu``: the same on 2 GPUs (NCCL). Used by tests/test_fsdp.py, which trains the same
+runs in one process (the reference). Each rank also records the errors that refuse what
+sharded training does not support: ``fused=True``, SR-STE, and FSDP1 modules.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import make_loader  # noqa: E402
+
+from sparse_training import SparsityCallback, SparsityConfig, SparsityEngine  # noqa: E402
+from sparse_training.ranks import check_across_ranks, mask_checksum  # noqa: E402
+from sparse_training.sharding import full, local  # noqa: E402
+from sparse_training.slots import make_permanent  # noqa: E402
+
+# every run: schedules in absolute steps, so a run stopped after one epoch resolves the
+# same steps as the whole run (8 optimizer steps: 128 samples, 2 ranks x 16 per batch)
+RUNS = {
+    "2:4": dict(pattern="2:4", schedule="oneshot"),
+    "gmp": dict(pattern="unstructured", sparsity=0.8, distribution="global", schedule="gmp",
+                start=0, end=6, frequency=2),
+    # 8x4 blocks: rows 8-15 of the 24-row layer span both ranks' shards (12 rows each)
+    "block": dict(pattern="block:8x4", sparsity=0.5, schedule="linear", start=0, end=4,
+                  frequency=2),
+    "rigl": dict(pattern="unstructured", sparsity=0.9, distribution="erk", score="random",
+                 regrow="rigl", schedule="constant", frequency=2, regrow_end=6),
+}
+
+
+class ShardedNet(pl.LightningModule):
+    """An MLP whose Linear layers ``configure_model`` shards with FSDP2 (when a device
+    mesh is there); the head's 5 rows split unevenly, 3 and 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 24), nn.ReLU(),
+                                 nn.Linear(24, 5))
+
+    def configure_model(self) -> None:
+        if self.device_mesh is None:  # one process: the reference run
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y % 5)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-2)
+
+
+class Recorder(Callback):
+    """Before the first step and after every optimizer step: the whole masks' checksums
+    and counts, a hash of the whole parameters (gathered: a collective on every rank),
+    whether the local shards hold zeros at every pruned weight and moment, and the local
+    mask shapes."""
+
+    def __init__(self, sparse: SparsityCallback) -> None:
+        self.sparse, self.rows, self._step = sparse, [], None
+
+    def on_train_start(self, trainer, pl_module):
+        self.record(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step != self._step:  # an optimizer step ran (not accumulating)
+            self.record(trainer, pl_module)
+
+    def record(self, trainer, pl_module) -> None:
+        self._step = trainer.global_step
+        engine = self.sparse.engine
+        masks = [slot.full_mask() for slot in engine.slots]
+        digest = hashlib.sha256()
+        for param in pl_module.parameters():
+            digest.update(full(param).detach().cpu().contiguous().numpy().tobytes())
+        zeros = all(not slot.local_param[~slot.mask].any() for slot in engine.slots)
+        for optimizer in trainer.optimizers:
+            for slot in engine.slots:
+                for value in optimizer.state.get(slot.param, {}).values():
+                    if torch.is_tensor(value) and value.shape == slot.param.shape:
+                        zeros &= not local(value)[~slot.mask].any()
+        self.rows.append({
+            "step": trainer.global_step,
+            "checksums": [int(mask_checksum(mask)) for mask in masks],
+            "counts": [int(mask.sum()) for mask in masks],
+            "parameters": digest.hexdigest(), "zeros_hold": bool(zeros),
+            "local_shapes": [list(slot.mask.shape) for slot in engine.slots],
+            "sharded": [slot.sharded for slot in engine.slots]})
+
+
+class SaveAndStop(Callback):
+    """At the end of the first epoch: a checkpoint at ``path``, then the fit stops."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        trainer.save_checkpoint(self.path)
+        trainer.should_stop = True
+
+
+def fit(settings: dict, loader, callbacks=(), ckpt_path=None, accelerator="cpu",
+        **trainer_args) -> Recorder:
+    """Train a fresh ShardedNet for 2 epochs (FSDP2 over 2 processes unless
+    ``trainer_args`` name another strategy); the Recorder of the run."""
+    pl.seed_everything(0)
+    model = ShardedNet()
+    sparse = SparsityCallback(**settings)
+    recorder = Recorder(sparse)
+    if "strategy" not in trainer_args:
+        trainer_args.update(strategy=_strategy(), devices=2)
+    trainer = pl.Trainer(accelerator=accelerator, max_epochs=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[sparse, recorder, *callbacks],
+                         **trainer_args)
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    recorder.rank, recorder.model = trainer.global_rank, model
+    return recorder
+
+
+def _strategy():
+    from pytorch_lightning.strategies import ModelParallelStrategy
+
+    return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+
+
+def refused(settings: dict, accelerator: str) -> str:
+    """The error a fit with ``settings`` raises at its start on sharded parameters."""
+    try:
+        fit(settings, make_loader(n=32), accelerator=accelerator)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def fsdp1_refused(rank: int, accelerator: str) -> str:
+    """The error of an engine on a model wrapped in FSDP1 (whose parameters are 1-D
+    shards), in the process group the runs left."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    device = torch.device("cpu") if accelerator == "cpu" else torch.device("cuda", rank)
+    model = FullyShardedDataParallel(ShardedNet().net.to(device), use_orig_params=True,
+                                     device_id=device)
+    try:
+        SparsityEngine(model, SparsityConfig(pattern="2:4"))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def after_fit(recorder: Recorder) -> dict:
+    """On the masks a run left: whether the cross-rank check catches rank 1 computing
+    another whole mask, and whether ``make_permanent`` removes the shards' buffers."""
+    slots = recorder.sparse.engine.slots
+    whole = {slot.name: slot.full_mask() for slot in slots}
+    if recorder.rank == 1:  # a rank that went its own way must be caught
+        whole[slots[0].name].view(-1)[0] ^= True
+    try:
+        check_across_ranks(slots, step=-1, broadcast=False, check=True, whole_masks=whole)
+        caught = False
+    except RuntimeError as error:
+        caught = "masks differ across ranks" in str(error)
+    make_permanent(recorder.model)
+    left = [name for name, _ in recorder.model.named_buffers() if name.endswith("_mask")]
+    return {"mismatch_caught": caught, "masks_left": left}
+
+
+def main(out: Path, accelerator: str) -> None:
+    results = {}
+    for name, settings in RUNS.items():
+        recorder = fit(settings, make_loader(n=128), accelerator=accelerator)
+        results[name] = recorder.rows
+    results["after"] = after_fit(recorder)
+    stopped = fit(RUNS["rigl"], make_loader(n=128), [SaveAndStop(out / "rigl.ckpt")],
+                  accelerator=accelerator)
+    resumed = fit(RUNS["rigl"], make_loader(n=128), ckpt_path=out / "rigl.ckpt",
+                  accelerator=accelerator)
+    results["rigl-stopped"], results["rigl-resumed"] = stopped.rows, resumed.rows
+    rank = resumed.rank
+    results["refused"] = {"fused": refused({**RUNS["2:4"], "fused": True}, accelerator),
+                          "sr-ste": refused({**RUNS["2:4"], "regrow": "sr-ste"}, accelerator),
+                          "fsdp1": fsdp1_refused(rank, accelerator)}
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)  # as the reference: CPU matmuls round by their thread count
+    out_dir = Path(sys.argv[1])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    main(out_dir, sys.argv[2] if len(sys.argv) > 2 else "cpu")

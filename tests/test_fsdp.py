@@ -1,0 +1,185 @@
+"""FSDP2 (Lightning's ModelParallelStrategy, ``fully_shard``) over 2 processes: masks of
+the whole tensors equal to one process's at every step, exact counts, pruned weights zero
+in every local shard, and a sharded (distributed) checkpoint that resumes exactly.
+
+The reference is one process training the same model on the same data: the two ranks'
+batches of a step as two micro-batches (``accumulate_grad_batches=2``). That gives the
+same gradients bit for bit: FSDP averages the ranks' gradients, (g0 + g1) / 2,
+accumulation sums (loss0 / 2)' + (loss1 / 2)', and halving is exact in floating point, so
+both are g0 / 2 + g1 / 2. Every process runs one CPU thread (a CPU matmul's rounding
+depends on its thread count; Lightning would give rank 0 one thread and rank 1 two), so
+masks and weights are compared for equality, not closeness. On CPU the ranks talk over
+gloo; the same runs on 2 GPUs (NCCL) are skipped here unless two are visible
+(``python tests/fsdp_sharded.py OUT gpu``).
+
+Lightning's FSDPStrategy (FSDP1) refuses ``accelerator="cpu"`` ("The strategy `fsdp`
+requires a GPU accelerator"); the callback and the engine refuse FSDP1 everywhere (its
+parameters are 1-D shards), which is tested without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
+
+from sparse_training import SparsityCallback
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import make_loader  # noqa: E402
+from fsdp_sharded import RUNS, fit  # noqa: E402
+
+SCRIPT = Path(__file__).with_name("fsdp_sharded.py")
+ACCELERATORS = ["cpu", "gpu"]
+
+
+def missing(accelerator: str) -> str | None:
+    """Why FSDP2 over 2 processes cannot run here, naming the missing piece, or None."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return "torch was built without torch.distributed"
+    try:
+        from pytorch_lightning.strategies import ModelParallelStrategy  # noqa: F401
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError as error:
+        return f"FSDP2 is missing: {error}"
+    if accelerator == "cpu" and not dist.is_gloo_available():
+        return "torch.distributed has no gloo backend (FSDP2 on CPU needs it)"
+    if accelerator == "gpu" and torch.cuda.device_count() < 2:
+        return (f"FSDP2 over NCCL needs 2 CUDA GPUs, {torch.cuda.device_count()} visible: "
+                f"run `python tests/fsdp_sharded.py OUT gpu` on a 2-GPU machine")
+    if accelerator == "gpu" and not dist.is_nccl_available():
+        return "torch.distributed has no NCCL backend"
+    return None
+
+
+@pytest.fixture(scope="module", params=ACCELERATORS)
+def sharded(request, tmp_path_factory):
+    """The two ranks' records of every run, and the accelerator."""
+    if reason := missing(request.param):
+        pytest.skip(reason)
+    out = tmp_path_factory.mktemp(f"fsdp-{request.param}")
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"  # else Lightning gives rank 0 one thread, rank 1 all
+    done = subprocess.run([sys.executable, str(SCRIPT), str(out), request.param], env=env,
+                          timeout=600, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return ranks, request.param
+
+
+class TwoRanksInOne(Sampler):
+    """The indices the 2 ranks' DistributedSamplers deal (Lightning shuffles a training
+    set by (seed, epoch)), in one stream: per step rank 0's batch of 16, then rank 1's."""
+
+    def __init__(self, dataset, batch_size: int = 16) -> None:
+        self.ranks = [DistributedSampler(dataset, num_replicas=2, rank=r) for r in (0, 1)]
+        self.batch_size = batch_size
+
+    def set_epoch(self, epoch: int) -> None:  # Lightning calls it at every epoch start
+        for sampler in self.ranks:
+            sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        rank0, rank1 = (list(sampler) for sampler in self.ranks)
+        for start in range(0, len(rank0), self.batch_size):
+            yield from rank0[start:start + self.batch_size]
+            yield from rank1[start:start + self.batch_size]
+
+    def __len__(self) -> int:
+        return sum(map(len, self.ranks))
+
+
+def reference_loader() -> DataLoader:
+    data = make_loader(n=128).dataset
+    return DataLoader(data, batch_size=16, sampler=TwoRanksInOne(data))
+
+
+_REFERENCES: dict[tuple[str, str], list[dict]] = {}
+
+
+def reference(name: str, accelerator: str) -> list[dict]:
+    """One process's records of run ``name``."""
+    if (name, accelerator) not in _REFERENCES:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as each rank: a CPU matmul rounds by its thread count
+        try:
+            _REFERENCES[name, accelerator] = fit(
+                RUNS[name], reference_loader(), accelerator=accelerator, strategy="auto",
+                devices=1, accumulate_grad_batches=2).rows
+        finally:
+            torch.set_num_threads(threads)
+    return _REFERENCES[name, accelerator]
+
+
+def _logical(rows: list[dict]) -> list[dict]:
+    """What must match one process: steps, whole masks, counts, parameters, zeros."""
+    return [{k: v for k, v in row.items() if k not in ("local_shapes", "sharded")}
+            for row in rows]
+
+
+@pytest.mark.parametrize("run, masks_seen", [("2:4", 2), ("gmp", 4), ("block", 3),
+                                             ("rigl", 4)])
+def test_sharded_masks_equal_one_process_at_every_step(sharded, run, masks_seen):
+    (rank0, rank1), accelerator = sharded
+    rows = rank0[run]
+    assert len(rows) == 1 + 8  # before training, then 4 steps x 2 epochs
+    assert _logical(rows) == _logical(rank1[run])  # the same whole masks on both ranks
+    assert _logical(rows) == _logical(reference(run, accelerator))  # and one process's
+    assert all(row["zeros_hold"] for row in rank0[run] + rank1[run])  # in each local shard
+    assert len({tuple(row["checksums"]) for row in rows}) == masks_seen  # masks moved
+    assert all(rows[0]["sharded"])
+    # each rank holds its shard of each mask: the 5-row head splits 3 + 2
+    assert rows[0]["local_shapes"][-1][0] + rank1[run][0]["local_shapes"][-1][0] == (
+        5 if run != "block" else 24)
+    if run == "rigl":  # drop and grow keeps every tensor's count exactly
+        assert all(row["counts"] == rows[1]["counts"] for row in rows[1:])
+        assert len({row["parameters"] for row in rows}) == len(rows)
+
+
+def test_sharded_checkpoint_resumes_exactly(sharded):
+    """RigL stopped after the first epoch with a distributed checkpoint (a directory of
+    shards and the callback's state), resumed in a new Trainer: the same masks, weights
+    and optimizer-driven steps as the run that never stopped."""
+    (rank0, rank1), _ = sharded
+    for rank in (rank0, rank1):
+        whole = rank["rigl"]
+        assert _logical(rank["rigl-stopped"]) == _logical(whole[:5])
+        assert _logical(rank["rigl-resumed"]) == _logical(whole[4:])
+
+
+def test_sharded_masks_checked_across_ranks_and_made_permanent(sharded):
+    """A rank computing another whole mask is caught on every rank; ``make_permanent``
+    removes the mask buffers of sharded tensors (shaped like their local shards)."""
+    (rank0, rank1), _ = sharded
+    for after in (rank0["after"], rank1["after"]):
+        assert after == {"mismatch_caught": True, "masks_left": []}
+
+
+def test_sharding_refuses_what_it_cannot_serve(sharded):
+    (rank0, rank1), _ = sharded
+    for refused in (rank0["refused"], rank1["refused"]):
+        assert "fused=True cannot serve AdamW: its parameters are sharded DTensors" in (
+            refused["fused"])
+        assert "SR-STE keeps dense weights" in refused["sr-ste"]
+        assert "FSDP1 (FullyShardedDataParallel" in refused["fsdp1"]
+
+
+def test_callback_refuses_lightning_fsdp1_strategy():
+    """FSDPStrategy (FSDP1) flattens parameters; the callback says to use FSDP2 before it
+    touches the model. Lightning refuses FSDPStrategy on CPU, so it is checked here
+    without a Trainer."""
+    from pytorch_lightning.strategies import FSDPStrategy
+
+    sparse = SparsityCallback(pattern="2:4")
+    with pytest.raises(ValueError, match="ModelParallelStrategy with fully_shard"):
+        sparse.on_fit_start(SimpleNamespace(strategy=FSDPStrategy()), torch.nn.Linear(8, 8))
+    assert sparse.engine is None
