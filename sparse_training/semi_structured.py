@@ -13,7 +13,8 @@ after any ``torch.optim`` optimizer stepped (a global step post-hook counts the 
 fused optimizers do not move a parameter's version counter) or the weight was written in
 place. Each shape and token count
 is timed once, sparse against dense, and the faster path is kept
-(:mod:`sparse_training.kernels.semi_structured.paths`): never slower than ``nn.Linear``.
+(:mod:`sparse_training.kernels.semi_structured.paths`); what remains slower than
+``nn.Linear`` (host-bound small steps, bf16 weights) is measured in docs/performance.md.
 Elsewhere (CPU, fp32, a shape cuSPARSELt refuses) and where cuBLAS is faster the layer is
 ``nn.Linear`` on the weight as it is (zero where pruned: ``set_mask`` and
 ``load_state_dict`` zero it, the masked gradient keeps it so) with a masked weight gradient.

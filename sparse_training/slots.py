@@ -197,12 +197,19 @@ class CompressedSlot:
     def __init__(self, name: str, layer: BlockSparseLinear | SemiStructuredLinear) -> None:
         self.name, self.layer = name, layer
         self.movable = isinstance(layer, BlockSparseLinear)  # regrowth moves its blocks
-        # a 2:4 layer keeps a dense weight with zeros: the optimizer hooks mask it as they
-        # mask MaskedSlots (its gradient too, so the layer need not)
-        self.masked_dense = not self.movable
-        self.module = layer
         self._gradient: Tensor | None = None
         self._hook: RemovableHandle | None = None
+
+    @property
+    def masked_dense(self) -> bool:
+        """A 2:4 layer: a dense weight with zeros, which the optimizer hooks mask as they mask
+        MaskedSlots (its gradient too, so the layer need not)."""
+        return not self.movable
+
+    @property
+    def module(self) -> nn.Module:
+        """The layer, which owns the ``mask_key`` buffer (the optimizer hooks' view)."""
+        return self.layer
 
     @property
     def param(self) -> nn.Parameter:

@@ -1,4 +1,4 @@
-"""Sparse or dense, measured: the 2:4 Linear is never slower than cuBLAS.
+"""Sparse or dense, measured: each 2:4 product runs where it was timed faster.
 
 cuSPARSELt beats cuBLAS at large shapes only (on an H100 its host time per call is about
 0.8 ms in torch 2.11, and its default plan is slower than dense), so each shape is timed
