@@ -26,8 +26,6 @@ reference) and accuracy_vs_sparsity.png. W&B gets a run per configuration and a 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -43,6 +41,7 @@ from pytorch_lightning.callbacks import TQDMProgressBar
 from reporting import (
     ConfigError,
     Progress,
+    cached_training,
     finish_logger,
     load_config,
     log_summary_run,
@@ -247,28 +246,20 @@ def count(net: nn.Module) -> Counts:
 # The dense run (cached) and one sparse run
 
 
-def dense_key(cfg: DictConfig) -> str:
-    """Hash of every setting the dense net depends on."""
-    keys = ("train_size", "batch_size", "seed", "dense_epochs", "lr", "warmup", "momentum")
-    settings = {k: cfg[k] for k in (*keys, "weight_decay")} | {"model": "lenet-300-100"}
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
-
-
 def dense_net(cfg: DictConfig, loaders: Loaders) -> tuple[dict[str, Tensor], float]:
-    """The trained dense weights from the cache, or trained now and cached; and the seconds."""
-    path = Path(cfg.cache_dir) / f"lenet300100-{dense_key(cfg)}.pt"
-    if path.is_file():
-        cached = torch.load(path)
-        print(f"dense net: cached {path}")
-        return cached["state_dict"], cached["seconds"]
-    pl.seed_everything(cfg.seed, verbose=False)
-    model = Classifier(LeNet300100(), cfg)
-    start = time.perf_counter()
-    make_trainer(cfg, cfg.dense_epochs, False, []).fit(model, loaders.train())
-    seconds = time.perf_counter() - start
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"state_dict": model.net.state_dict(), "seconds": seconds}, path)
-    return model.net.state_dict(), seconds
+    """The trained dense weights (cached, keyed by every setting they depend on) and the
+    seconds it took to train them."""
+    keys = ("train_size", "batch_size", "seed", "dense_epochs", "lr", "warmup", "momentum",
+            "weight_decay")
+
+    def train() -> dict[str, Tensor]:
+        pl.seed_everything(cfg.seed, verbose=False)
+        model = Classifier(LeNet300100(), cfg)
+        make_trainer(cfg, cfg.dense_epochs, False, []).fit(model, loaders.train())
+        return model.net.state_dict()
+
+    settings = {k: cfg[k] for k in keys} | {"model": "lenet-300-100"}
+    return cached_training(cfg.cache_dir, "lenet300100", settings, train)
 
 
 def evaluate(cfg: DictConfig, model: Classifier, loaders: Loaders, logger: Any) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import difflib
+import hashlib
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
@@ -66,8 +68,8 @@ def load_config(
         if not path.is_file():
             raise ConfigError(f"config file {path} not found")
         recipe = OmegaConf.load(path)
-        for key in recipe:
-            _check_key(cfg, str(key), open_keys)
+        for key in _leaf_keys(recipe, open_keys):
+            _check_key(cfg, key, open_keys)
         cfg = OmegaConf.merge(cfg, recipe)
     for override in overrides:
         _check_key(cfg, override.split("=", 1)[0], open_keys)
@@ -83,6 +85,18 @@ def load_config(
             choices = f"{', '.join(allowed[:-1])} or {allowed[-1]}"
             raise ConfigError(f"{key} must be {choices}, got {cfg[key]!r}")
     return cfg
+
+
+def _leaf_keys(cfg: DictConfig, open_keys: list[str], prefix: str = "") -> list[str]:
+    """Dotted paths of a mapping's leaves (lists are leaves; nothing below an open key)."""
+    keys = []
+    for key, value in cfg.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, DictConfig) and dotted not in open_keys:
+            keys += _leaf_keys(value, open_keys, f"{dotted}.")
+        else:
+            keys.append(dotted)
+    return keys
 
 
 def _check_key(cfg: DictConfig, dotted: str, open_keys: list[str]) -> None:
@@ -345,6 +359,26 @@ def _wandb_records(path: Path) -> Iterator[Any]:
             yield record
 
 
+def cached_training(cache_dir: str | Path, prefix: str, settings: dict[str, Any],
+                    train: Callable[[], dict[str, Any]], what: str = "dense net"
+                    ) -> tuple[dict[str, Any], float]:
+    """``train()``'s state dict and its seconds: from ``cache_dir/prefix-<hash>.pt`` when
+    trained before with the same ``settings`` (a JSON-able dict of everything the result
+    depends on; a line naming ``what`` says so), else trained now and saved there."""
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    path = Path(cache_dir) / f"{prefix}-{key}.pt"
+    if path.is_file():
+        cached = torch.load(path)
+        print(f"{what}: cached {path}")
+        return cached["state_dict"], cached["seconds"]
+    start = time.perf_counter()
+    state = train()
+    seconds = time.perf_counter() - start
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"state_dict": state, "seconds": seconds}, path)
+    return state, seconds
+
+
 # -- result files: results.csv and results.json, markdown tables, the plot ----------------------
 
 
@@ -404,6 +438,8 @@ def plot_vs_sparsity(
     for ax, limits in zip(axes[0], panels, strict=True):
         for name, points in series.items():
             style = {"color": "k", "ls": "--", "marker": "x"} if name in dashed else {"marker": "o"}
+            if len({x for x, _ in points}) == 1:  # points at one sparsity: no line through them
+                style["ls"] = "none"
             ax.plot(*zip(*sorted(points), strict=True), label=name, **style)
         if dense is not None:
             ax.axhline(dense, color="grey", ls="--", lw=0.8, label="dense")

@@ -140,13 +140,13 @@ def best_spans(windows: Windows, start_logits: list[Tensor], end_logits: list[Te
     best: dict[int, tuple[float, str]] = {}
     for w, (starts, ends) in enumerate(zip(start_logits, end_logits, strict=True)):
         q, offsets = windows.question_index[w], windows.offsets[w]
-        context = questions[q].context
+        context = questions[q].context  # logits are cut to the window: indices are in range
+        start_scores, end_scores = starts.tolist(), ends.tolist()
         for s in starts.topk(min(top, len(starts))).indices.tolist():
             for e in ends.topk(min(top, len(ends))).indices.tolist():
-                if (s >= len(offsets) or e >= len(offsets) or offsets[s] is None
-                        or offsets[e] is None or not 0 <= e - s < max_answer_tokens):
+                if offsets[s] is None or offsets[e] is None or not 0 <= e - s < max_answer_tokens:
                     continue
-                score = float(starts[s] + ends[e])
+                score = start_scores[s] + end_scores[e]
                 if q not in best or score > best[q][0]:
                     best[q] = (score, context[offsets[s][0]:offsets[e][1]])
     return {questions[q].id: best.get(q, (0.0, ""))[1] for q in range(len(questions))}

@@ -26,7 +26,6 @@ an API key, with the `wandb sync` command printed).
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import statistics
 import sys
@@ -42,6 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 from sparse_training import SparsityCallback, SparsityConfig, SparsityEngine
+from sparse_training.patcher import COMPRESSED_LAYERS
 from sparse_training.permutations import permute_channels
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "squad.yaml"
@@ -58,8 +58,8 @@ class Data:
     def __init__(self, cfg: DictConfig, tokenizer) -> None:
         train, evaluation = squad_data.load_questions(squad_data.squad_path(cfg.squad_file))
         if cfg.train_file:  # the full recipe: a real train file, the whole dev set to score
-            train = sum(squad_data.load_questions(Path(cfg.train_file)), [])
-            evaluation = sum(squad_data.load_questions(squad_data.squad_path(cfg.squad_file)), [])
+            train, evaluation = sum(squad_data.load_questions(Path(cfg.train_file)), []), [
+                *train, *evaluation]
         self.train_questions = train[:cfg.train_questions or None]
         self.eval_questions = evaluation[:cfg.eval_questions or None]
         self.train = squad_data.tokenize(tokenizer, self.train_questions, cfg.max_length,
@@ -100,7 +100,7 @@ class SpanQA(pl.LightningModule):
         total = int(self.trainer.estimated_stepping_batches)
         warmup = max(1, int(self.warmup * total))
         scheduler = torch.optim.lr_scheduler.LambdaLR(  # linear up, then linear down to 0
-            optimizer, lambda step: min((step + 1) / warmup, max(0.0, (total - step) / (total - warmup))))
+            optimizer, lambda step: min((step + 1) / warmup, max(0.0, (total - step) / max(1, total - warmup))))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
@@ -125,22 +125,33 @@ def evaluate(model: SpanQA, data: Data, cfg: DictConfig) -> dict[str, float]:
 
 
 def sparsity_of(model: SpanQA) -> float:
-    """Fraction of zeros over the encoder's Linear weights (what the methods prune)."""
-    weights = [m.weight for m in model.bert.bert.encoder.modules()
-               if isinstance(m, torch.nn.Linear)]
-    zeros = sum(int((w == 0).sum()) for w in weights)
-    return zeros / sum(w.numel() for w in weights)
+    """Fraction of zeros over the encoder's Linear weights (what the methods prune), compressed
+    layers counted by their dense shape."""
+    zeros = total = 0
+    for module in model.bert.bert.encoder.modules():
+        if isinstance(module, torch.nn.Linear):
+            zeros, total = zeros + int((module.weight == 0).sum()), total + module.weight.numel()
+        elif isinstance(module, COMPRESSED_LAYERS):
+            numel = module.out_features * module.in_features
+            zeros, total = zeros + round(module.sparsity * numel), total + numel
+    return zeros / total
 
 
 # -----------------------------------------------------------------------------------------------
 # Training: the cached dense model, and one run
 
 
+def precision(cfg: DictConfig) -> str:
+    """``cfg.precision``, with ``auto`` resolved: bf16-mixed on a GPU, 32-true on the CPU."""
+    if cfg.precision != "auto":
+        return cfg.precision
+    return "bf16-mixed" if torch.cuda.is_available() else "32-true"
+
+
 def make_trainer(cfg: DictConfig, epochs: int, logger: Any, callbacks: list) -> pl.Trainer:
     gpu = torch.cuda.is_available()
-    precision = cfg.precision if cfg.precision != "auto" else ("bf16-mixed" if gpu else "32-true")
     return pl.Trainer(max_epochs=epochs, accelerator="gpu" if gpu else "cpu", devices=1,
-                      precision=precision, logger=logger, callbacks=callbacks,
+                      precision=precision(cfg), logger=logger, callbacks=callbacks,
                       enable_checkpointing=False, enable_model_summary=False,
                       enable_progress_bar=cfg.progress_bar, log_every_n_steps=10,
                       limit_val_batches=0, num_sanity_val_steps=0)
@@ -151,30 +162,32 @@ def dense_model(cfg: DictConfig, data: Data, model_dir: Path, seed: int
     """The dense fine-tuned weights (cached, keyed by every setting they depend on) and the
     seconds it took to train them."""
     keys = ("train_file", "train_questions", "max_length", "doc_stride", "batch_size",
-            "precision", "dense_epochs", "lr", "warmup", "weight_decay")
-    settings = {k: cfg[k] for k in keys} | {"model": str(model_dir), "seed": seed,
-                                            "squad": str(squad_data.squad_path(cfg.squad_file))}
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
-    path = Path(cfg.cache_dir) / f"squad-dense-{key}.pt"
-    if path.is_file():
-        cached = torch.load(path)
-        return cached["state_dict"], cached["seconds"]
-    pl.seed_everything(seed, verbose=False)
-    model = SpanQA(model_dir, cfg)
-    start = time.perf_counter()
-    make_trainer(cfg, cfg.dense_epochs, False, []).fit(model, data.train_loader(cfg))
-    seconds = time.perf_counter() - start
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"state_dict": model.state_dict(), "seconds": seconds}, path)
-    return model.state_dict(), seconds
+            "dense_epochs", "lr", "warmup", "weight_decay")
+    settings = {k: cfg[k] for k in keys} | {
+        "model": str(model_dir), "seed": seed, "precision": precision(cfg),
+        "squad": str(squad_data.squad_path(cfg.squad_file))}
+
+    def train() -> dict[str, Tensor]:
+        pl.seed_everything(seed, verbose=False)
+        model = SpanQA(model_dir, cfg)
+        make_trainer(cfg, cfg.dense_epochs, False, []).fit(model, data.train_loader(cfg))
+        return model.state_dict()
+    return reporting.cached_training(cfg.cache_dir, "squad-dense", settings, train)
+
+
+def callback_kwargs(spec: DictConfig) -> dict[str, Any] | None:
+    """SparsityCallback's arguments of a run (None: dense), the span head denied."""
+    if not spec.callback:
+        return None
+    kwargs = OmegaConf.to_container(spec.callback, resolve=True)
+    return {**kwargs, "deny": [*kwargs.get("deny", []), *DENY]}
 
 
 def run(cfg: DictConfig, spec: DictConfig, seed: int, data: Data, model_dir: Path,
         dense: dict[str, Tensor], group: str) -> dict[str, Any]:
     """One configuration at one seed: its results row."""
-    kwargs = OmegaConf.to_container(spec.callback, resolve=True) if spec.callback else None
-    if kwargs:
-        kwargs["deny"] = [*kwargs.get("deny", []), *DENY]
+    kwargs = callback_kwargs(spec)
+    epochs = 0 if not kwargs else cfg.epochs if spec.init == "dense" else cfg.dense_epochs
     pl.seed_everything(seed, verbose=False)
     model = SpanQA(model_dir, cfg)
     if spec.init == "dense":
@@ -195,15 +208,18 @@ def run(cfg: DictConfig, spec: DictConfig, seed: int, data: Data, model_dir: Pat
     logger = reporting.make_logger(cfg, group, f"{spec.name}@seed{seed}",
                                    {"run": spec.name, "family": spec.family, "seed": seed,
                                     "init": spec.init, "callback": kwargs,
-                                    "epochs": cfg.epochs, "lr": cfg.lr})
-    start = time.perf_counter()
-    if kwargs:
-        epochs = cfg.epochs if spec.init == "dense" else cfg.dense_epochs
-        trainer = make_trainer(cfg, epochs, logger, [SparsityCallback(**kwargs)])
-        trainer.fit(model, data.train_loader(cfg))
-    seconds = time.perf_counter() - start
-    row.update({k: round(v, 3) for k, v in evaluate(model, data, cfg).items()})
-    row.update(sparsity=round(sparsity_of(model), 4), seconds=round(seconds, 1))
+                                    "epochs": epochs, "lr": cfg.lr})
+    try:
+        start = time.perf_counter()
+        if kwargs:
+            trainer = make_trainer(cfg, epochs, logger, [SparsityCallback(**kwargs)])
+            trainer.fit(model, data.train_loader(cfg))
+        seconds = time.perf_counter() - start
+        row.update({k: round(v, 3) for k, v in evaluate(model, data, cfg).items()})
+        row.update(sparsity=round(sparsity_of(model), 4), seconds=round(seconds, 1))
+    except Exception as error:  # the W&B run closes with the error, not reused by the next
+        reporting.finish_logger(logger, {**row, "error": f"{type(error).__name__}: {error}"})
+        raise
     reporting.finish_logger(logger, row)
     return row
 
@@ -255,7 +271,7 @@ def report(cfg: DictConfig, rows: list[dict[str, Any]], group: str, header: str)
             series.setdefault(line["family"], []).append((line["sparsity"], line["f1"]))
     dense_f1 = next((line["f1"] for line in lines if line["name"] == "dense"), None)
     png = reporting.plot_vs_sparsity(out / "f1_vs_sparsity.png", series, metric="F1",
-                                     title="SQuAD v1.1 (held-out articles), MiniLM-L6: F1 vs sparsity",
+                                     title=f"SQuAD v1.1, {Path(str(cfg.model_dir or 'MiniLM-L6')).name}: F1 vs sparsity",
                                      dense=dense_f1)
     print(f"results: {out / 'results.md'}, {out / 'results.csv'}, {out / 'results.json'}, {png}")
     if cfg.logger == "wandb":
@@ -273,7 +289,9 @@ def replay(cfg: DictConfig, group: str) -> list[dict[str, Any]]:
     the header line of the results.md beside it."""
     path = Path(cfg.replay)
     rows = json.loads(path.read_text())
-    header = (path.parent / "results.md").read_text().splitlines()[0]
+    table = path.parent / "results.md"  # a cut-off sweep leaves none: then a plain header
+    header = (table.read_text().splitlines()[0] if table.is_file()
+              else f"replayed from {path}")
     for row in rows:
         logger = reporting.make_logger(cfg, group, f"{row['name']}@seed{row['seed']}",
                                        {"run": row["name"], "family": row["family"],
@@ -298,8 +316,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     group = f"squad-{time.strftime('%Y%m%d-%H%M%S')}"
     if cfg.replay:
         return replay(cfg, group)
-    model_dir = squad_data.model_dir(cfg.model_dir)
-    data = Data(cfg, BertTokenizerFast.from_pretrained(str(model_dir)))
     if numbers := [n for n in cfg.only if isinstance(n, int)]:  # YAML 1.1 reads 2:4 as 124
         raise reporting.ConfigError(
             f"only has numbers {numbers}: YAML reads an unquoted N:M as a base-60 number "
@@ -308,13 +324,22 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if unknown := set(cfg.only) - {s.name for s in cfg.runs}:
         raise reporting.ConfigError(f"only names unknown runs {sorted(unknown)}; runs are "
                                     f"{[s.name for s in cfg.runs]}")
+    for spec in specs:  # every run's settings checked before any training
+        if (kwargs := callback_kwargs(spec)) is not None:
+            try:
+                SparsityConfig(**kwargs)
+            except (TypeError, ValueError) as error:
+                raise reporting.ConfigError(f"run {spec.name!r}: {error}") from error
+    model_dir = squad_data.model_dir(cfg.model_dir)
+    data = Data(cfg, BertTokenizerFast.from_pretrained(str(model_dir)))
     print(f"{len(data.train_questions)} train questions ({len(data.train)} windows), "
           f"{len(data.eval_questions)} eval questions; {len(specs)} runs x {len(cfg.seeds)} seeds",
           flush=True)
     rows = []
     progress = reporting.Progress(len(specs) * len(cfg.seeds))
     for seed in cfg.seeds:
-        dense, dense_seconds = dense_model(cfg, data, model_dir, seed)
+        dense, dense_seconds = (dense_model(cfg, data, model_dir, seed)
+                                if any(s.init == "dense" for s in specs) else ({}, 0.0))
         for spec in specs:
             progress.start(f"{spec.name} (seed {seed})")
             try:

@@ -105,6 +105,9 @@ def test_load_config_overrides_and_other_base(small_yaml: Path, tmp_path: Path) 
     recipe.write_text("sparsity: [0.7]\n")
     with pytest.raises(reporting.ConfigError, match="unknown key 'sparsity'"):
         reporting.load_config([f"config={recipe}"], small_yaml, "")
+    recipe.write_text("optim: {lrr: 0.3}\n")  # nested keys are checked too
+    with pytest.raises(reporting.ConfigError, match="unknown key 'optim.lrr'"):
+        reporting.load_config([f"config={recipe}"], small_yaml, "")
 
 
 @pytest.mark.parametrize(
@@ -221,7 +224,8 @@ def test_plot_vs_sparsity_writes_a_png(tmp_path: Path, zoom: tuple[float, float]
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     # A sparsity of 0 (the dense point) cannot go on a logit axis: a linear one instead.
     series["gmp"].append((0.0, 0.99))
-    assert reporting.plot_vs_sparsity(tmp_path / "lin.png", series, metric="F1", title="t").stat()
+    linear = reporting.plot_vs_sparsity(tmp_path / "lin.png", series, metric="F1", title="t")
+    assert linear.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and linear.stat().st_size > 10_000
 
 
 # -- Weights & Biases ---------------------------------------------------------------------------

@@ -64,7 +64,8 @@ def test_window_labels_point_at_the_answer_and_gold_spans_score_100(tokenizer):
 def test_the_full_size_recipe_is_a_valid_set_of_keys():
     cfg = reporting.load_config([f"config={EXAMPLES / 'configs/squad_bert_large.yaml'}"],
                                 squad_sweep.CONFIG, "")
-    assert (cfg.model_dir, cfg.lr, cfg.epochs) == ("bert-large-uncased", 3e-5, 2)
+    assert (cfg.model_dir, cfg.lr, cfg.out_dir) == ("bert-large-uncased", 3e-5,
+                                                    "outputs/squad-bert-large")
     assert len(cfg.runs) == 24  # the sweep's rows come from squad.yaml
 
 
@@ -94,3 +95,42 @@ def test_tiny_sweep_end_to_end_with_wandb_offline(tmp_path, monkeypatch):
     assert [row[0] for row in summary["results"]["data"]] == ["dense", "2:4 +perm"]
     ours = next(r for r in runs if r["_name"] == "2:4 +perm@seed0")
     assert ours["f1"] == sparse["f1"]  # the run's summary holds its row
+
+
+def test_compressed_layers_count_in_the_reported_sparsity():
+    """Block-sparse runs swap the encoder's Linears for BlockSparseLinear: their zeros count."""
+    from transformers import BertConfig, BertForQuestionAnswering
+
+    from sparse_training.block_sparse import BlockSparseLinear
+    from sparse_training.patcher import replace_module
+
+    model = squad_sweep.SpanQA.__new__(squad_sweep.SpanQA)
+    torch.nn.Module.__init__(model)
+    model.bert = BertForQuestionAnswering(BertConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
+    encoder = model.bert.bert.encoder
+    linear = encoder.layer[0].intermediate.dense
+    grid = torch.zeros(4, 2, dtype=torch.bool)
+    grid[::2] = True  # half the 16x16 blocks of the 64x32 weight kept
+    replace_module(encoder, "layer.0.intermediate.dense",
+                   BlockSparseLinear.from_dense(linear, (16, 16), mask=grid))
+    dense = 4 * 32 * 32 + 32 * 64  # the attention's four Linears and the output Linear
+    assert squad_sweep.sparsity_of(model) == pytest.approx(0.5 * 64 * 32 / (dense + 64 * 32))
+
+
+def test_replay_rebuilds_the_table_from_a_cut_off_sweep(tmp_path):
+    """A sweep cut off before its table leaves only results.json: replay still reports it."""
+    rows = [{"name": "dense", "family": "dense", "seed": 0, "f1": 70.0, "exact_match": 60.0,
+             "sparsity": 0.0, "seconds": 5.0},
+            {"name": "2:4", "family": "N:M 50%", "seed": 0, "f1": 65.0, "exact_match": 55.0,
+             "sparsity": 0.5, "seconds": 3.0},
+            {"name": "gmp 80%", "family": "gmp", "seed": 0, "error": "RuntimeError: boom"}]
+    saved = tmp_path / "device" / "results.json"
+    saved.parent.mkdir()
+    saved.write_text(json.dumps(rows))
+    out = tmp_path / "out"
+    assert squad_sweep.main([f"replay={saved}", f"out_dir={out}", "logger=none"]) == rows
+    table = (out / "results.md").read_text()
+    assert table.startswith(f"replayed from {saved}")
+    assert "| 2:4 | N:M 50% | 0.500 | 65.00 | 55.00 | -5.00 |" in table
+    assert "RuntimeError: boom" in table
