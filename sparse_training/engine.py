@@ -90,7 +90,7 @@ class SparsityEngine:
         self.model = model
         self._attached: dict[Optimizer, Attached] = {}
         self.fused_optimizers: set[Optimizer] = set()
-        self._stats: dict[str, float] | None = None
+        self._stats: dict[str, float] = {}  # counted by _recount at every mask change
         # the loss scale of the gradients at the optimizer step (an AMP GradScaler's; the
         # Lightning callback sets it): recorded dense gradients are divided by it
         self.loss_scale: Callable[[], float] = lambda: 1.0
@@ -135,6 +135,7 @@ class SparsityEngine:
         for slot in self.slots:
             _OWNERS[id(slot.param)] = (weakref.ref(slot.param), weakref.ref(self))
             slot.install()
+        self._recount()
 
     def claim(self) -> None:
         """Check the selected tensors again and own them (an engine reused for a later
@@ -229,10 +230,9 @@ class SparsityEngine:
 
     @torch.no_grad()
     def set_masks(self, new_masks: dict[str, Tensor], step: int | None, broadcast: bool,
-                  reset_state: bool = True, check: bool = True,
-                  local_shard: bool = False) -> None:
-        """Install masks (keyed by tensor name; of the whole tensors, or with
-        ``local_shard`` of the local shards of sharded ones): zero the pruned weights and,
+                  reset_state: bool = True, check: bool = True) -> None:
+        """Install masks (keyed by tensor name; of the whole tensors, sharded ones too):
+        zero the pruned weights and,
         with ``reset_state``, every optimizer-state tensor wherever a position is not kept
         in both the old and the new mask (pruned, or grown and so starting from zero).
         Under torch.distributed, rank 0's masks are broadcast (``broadcast``) and checksums
@@ -242,12 +242,12 @@ class SparsityEngine:
             new = new_masks.get(slot.name)
             if new is None:
                 continue
-            restart = slot.set_mask(new, local_shard)
+            restart = slot.set_mask(new)
             if reset_state:
                 for optimizer in self._attached:
                     for value in slot.state_tensors(optimizer):
                         value.masked_fill_(restart, 0)
-        self._stats = None
+        self._recount()
         if check:
             check_across_ranks([s for s in self.slots if not s.sharded or s.name in new_masks],
                                step, broadcast, self.config.check_masks, new_masks)
@@ -261,7 +261,7 @@ class SparsityEngine:
         moved = [s for s in self.compressed if s.name in new_masks]
         for slot in moved:
             slot.move(new_masks[slot.name], self._attached, gradients.get(slot.name))
-        self._stats = None
+        self._recount()
         check_across_ranks(moved, step, False, self.config.check_masks)
 
     def zero_pruned_gradients(self, slots: Iterable[MaskedSlot]) -> None:
@@ -311,9 +311,12 @@ class SparsityEngine:
                 optimizer.register_step_pre_hook(
                     functools.partial(masked_gradients_step, self, attached)),
                 optimizer.register_step_post_hook(functools.partial(after_step, self, attached))]
-        if not self.updater.dense_state:
-            self.set_masks({s.name: s.mask.clone() for s in slots}, step=None, broadcast=False,
-                           check=False, local_shard=True)
+        if not self.updater.dense_state:  # state from dense steps before: zero where pruned
+            with torch.no_grad():
+                for slot in slots:
+                    for value in slot.state_tensors(optimizer):
+                        value.masked_fill_(~slot.mask, 0)
+            self.zero_pruned_weights(slots)
 
     def _use_fused(self, optimizer: Optimizer, slots: list[MaskedSlot]) -> bool:
         """The fused-step policy: ``"auto"`` on CUDA where the kernels serve the optimizer,
@@ -355,15 +358,19 @@ class SparsityEngine:
         return all(slot.installed for slot in self.slots)
 
     # -- reporting and state ----------------------------------------------------------------
+    def _recount(self) -> None:
+        """Count the masks after they change, where every rank is (one sync; an all-reduce
+        for sharded tensors): a later read of :attr:`tensor_sparsity` communicates nothing,
+        so one rank alone may read it."""
+        kept = torch.stack([s.kept() for s in self.slots]).tolist() if self.slots else []
+        self._stats = {s.name: 1.0 - k / s.plan.numel
+                       for s, k in zip(self.slots, kept, strict=True)}
+        self._stats.update({s.name: s.layer.sparsity for s in self.compressed})
+
     @property
     def tensor_sparsity(self) -> dict[str, float]:
         """Fraction of zeros in each selected tensor's mask and each compressed layer's dense
-        form (one sync per mask change; with sharded tensors an all-reduce, on every rank)."""
-        if self._stats is None:
-            kept = torch.stack([s.kept() for s in self.slots]).tolist() if self.slots else []
-            self._stats = {s.name: 1.0 - k / s.plan.numel
-                           for s, k in zip(self.slots, kept, strict=True)}
-            self._stats.update({s.name: s.layer.sparsity for s in self.compressed})
+        form, as counted at the last mask change."""
         return self._stats
 
     @property

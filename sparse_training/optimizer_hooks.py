@@ -66,7 +66,7 @@ class Attached:
     def zero_pruned_gradients(self) -> None:
         grads = list(map(_GRAD, self.params))
         if self.sharded:
-            grads = [None if g is None else local(g) for g in grads]
+            grads = list(map(local, grads))  # local(None) is None
         masks = self.masks
         if any(g is None for g in grads):  # unused tensors (`None in grads` calls __eq__)
             pairs = [(g, m) for g, m in zip(grads, masks, strict=True) if g is not None]

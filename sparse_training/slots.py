@@ -129,12 +129,11 @@ class MaskedSlot:
             self.module.register_buffer(self.mask_key, mask, persistent=False)
 
     @torch.no_grad()
-    def set_mask(self, mask: Tensor, local_shard: bool = False) -> Tensor:
-        """Install ``mask``, the whole tensor's (this rank keeps its shard of it), or with
-        ``local_shard`` the local shard's, and zero the pruned weights; returns the local
-        positions whose optimizer state must restart (not kept in both the old and the new
-        mask)."""
-        if self.sharded and not local_shard:
+    def set_mask(self, mask: Tensor) -> Tensor:
+        """Install ``mask``, the whole tensor's (this rank keeps its shard of it), and zero
+        the pruned weights; returns the local positions whose optimizer state must restart
+        (not kept in both the old and the new mask)."""
+        if self.sharded:
             mask = shard_like(mask, self.param)
         restart = ~(mask & self.mask)
         self.mask.copy_(mask)
