@@ -53,6 +53,20 @@ def host_ms(fn, calls: int = 20) -> float:
     return elapsed / calls * 1e3
 
 
+def busy_ms(events) -> float:
+    """Union of the device activity intervals (kernels, copies, memsets; user annotations,
+    which span idle time too, left out), in ms."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not e.is_user_annotation and not e.name.startswith("Optimizer."))
+    total, end = 0.0, float("-inf")
+    for start, stop in spans:
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total / 1e3
+
+
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus written."""
     src = torch.randn(nbytes // 4, device="cuda")

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
+from _common import busy_ms
 from pytorch_lightning.callbacks import Callback
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import BertConfig, BertForQuestionAnswering
@@ -219,20 +220,6 @@ class PairedBlocks(Callback):
         sync()
         self._profile.__exit__(None, None, None)
         self.profiles[on] = busy_ms(self._profile.events()) / self.block
-
-
-def busy_ms(events) -> float:
-    """Union of the device activity intervals (kernels, copies, memsets; user annotations,
-    which span idle time too, left out), in ms."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if e.device_type == torch.autograd.DeviceType.CUDA
-                   and not e.is_user_annotation and not e.name.startswith("Optimizer."))
-    total, end = 0.0, float("-inf")
-    for start, stop in spans:
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    return total / 1e3
 
 
 def make_batch(config: BertConfig, batch: int, seq: int) -> dict[str, torch.Tensor]:

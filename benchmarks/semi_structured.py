@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
-from _common import bench_ms, environment, gpu_ms, write_json
+from _common import bench_ms, busy_ms, environment, gpu_ms, write_json
 from torch import nn
 
 from sparse_training import SparsityConfig, SparsityEngine
@@ -142,7 +143,7 @@ def layer_row(name: str, in_f: int, out_f: int, tokens: int) -> dict:
     row["choice"] = {"forward": choice.forward, "input_grad": choice.input_grad,
                      "reason": choice.reason, "times_ms": choice.times_ms}
     forced = path_module.PathChoice(True, True, "forced", {})
-    key = (x.device, DTYPE, tokens)
+    key = (x.device, DTYPE, tokens, sparse.timing)
     saved, sparse._routes[key] = sparse._routes[key], forced
     row["step_forced_sparse"] = step_ms(sparse, x, grad)
     # after many optimizer steps the packed copies must hold the new weights
@@ -198,10 +199,59 @@ def bert_model(config, variant: str, dtype: torch.dtype) -> nn.Module:
     return model
 
 
+def timed_blocks(steps: dict, block: int, rounds: int) -> dict[str, list[float]]:
+    """Wall ms per step of each of ``steps`` (name: callable), alternating blocks of
+    ``block`` steps for ``rounds`` rounds so that every variant sees the same clocks."""
+    blocks = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(block):
+                step()
+            torch.cuda.synchronize()
+            blocks[name].append((time.perf_counter() - start) / block * 1e3)
+    return blocks
+
+
+def gpu_busy_ms(step, block: int) -> float:
+    """GPU busy ms per step (kernels and copies from ``torch.profiler``; host time is not in
+    it, so a host-bound step shows wall > busy)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(block):
+            step()
+        torch.cuda.synchronize()
+    return busy_ms(prof.events()) / block
+
+
+def graphed(step, model: nn.Module) -> tuple:
+    """``step`` (forward, backward, optimizer step) captured in one CUDA graph after 3
+    warm-up steps on a side stream (torch's whole-network recipe); the replay, and the
+    graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # also times the 2:4 paths, which cannot happen under capture
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    for parameter in model.parameters():
+        parameter.grad = None
+    with torch.cuda.graph(graph):
+        step(zero_grad=False)
+    return graph.replay, graph
+
+
 def bert_rows(batch: int = 16, length: int = 384, block: int = 10, rounds: int = 4) -> dict:
     """Dense and 2:4 BERT-large steps in one process, alternating timed blocks of ``block``
-    steps (``rounds`` each) so both see the same clocks; per precision: ``bf16`` weights, and
-    ``bf16-mixed`` (float32 weights under bf16 autocast, Lightning's ``bf16-mixed``)."""
+    steps (``rounds`` each) so both see the same clocks, with the GPU busy time of each
+    (the profiler, one more block); per precision: ``bf16`` weights, and ``bf16-mixed``
+    (float32 weights under bf16 autocast, Lightning's ``bf16-mixed``). Eager: dense, 2:4
+    layers masking their own gradient, 2:4 under the engine. CUDA graph (the whole step
+    captured, AdamW ``capturable``): dense against 2:4 layers with ``timing="cuda_graph"``."""
     from transformers import BertConfig
 
     config = BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
@@ -209,42 +259,74 @@ def bert_rows(batch: int = 16, length: int = 384, block: int = 10, rounds: int =
     ids = torch.randint(0, config.vocab_size, (batch, length), device="cuda")
     result = {"tokens": batch * length, "block_steps": block, "rounds": rounds}
     for precision, dtype in (("bf16", DTYPE), ("bf16-mixed", torch.float32)):
-        steps = {}
-        for variant in ("dense", "2:4", "2:4 engine"):
-            model = bert_model(config, variant.split()[0], dtype)
-
-            def loss(model=model, mixed=dtype != DTYPE):
-                with torch.autocast("cuda", DTYPE, enabled=mixed):
-                    out = model(ids).last_hidden_state
-                out.float().square().mean().backward()
-            step = trainer_step(model, loss, engine=variant.endswith("engine"), deny=("pooler",))
-            for _ in range(3):  # the first steps time the 2:4 paths
-                step()
-            steps[variant] = step
-        blocks = {variant: [] for variant in steps}
-        for _ in range(rounds):
-            for variant, step in steps.items():
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(block):
-                    step()
-                torch.cuda.synchronize()
-                blocks[variant].append((time.perf_counter() - start) / block * 1e3)
-        row = {variant: statistics.median(ms) for variant, ms in blocks.items()}
-        row["blocks_ms"] = blocks
-        row["speedup"] = row["dense"] / row["2:4"]
-        row["engine_speedup"] = row["dense"] / row["2:4 engine"]
-        result[precision] = row
-        print(f"BERT-large step {precision:10s} dense {row['dense']:7.2f} ms  2:4 "
-              f"{row['2:4']:7.2f} ms ({row['speedup']:.3f}x)  2:4 engine {row['2:4 engine']:7.2f}"
-              f" ms ({row['engine_speedup']:.3f}x)  blocks {blocks}", flush=True)
-        del steps
-        torch.cuda.empty_cache()
+        for mode in ("eager", "cuda_graph"):
+            variants = (("dense", "2:4", "2:4 engine") if mode == "eager" else ("dense", "2:4"))
+            try:
+                result[f"{precision} {mode}"] = bert_row(config, ids, dtype, mode, variants,
+                                                         block, rounds)
+            except Exception as error:  # recorded, not hidden: the JSON says what failed
+                result[f"{precision} {mode}"] = {"error": f"{type(error).__name__}: "
+                                                          f"{str(error)[:600]}"}
+                print(f"BERT-large {precision} {mode} failed: {error}", flush=True)
+            torch.cuda.empty_cache()
     result["choices"] = [{"key": [str(k) for k in key], "forward": c.forward,
-                          "input_grad": c.input_grad, "reason": c.reason}
+                          "input_grad": c.input_grad, "reason": c.reason, "times_ms": c.times_ms}
                          for key, c in path_module.cached_choices().items()
                          if key[4] == batch * length]
     return result
+
+
+def bert_row(config, ids: torch.Tensor, dtype: torch.dtype, mode: str, variants: tuple,
+             block: int, rounds: int) -> dict:
+    mixed = dtype != DTYPE
+    steps, models, graphs = {}, {}, []
+    for variant in variants:
+        model = models[variant] = bert_model(config, variant.split()[0], dtype)
+        for layer in model.modules():
+            if isinstance(layer, SemiStructuredLinear):
+                layer.timing = mode
+
+        def loss(model=model):
+            with torch.autocast("cuda", DTYPE, enabled=mixed, cache_enabled=False):
+                out = model(ids).last_hidden_state
+            out.float().square().mean().backward()
+        if mode == "eager":
+            step = trainer_step(model, loss, engine=variant.endswith("engine"), deny=("pooler",))
+            for _ in range(3):  # the first steps time the 2:4 paths
+                step()
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True,
+                                          capturable=True)
+
+            def whole_step(zero_grad=True, loss=loss, optimizer=optimizer):
+                if zero_grad:
+                    optimizer.zero_grad(set_to_none=True)
+                loss()
+                optimizer.step()
+            step, graph = graphed(whole_step, model)
+            graphs.append(graph)
+        steps[variant] = step
+    blocks = timed_blocks(steps, block, rounds)
+    row = {variant: statistics.median(ms) for variant, ms in blocks.items()}
+    row["blocks_ms"] = blocks
+    row["gpu_busy_ms"] = {variant: gpu_busy_ms(step, block) for variant, step in steps.items()}
+    for variant in variants[1:]:
+        row[f"{variant} speedup"] = row["dense"] / row[variant]
+        busy = row["gpu_busy_ms"][variant]  # 0 if the profiler saw no kernels (graphs)
+        row[f"{variant} gpu speedup"] = row["gpu_busy_ms"]["dense"] / busy if busy else math.nan
+    layers = [m for m in models["2:4"].modules() if isinstance(m, SemiStructuredLinear)]
+    row["pruned_weights_zero"] = all(not m.weight[~m.mask].any() for m in layers)
+    x = torch.randn(2048, layers[0].in_features, device="cuda", dtype=DTYPE)
+    with torch.no_grad(), torch.autocast("cuda", DTYPE, enabled=mixed):
+        row["layer_error_after_steps"] = relative_error(
+            layers[0](x), F.linear(x.float(), (layers[0].weight * layers[0].mask).float(),
+                                   layers[0].bias.float()))
+    print(f"BERT-large step {dtype} {mode:10s} " + "  ".join(
+        f"{v} {row[v]:7.2f} ms (gpu {row['gpu_busy_ms'][v]:6.2f})" for v in variants)
+        + "  " + "  ".join(f"{k} {v:.3f}x" for k, v in row.items() if k.endswith("speedup"))
+        + f"  zeros held {row['pruned_weights_zero']}  err {row['layer_error_after_steps']:.1e}",
+        flush=True)
+    return row
 
 
 def compile_check() -> dict:
@@ -268,11 +350,14 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=[],
                         help="layer names containing any of these (default: all)")
     parser.add_argument("--tag", default="", help="suffix of the JSON file name")
+    parser.add_argument("--bert-only", action="store_true",
+                        help="only the BERT-large step (no per-layer table)")
     args = parser.parse_args()
     result = {"environment": environment(),
-              "cusparselt_version": torch.backends.cusparselt.version(),
-              "layers": layer_rows(args.only), "compile": compile_check()}
-    print("torch.compile:", result["compile"], flush=True)
+              "cusparselt_version": torch.backends.cusparselt.version()}
+    if not args.bert_only:
+        result.update(layers=layer_rows(args.only), compile=compile_check())
+        print("torch.compile:", result["compile"], flush=True)
     result["bert"] = bert_rows()
     write_json(f"semi_structured_{torch.cuda.get_device_name().replace(' ', '_')}{args.tag}.json",
                result)

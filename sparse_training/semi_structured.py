@@ -13,8 +13,12 @@ after any ``torch.optim`` optimizer stepped (a global step post-hook counts the 
 fused optimizers do not move a parameter's version counter) or the weight was written in
 place. Each shape and token count
 is timed once, sparse against dense, and the faster path is kept
-(:mod:`sparse_training.kernels.semi_structured.paths`); what remains slower than
-``nn.Linear`` (host-bound small steps, bf16 weights) is measured in docs/performance.md.
+(:mod:`sparse_training.kernels.semi_structured.paths`): by wall time for eager training, or
+by GPU time where ``timing = "cuda_graph"`` (a step captured in a CUDA graph pays no host
+time per call; a layer once captured refreshes its packed copies at every call, replays
+included, since no Python sees the optimizer steps that replays take). What remains
+slower than ``nn.Linear`` (host-bound small steps, bf16 weights) is measured in
+docs/performance.md.
 Elsewhere (CPU, fp32, a shape cuSPARSELt refuses) and where cuBLAS is faster the layer is
 ``nn.Linear`` on the weight as it is (zero where pruned: ``set_mask`` and
 ``load_state_dict`` zero it, the masked gradient keeps it so) with a masked weight gradient.
@@ -44,6 +48,7 @@ from sparse_training.kernels.semi_structured import (
     semi_structured_linear,
     shape_problem,
 )
+from sparse_training.kernels.semi_structured.paths import check_timing
 from sparse_training.masks import pattern_mask
 
 _OPTIMIZER_STEPS = [0]  # optimizer steps taken in this process, once counting starts
@@ -88,6 +93,7 @@ class SemiStructuredLinear(nn.Module):
 
     trained_weight = "weight"  # the parameter holding the weight
     masks_gradient = True  # False while an engine's optimizer step masks the gradient
+    timing = "eager"  # how the paths are timed: "eager" or "cuda_graph" (module doc)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
@@ -135,7 +141,8 @@ class SemiStructuredLinear(nn.Module):
         self.mask.copy_(mask)
         self.weight.masked_fill_(~self.mask, 0)
         self._packs: dict[torch.dtype, list[list]] = {}  # by dtype: see _copies
-        self._routes: dict[tuple, PathChoice | str] = {}  # by (device, dtype, tokens)
+        self._routes: dict[tuple, PathChoice | str] = {}  # by (device, dtype, tokens, timing)
+        self._captured = False  # True once a forward ran under CUDA graph capture
 
     @property
     def sparsity(self) -> float:
@@ -172,9 +179,14 @@ class SemiStructuredLinear(nn.Module):
 
     def paths(self, x: Tensor, dtype: torch.dtype | None = None) -> PathChoice | str:
         """The measured choice for an input like ``x`` (timed at its first call), or why
-        cuSPARSELt does not serve it; cached per (device, dtype, token count)."""
+        cuSPARSELt does not serve it; cached per (device, dtype, token count, timing).
+
+        Raises:
+            ValueError: ``timing`` is not ``"eager"`` or ``"cuda_graph"``.
+        """
+        check_timing(self.timing)
         dtype = dtype or self._compute_dtype(x)
-        key = (x.device, dtype, x.numel() // self.in_features)
+        key = (x.device, dtype, x.numel() // self.in_features, self.timing)
         route = self._routes.get(key)
         if route is None:
             route = self._routes[key] = self.path_problem(x) or self._measure(dtype, key[2])
@@ -204,18 +216,21 @@ class SemiStructuredLinear(nn.Module):
     def _measure(self, dtype: torch.dtype, tokens: int) -> PathChoice:
         copies = self._copies(dtype)
         return choose_paths(self.weight, copies[0][0],
-                            copies[1][0] if len(copies) > 1 else None, tokens)
+                            copies[1][0] if len(copies) > 1 else None, tokens, self.timing)
 
     @torch.compiler.disable
     @torch.no_grad()
     def _refreshed(self, dtype: torch.dtype, route: PathChoice
                    ) -> tuple[PackedWeight, PackedWeight | None]:
         """The packed copies; those ``route`` uses repacked (values only) if the weights may
-        have changed since they were last packed."""
+        have changed since they were last packed, and at every call once the layer was
+        captured in a CUDA graph (replays take optimizer steps that no Python sees)."""
         copies = self._copies(dtype)
         marker = _weights_changed_marker(self.weight)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            self._captured = True
         for copy, used in zip(copies, (route.forward, route.input_grad), strict=False):
-            if used and copy[1] != marker:
+            if used and (self._captured or copy[1] != marker):
                 copy[0].refresh(self.weight)
                 copy[1] = marker
         return copies[0][0], copies[1][0] if len(copies) > 1 else None

@@ -191,3 +191,49 @@ def test_compress_refuses_regrowth_and_other_n_m_patterns_with_2_4_layers():
         SparsityCallback(pattern="2:4", schedule="constant", regrow="rigl", compress=True)
     with pytest.raises(ValueError, match="only '2:4' and '2:4:2d' compress"):
         SparsityCallback(pattern="1:4", compress=True)
+
+
+def test_an_unknown_timing_is_refused_naming_the_valid_ones():
+    layer = SemiStructuredLinear(32, 16)
+    layer.timing = "graph"
+    with pytest.raises(ValueError, match=r"timing must be one of \('eager', 'cuda_graph'\), "
+                                         r"got 'graph'"):
+        layer(torch.randn(8, 32))
+
+
+class CountingCopy:
+    """Stands in for a PackedWeight (cuSPARSELt packs on CUDA only): counts refreshes."""
+
+    def __init__(self):
+        self.refreshes = 0
+
+    def refresh(self, weight):
+        self.refreshes += 1
+
+
+def test_packed_copies_refresh_after_a_step_and_always_once_captured(monkeypatch):
+    """Eager: a refresh only when an optimizer stepped or the weight was written since the
+    last one. A layer captured in a CUDA graph refreshes at every call, the capture and the
+    eager calls after it: replays take optimizer steps that no Python sees."""
+    layer = SemiStructuredLinear(32, 16, transposable=True)
+    copies = [CountingCopy(), CountingCopy()]
+    marker = semi_structured._weights_changed_marker(layer.weight)
+    layer._packs[torch.bfloat16] = [[copy, marker] for copy in copies]
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    route = semi_structured.PathChoice(True, False, "sparse forward", {})
+
+    def refreshes():
+        layer._refreshed(torch.bfloat16, route)
+        return [c.refreshes for c in copies]
+
+    assert refreshes() == [0, 0]  # nothing changed since packing
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    assert refreshes() == [1, 0]  # the weight was written; dX stays on cuBLAS
+    assert refreshes() == [1, 0]
+    capturing[0] = True
+    assert refreshes() == [2, 0]  # captured: every replay refreshes
+    capturing[0] = False
+    assert refreshes() == [3, 0] and refreshes() == [4, 0]  # eager calls after replays too

@@ -5,9 +5,11 @@ cuSPARSELt beats cuBLAS at large shapes only (on an H100 its host time per call 
 once, both ways, on the GPU it runs on: the forward, the input gradient (where the mask is
 transposable) and the refresh of the packed copies after an optimizer step. A product goes
 sparse where it is faster, and only if what the sparse products save per step is more than
-the refresh costs. Times are wall time of back-to-back calls, so host-bound calls count
-as the training step sees them. Decisions are cached per (GPU, dtype, shape, token count,
-transposable) for the process.
+the refresh costs. ``timing="eager"`` times the wall time of back-to-back calls, so
+host-bound calls count as an eager training step sees them; ``timing="cuda_graph"`` times
+replays of a CUDA graph of the calls, the GPU time alone, as a step captured in a CUDA graph
+sees it. Decisions are cached per (GPU, dtype, shape, token count, transposable, timing)
+for the process.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from sparse_training.kernels.semi_structured.cusparselt import PackedWeight, sparse_mm
 
 CALLS = 10  # timed calls per candidate, after 2 warm-up calls
+TIMINGS = ("eager", "cuda_graph")  # what a training step pays per call: host and GPU, or GPU
 
 
 @dataclass(frozen=True)
@@ -49,38 +52,77 @@ def wall_ms(fn: Callable[[], object], calls: int = CALLS) -> float:
     return (time.perf_counter() - start) / calls * 1e3
 
 
+def graph_ms(fn: Callable[[], object], calls: int = CALLS) -> float:
+    """GPU milliseconds per call: one replay of a CUDA graph of ``calls`` calls (no host
+    time), after 2 eager warm-up calls."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()  # the first replay uploads the graph
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def check_timing(timing: str) -> None:
+    """Raise ``ValueError`` unless ``timing`` is one of :data:`TIMINGS`."""
+    if timing not in TIMINGS:
+        raise ValueError(f"timing must be one of {TIMINGS}, got {timing!r}")
+
+
 def choose_paths(weight: torch.Tensor, packed: PackedWeight, packed_t: PackedWeight | None,
-                 tokens: int) -> PathChoice:
-    """The measured choice for ``tokens`` rows of input to this packed weight (cached)."""
+                 tokens: int, timing: str = "eager") -> PathChoice:
+    """The measured choice for ``tokens`` rows of input to this packed weight (cached);
+    ``timing``: ``"eager"`` or ``"cuda_graph"`` (module doc).
+
+    Raises:
+        ValueError: an unknown ``timing``.
+        RuntimeError: called while a CUDA graph is being captured (timing needs the GPU to
+            itself: run one step before capturing).
+    """
+    check_timing(timing)
     out_features, in_features = weight.shape
     dtype, device = packed.packed.dtype, weight.device
     key = (torch.cuda.get_device_name(device), dtype, out_features, in_features, tokens,
-           packed_t is not None)
+           packed_t is not None, timing)
     if key not in _CHOICES:
-        _CHOICES[key] = _measure(weight.detach().to(dtype), packed, packed_t, tokens)
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"the first call of a 2:4 layer ({out_features}x{in_features}) with {tokens} "
+                "tokens times cuSPARSELt against cuBLAS, which cannot happen inside CUDA graph "
+                "capture: run one training step (the usual warm-up) before capturing")
+        timer = wall_ms if timing == "eager" else graph_ms
+        _CHOICES[key] = _measure(weight.detach().to(dtype), packed, packed_t, tokens, timer)
     return _CHOICES[key]
 
 
 def cached_choices() -> dict[tuple, PathChoice]:
     """Every decision made in this process, keyed by (GPU, dtype, out, in, tokens,
-    transposable)."""
+    transposable, timing)."""
     return dict(_CHOICES)
 
 
 def _measure(weight: torch.Tensor, packed: PackedWeight, packed_t: PackedWeight | None,
-             tokens: int) -> PathChoice:
+             tokens: int, timer: Callable[[Callable[[], object]], float]) -> PathChoice:
     x = torch.randn(tokens, weight.shape[1], device=weight.device, dtype=weight.dtype)
     grad = torch.randn(tokens, weight.shape[0], device=weight.device, dtype=weight.dtype)
     algorithm = packed.algorithm(x)
-    times = {"dense_forward": wall_ms(lambda: F.linear(x, weight)),
-             "sparse_forward": wall_ms(lambda: sparse_mm(packed.packed, x, algorithm)),
-             "refresh": wall_ms(lambda: packed.refresh(weight))}
+    times = {"dense_forward": timer(lambda: F.linear(x, weight)),
+             "sparse_forward": timer(lambda: sparse_mm(packed.packed, x, algorithm)),
+             "refresh": timer(lambda: packed.refresh(weight))}
     if packed_t is not None:
         algorithm_t = packed_t.algorithm(grad)
-        times.update(dense_input_grad=wall_ms(lambda: grad @ weight),
-                     sparse_input_grad=wall_ms(lambda: sparse_mm(packed_t.packed, grad,
-                                                                 algorithm_t)),
-                     refresh_transposed=wall_ms(lambda: packed_t.refresh(weight)))
+        times.update(dense_input_grad=timer(lambda: grad @ weight),
+                     sparse_input_grad=timer(lambda: sparse_mm(packed_t.packed, grad,
+                                                               algorithm_t)),
+                     refresh_transposed=timer(lambda: packed_t.refresh(weight)))
     return decide(times)
 
 
