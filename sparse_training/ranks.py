@@ -16,7 +16,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from sparse_training.slots import CompressedSlot, MaskedSlot
 
@@ -88,3 +89,24 @@ def check_across_ranks(slots: Sequence[MaskedSlot | CompressedSlot], step: int |
         differ = [s.name for s, h, lo in zip(slots, high, low, strict=True) if h != lo]
         raise RuntimeError(f"masks differ across ranks at step {step} in tensors {differ}; "
                            f"every rank must see the same weights, gradients and seed")
+
+
+def keep_masks_out_of_buffer_broadcast(wrapper: nn.Module,
+                                       slots: Sequence[MaskedSlot | CompressedSlot]) -> list[str]:
+    """Add the mask buffers of ``slots`` (masked tensors' masks, compressed layers' 2:4
+    masks and block masks) to the ignore list of ``wrapper``, a ``DistributedDataParallel``,
+    and return their names ([] for any other wrapper).
+
+    With ``broadcast_buffers`` (DDP's default) DDP sends rank 0's buffers before every
+    forward, and it lists the module's buffers anew each time, so masks registered after
+    the wrap would travel too: one byte per masked weight per step (85 MB at BERT-base), on
+    any model that had a buffer at the wrap (BERT's position ids, BatchNorm's statistics).
+    Masks agree on every rank by construction and are compared by checksum after every
+    update (:func:`check_across_ranks`), so they need not travel.
+    """
+    if not isinstance(wrapper, DistributedDataParallel):
+        return []
+    masks = {id(slot.mask) for slot in slots}
+    names = [name for name, buffer in wrapper.module.named_buffers() if id(buffer) in masks]
+    wrapper.parameters_to_ignore.update(names)  # re-read at every buffer broadcast
+    return names

@@ -40,7 +40,17 @@ class Recorder(Callback):
                           "checksums": [int(mask_checksum(slot.mask)) for slot in slots],
                           "counts": [int(slot.mask.sum()) for slot in slots],
                           "parameters": float(sum(p.double().sum()
-                                                  for p in pl_module.parameters()))})
+                                                  for p in pl_module.parameters())),
+                          "masks_broadcast": masks_broadcast(trainer, slots)})
+
+
+def masks_broadcast(trainer, slots) -> list[str]:
+    """The mask buffers among those DDP's ``broadcast_buffers`` sends before a forward
+    (DDP's own listing, which it redoes at every forward)."""
+    ddp = trainer.strategy.model
+    ddp._assign_modules_buffers()
+    masks = {id(slot.mask) for slot in slots}
+    return [name for name, buffer in ddp.named_module_buffers.items() if id(buffer) in masks]
 
 
 RUNS = {

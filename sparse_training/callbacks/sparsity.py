@@ -18,6 +18,7 @@ from sparse_training.compression import compress_selected
 from sparse_training.compression import format_rows as format_compression
 from sparse_training.config import SparsityConfig, settings_signature
 from sparse_training.engine import SparsityEngine
+from sparse_training.ranks import keep_masks_out_of_buffer_broadcast
 from sparse_training.schedules import GRADUAL
 from sparse_training.selection import format_table
 from sparse_training.sharding import FSDP1_PROBLEM
@@ -130,6 +131,8 @@ class SparsityCallback(Callback):
             engine.loss_scale = lambda: float(scaler.get_scale())
         for optimizer in trainer.optimizers:
             engine.attach(optimizer)
+        keep_masks_out_of_buffer_broadcast(trainer.strategy.model,
+                                           [*engine.slots, *engine.compressed])
         self._fitting = True
 
     def _warn_about_schedule(self, total: int | None) -> None:
