@@ -41,7 +41,7 @@ from sparse_training.patcher import COMPRESSED_LAYERS
 from sparse_training.ranks import check_across_ranks
 from sparse_training.selection import plan_model
 from sparse_training.sharding import sharding_problem
-from sparse_training.slots import CompressedSlot, MaskedSlot
+from sparse_training.slots import CompressedSlot, MaskedSlot, whole_counts
 from sparse_training.state import FORMAT, check_masks, check_settings, check_state, pack_masks
 from sparse_training.tensors import zeros_problem
 from sparse_training.updaters import UPDATERS
@@ -362,7 +362,7 @@ class SparsityEngine:
         """Count the masks after they change, where every rank is (one sync; an all-reduce
         for sharded tensors): a later read of :attr:`tensor_sparsity` communicates nothing,
         so one rank alone may read it."""
-        kept = torch.stack([s.kept() for s in self.slots]).tolist() if self.slots else []
+        kept, _ = whole_counts(self.slots)
         self._stats = {s.name: 1.0 - k / s.plan.numel
                        for s, k in zip(self.slots, kept, strict=True)}
         self._stats.update({s.name: s.layer.sparsity for s in self.compressed})

@@ -103,15 +103,23 @@ def gather_like(shard: Tensor, like: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def total_like(shard_sum: Tensor, like: Tensor) -> Tensor:
-    """The sum over the whole tensor from each rank's sum over its shard (a 0-dim tensor):
-    one all-reduce over the ranks that hold different shards of ``like``."""
-    total = shard_sum.clone()
-    mesh = like.device_mesh
-    for dim, placement in enumerate(like.placements):
-        if placement.is_shard():  # replicas along the other dims hold the same shards
-            dist.all_reduce(total, group=mesh.get_group(dim))
-    return total
+def totals_like(shard_sums: Sequence[Tensor], likes: Sequence[Tensor]) -> Tensor:
+    """Sums over whole tensors from each rank's sums over its shards of ``likes`` (0-dim
+    tensors of one dtype; an unsharded ``like``'s sum is already whole), stacked: one
+    all-reduce per sharded mesh dimension for every tensor sharded alike, together."""
+    totals = torch.stack(list(shard_sums))
+    alike: dict[tuple, list[int]] = {}
+    for i, like in enumerate(likes):
+        if is_sharded(like):
+            alike.setdefault((like.device_mesh, tuple(like.placements)), []).append(i)
+    for (mesh, placements), indices in alike.items():
+        index = torch.tensor(indices, device=totals.device)
+        part = totals[index]
+        for dim, placement in enumerate(placements):
+            if placement.is_shard():  # replicas along the other dims hold the same shards
+                dist.all_reduce(part, group=mesh.get_group(dim))
+        totals[index] = part
+    return totals
 
 
 def sharding_problem(model: nn.Module, slots: Sequence[MaskedSlot],

@@ -22,7 +22,7 @@ count is fixed, its mask is the block grid's; regrowth moves its blocks,
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +35,7 @@ from sparse_training.kernels.block_sparse import dense_to_values
 from sparse_training.patcher import densify
 from sparse_training.selection import TensorPlan
 from sparse_training.semi_structured import SemiStructuredLinear
-from sparse_training.sharding import full, gather_like, is_sharded, local, shard_like, total_like
+from sparse_training.sharding import full, gather_like, is_sharded, local, shard_like, totals_like
 from sparse_training.tensors import WeightTensor
 
 MASK_SUFFIX = "_mask"
@@ -90,18 +90,6 @@ class MaskedSlot:
     def full_param(self) -> Tensor:
         """The whole parameter (gathered from every rank when sharded)."""
         return full(self.param)
-
-    def kept(self) -> Tensor:
-        """Kept weights of the whole tensor, a 0-dim tensor (an all-reduce when sharded)."""
-        kept = self.mask.sum()
-        return total_like(kept, self.param) if self.sharded else kept
-
-    def gradient_finite(self) -> Tensor:
-        """Whether every entry of the whole gradient is finite, a 0-dim bool tensor."""
-        grad = self.param.grad
-        if not is_sharded(grad):
-            return grad.isfinite().all()
-        return total_like((~local(grad).isfinite()).sum(), grad) == 0
 
     @property
     def installed(self) -> bool:
@@ -227,14 +215,6 @@ class CompressedSlot:
         """The block grid (a compressed layer is never sharded)."""
         return self.mask
 
-    def kept(self) -> Tensor:
-        """Kept blocks, a 0-dim tensor."""
-        return self.mask.sum()
-
-    def gradient_finite(self) -> Tensor:
-        """Whether every entry of the kept blocks' gradient is finite, a 0-dim bool tensor."""
-        return self.param.grad.isfinite().all()
-
     @property
     def numel(self) -> int:
         """Entries of the dense weight."""
@@ -331,3 +311,19 @@ def make_permanent(model: nn.Module) -> nn.Module:
                     del module._buffers[name]
     densify(model)
     return model
+
+
+def whole_counts(slots: Sequence[MaskedSlot | CompressedSlot], gradients: bool = False
+                 ) -> tuple[list[int], int]:
+    """Kept entries of each slot's whole mask (blocks, for a block-sparse layer) and, with
+    ``gradients``, how many entries of all their gradients are not finite: one device sync,
+    and one all-reduce per mesh dimension for all the sharded tensors together."""
+    if not slots:
+        return [], 0
+    sums = [slot.mask.sum() for slot in slots]
+    likes = [slot.param for slot in slots]
+    if gradients:
+        sums += [(~local(slot.param.grad).isfinite()).sum() for slot in slots]
+        likes += likes
+    counts = totals_like(sums, likes).tolist()
+    return counts[:len(slots)], int(sum(counts[len(slots):]))

@@ -31,6 +31,7 @@ from sparse_training.patterns import parse_pattern
 from sparse_training.ranks import average_across_ranks
 from sparse_training.regrowth import cosine_fraction, drop_and_grow, random_scores, sr_ste_gradient
 from sparse_training.schedules import Schedule, to_steps
+from sparse_training.slots import whole_counts
 
 if TYPE_CHECKING:
     from sparse_training.config import SparsityConfig
@@ -204,14 +205,9 @@ class DropAndGrow(ScheduledMasks):
         # (a masked tensor's dense gradient is its gradient, gathered when sharded: not here)
         swap = [s for s in due if s.movable and s.param.grad is not None
                 and (not s.compressed or s.dense_gradient is not None)]
-        kept: list[int] = []
-        if swap:  # one device sync for every count and the finiteness of every gradient
-            *kept, finite = torch.stack(
-                [s.kept() for s in swap]
-                + [torch.stack([s.gradient_finite() for s in swap]).all().long()]
-            ).tolist()
-            if not finite:
-                return  # an AMP overflow step: no swaps; the next step of the period retries
+        kept, nonfinite = whole_counts(swap, gradients=True)
+        if nonfinite:
+            return  # an AMP overflow step: no swaps; the next step of the period retries
         for slot in due:
             self.regrown_period[slot.name] = period
         if swap:
@@ -225,7 +221,7 @@ class DropAndGrow(ScheduledMasks):
                kept: list[int] | None = None) -> None:
         """Drop and grow in ``slots`` (``kept``: their masks' counts, if known)."""
         fraction = cosine_fraction(step, self.regrow_end, self.config.regrow_fraction)
-        kept = kept if kept is not None else [int(s.kept()) for s in slots]
+        kept = kept if kept is not None else whole_counts(slots)[0]
         masked = [i for i, s in enumerate(slots) if not s.compressed]
         compressed = [i for i, s in enumerate(slots) if s.compressed]
         new_masks = {}
