@@ -57,9 +57,13 @@ class WeightTensor:
 
     @property
     def kind(self) -> str:
-        """Class name of the first owning module (``Linear``, ``LSTM``, ...)."""
+        """Class name of the first owning module (``Linear``, ``LSTM``, ...), not of the
+        subclasses swapped in at run time by FSDP2's ``fully_shard`` (``FSDPLinear``) and by
+        parametrizations (``ParametrizedLinear``)."""
         module = self.owners[0][0]
         cls = type(module)
+        if cls.__bases__[0].__name__ == "FSDPModule":  # FSDPLinear(FSDPModule, Linear)
+            cls = cls.__bases__[1]
         if parametrize.is_parametrized(module):  # ParametrizedLinear -> Linear
             cls = cls.__bases__[0]
         return cls.__name__

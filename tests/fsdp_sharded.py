@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import make_loader  # noqa: E402
 
 from sparse_training import SparsityCallback, SparsityConfig, SparsityEngine  # noqa: E402
-from sparse_training.ranks import check_across_ranks, mask_checksum  # noqa: E402
+from sparse_training.ranks import mask_checksum  # noqa: E402
 from sparse_training.sharding import full, local  # noqa: E402
 from sparse_training.slots import make_permanent  # noqa: E402
 
@@ -112,7 +112,8 @@ class Recorder(Callback):
             "counts": [int(mask.sum()) for mask in masks],
             "parameters": digest.hexdigest(), "zeros_hold": bool(zeros),
             "local_shapes": [list(slot.mask.shape) for slot in engine.slots],
-            "sharded": [slot.sharded for slot in engine.slots]})
+            "sharded": [slot.sharded for slot in engine.slots],
+            "kinds": [plan.kind for plan in engine.plans if plan.selected]})
 
 
 class SaveAndStop(Callback):
@@ -176,14 +177,15 @@ def fsdp1_refused(rank: int, accelerator: str) -> str:
 
 
 def after_fit(recorder: Recorder) -> dict:
-    """On the masks a run left: whether the cross-rank check catches rank 1 computing
-    another whole mask, and whether ``make_permanent`` removes the shards' buffers."""
-    slots = recorder.sparse.engine.slots
-    whole = {slot.name: slot.full_mask() for slot in slots}
+    """On the masks a run left: whether the engine's mask installation catches rank 1
+    computing another whole mask of a sharded tensor, and whether ``make_permanent``
+    removes the shards' buffers."""
+    engine = recorder.sparse.engine
+    whole = {slot.name: slot.full_mask() for slot in engine.slots}
     if recorder.rank == 1:  # a rank that went its own way must be caught
-        whole[slots[0].name].view(-1)[0] ^= True
+        whole[engine.slots[0].name].view(-1)[0] ^= True
     try:
-        check_across_ranks(slots, step=-1, broadcast=False, check=True, whole_masks=whole)
+        engine.set_masks(whole, step=-1, broadcast=False, reset_state=False, check=True)
         caught = False
     except RuntimeError as error:
         caught = "masks differ across ranks" in str(error)

@@ -137,6 +137,7 @@ def test_sharded_masks_equal_one_process_at_every_step(sharded, run, masks_seen)
     assert all(row["zeros_hold"] for row in rank0[run] + rank1[run])  # in each local shard
     assert len({tuple(row["checksums"]) for row in rows}) == masks_seen  # masks moved
     assert all(rows[0]["sharded"])
+    assert set(rows[0]["kinds"]) == {"Linear"}  # the setup table's type, not FSDPLinear
     # each rank holds its shard of each mask: the 5-row head splits 3 + 2
     assert rows[0]["local_shapes"][-1][0] + rank1[run][0]["local_shapes"][-1][0] == (
         5 if run != "block" else 24)
