@@ -245,7 +245,8 @@ def graphed(step, model: nn.Module) -> tuple:
     return graph.replay, graph
 
 
-def bert_rows(batch: int = 16, length: int = 384, block: int = 10, rounds: int = 4) -> dict:
+def bert_rows(modes: tuple[str, ...] = ("eager", "cuda_graph"), batch: int = 16, length: int = 384,
+              block: int = 10, rounds: int = 4) -> dict:
     """Dense and 2:4 BERT-large steps in one process, alternating timed blocks of ``block``
     steps (``rounds`` each) so both see the same clocks, with the GPU busy time of each
     (the profiler, one more block); per precision: ``bf16`` weights, and ``bf16-mixed``
@@ -259,7 +260,7 @@ def bert_rows(batch: int = 16, length: int = 384, block: int = 10, rounds: int =
     ids = torch.randint(0, config.vocab_size, (batch, length), device="cuda")
     result = {"tokens": batch * length, "block_steps": block, "rounds": rounds}
     for precision, dtype in (("bf16", DTYPE), ("bf16-mixed", torch.float32)):
-        for mode in ("eager", "cuda_graph"):
+        for mode in modes:
             variants = (("dense", "2:4", "2:4 engine") if mode == "eager" else ("dense", "2:4"))
             try:
                 result[f"{precision} {mode}"] = bert_row(config, ids, dtype, mode, variants,
@@ -352,13 +353,15 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="suffix of the JSON file name")
     parser.add_argument("--bert-only", action="store_true",
                         help="only the BERT-large step (no per-layer table)")
+    parser.add_argument("--bert-modes", nargs="+", default=["eager", "cuda_graph"],
+                        choices=["eager", "cuda_graph"], help="BERT-large steps to time")
     args = parser.parse_args()
     result = {"environment": environment(),
               "cusparselt_version": torch.backends.cusparselt.version()}
     if not args.bert_only:
         result.update(layers=layer_rows(args.only), compile=compile_check())
         print("torch.compile:", result["compile"], flush=True)
-    result["bert"] = bert_rows()
+    result["bert"] = bert_rows(tuple(args.bert_modes))
     write_json(f"semi_structured_{torch.cuda.get_device_name().replace(' ', '_')}{args.tag}.json",
                result)
 
