@@ -214,9 +214,10 @@ def timed_blocks(steps: dict, block: int, rounds: int) -> dict[str, list[float]]
     return blocks
 
 
-def gpu_busy_ms(step, block: int) -> float:
+def gpu_busy_ms(step, block: int, top: dict | None = None) -> float:
     """GPU busy ms per step (kernels and copies from ``torch.profiler``; host time is not in
-    it, so a host-bound step shows wall > busy)."""
+    it, so a host-bound step shows wall > busy); ``top``, if given, gets the 8 kernels that
+    took the most GPU time (ms and calls per step)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -224,6 +225,14 @@ def gpu_busy_ms(step, block: int) -> float:
         for _ in range(block):
             step()
         torch.cuda.synchronize()
+    if top is not None:
+        kernels: dict[str, list[float]] = {}
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                total = kernels.setdefault(event.name[:90], [0.0, 0])
+                total[0] += event.time_range.elapsed_us() / 1e3 / block
+                total[1] += 1 / block
+        top.update(sorted(kernels.items(), key=lambda item: -item[1][0])[:8])
     return busy_ms(prof.events()) / block
 
 
@@ -245,23 +254,27 @@ def graphed(step, model: nn.Module) -> tuple:
     return graph.replay, graph
 
 
-def bert_rows(modes: tuple[str, ...] = ("eager", "cuda_graph"), batch: int = 16, length: int = 384,
-              block: int = 10, rounds: int = 4) -> dict:
+def bert_rows(modes: tuple[str, ...] = ("eager", "cuda_graph"),
+              precisions: tuple[str, ...] = ("bf16", "bf16-mixed"), batch: int = 16,
+              length: int = 384, block: int = 10, rounds: int = 4) -> dict:
     """Dense and 2:4 BERT-large steps in one process, alternating timed blocks of ``block``
     steps (``rounds`` each) so both see the same clocks, with the GPU busy time of each
     (the profiler, one more block); per precision: ``bf16`` weights, and ``bf16-mixed``
     (float32 weights under bf16 autocast, Lightning's ``bf16-mixed``). Eager: dense, 2:4
     layers masking their own gradient, 2:4 under the engine. CUDA graph (the whole step
-    captured, AdamW ``capturable``): dense against 2:4 layers with ``timing="cuda_graph"``."""
+    captured, AdamW ``capturable``): dense against 2:4 layers with ``timing="cuda_graph"``,
+    and with both products forced sparse (what the choice avoided)."""
     from transformers import BertConfig
 
     config = BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                         intermediate_size=4096)
     ids = torch.randint(0, config.vocab_size, (batch, length), device="cuda")
     result = {"tokens": batch * length, "block_steps": block, "rounds": rounds}
-    for precision, dtype in (("bf16", DTYPE), ("bf16-mixed", torch.float32)):
+    for precision in precisions:
+        dtype = DTYPE if precision == "bf16" else torch.float32
         for mode in modes:
-            variants = (("dense", "2:4", "2:4 engine") if mode == "eager" else ("dense", "2:4"))
+            variants = (("dense", "2:4", "2:4 engine") if mode == "eager"
+                        else ("dense", "2:4", "2:4 forced"))
             try:
                 result[f"{precision} {mode}"] = bert_row(config, ids, dtype, mode, variants,
                                                          block, rounds)
@@ -279,13 +292,20 @@ def bert_rows(modes: tuple[str, ...] = ("eager", "cuda_graph"), batch: int = 16,
 
 def bert_row(config, ids: torch.Tensor, dtype: torch.dtype, mode: str, variants: tuple,
              block: int, rounds: int) -> dict:
+    """Eager: the variants' steps in alternating blocks. CUDA graph: each variant built,
+    captured and timed in turn, then freed (graph replays have no host noise to pair
+    against; two whole-step graphs alive together segfaulted on replay on the H100)."""
     mixed = dtype != DTYPE
-    steps, models, graphs = {}, {}, []
+    row: dict = {"blocks_ms": {}, "gpu_busy_ms": {}, "top_kernels": {}}
+    steps, checks, layers_of = {}, {}, {}
     for variant in variants:
-        model = models[variant] = bert_model(config, variant.split()[0], dtype)
-        for layer in model.modules():
-            if isinstance(layer, SemiStructuredLinear):
-                layer.timing = mode
+        model = bert_model(config, variant.split()[0], dtype)
+        layers = [m for m in model.modules() if isinstance(m, SemiStructuredLinear)]
+        for layer in layers:
+            layer.timing = mode
+            if variant.endswith("forced"):  # both products sparse, whatever the timing says
+                key = (ids.device, DTYPE, ids.numel(), mode)
+                layer._routes[key] = path_module.PathChoice(True, True, "forced", {})
 
         def loss(model=model):
             with torch.autocast("cuda", DTYPE, enabled=mixed, cache_enabled=False):
@@ -295,6 +315,7 @@ def bert_row(config, ids: torch.Tensor, dtype: torch.dtype, mode: str, variants:
             step = trainer_step(model, loss, engine=variant.endswith("engine"), deny=("pooler",))
             for _ in range(3):  # the first steps time the 2:4 paths
                 step()
+            steps[variant], layers_of[variant] = step, layers
         else:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True,
                                           capturable=True)
@@ -304,30 +325,49 @@ def bert_row(config, ids: torch.Tensor, dtype: torch.dtype, mode: str, variants:
                     optimizer.zero_grad(set_to_none=True)
                 loss()
                 optimizer.step()
-            step, graph = graphed(whole_step, model)
-            graphs.append(graph)
-        steps[variant] = step
-    blocks = timed_blocks(steps, block, rounds)
-    row = {variant: statistics.median(ms) for variant, ms in blocks.items()}
-    row["blocks_ms"] = blocks
-    row["gpu_busy_ms"] = {variant: gpu_busy_ms(step, block) for variant, step in steps.items()}
+            replay, graph = graphed(whole_step, model)
+            row["blocks_ms"].update(timed_blocks({variant: replay}, block, rounds))
+            row["gpu_busy_ms"][variant] = gpu_busy_ms(replay, block,
+                                                      row["top_kernels"].setdefault(variant, {}))
+            if layers:
+                checks[variant] = layer_checks(layers, mixed)
+            del model, layers, optimizer, replay, graph, whole_step, loss
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    if mode == "eager":
+        row["blocks_ms"] = timed_blocks(steps, block, rounds)
+        row["gpu_busy_ms"] = {variant: gpu_busy_ms(step, block,
+                                                   row["top_kernels"].setdefault(variant, {}))
+                              for variant, step in steps.items()}
+        checks = {variant: layer_checks(layers, mixed)
+                  for variant, layers in layers_of.items() if layers}
+    row.update({variant: statistics.median(ms) for variant, ms in row["blocks_ms"].items()})
+    row["checks"] = checks
     for variant in variants[1:]:
         row[f"{variant} speedup"] = row["dense"] / row[variant]
         busy = row["gpu_busy_ms"][variant]  # 0 if the profiler saw no kernels (graphs)
         row[f"{variant} gpu speedup"] = row["gpu_busy_ms"]["dense"] / busy if busy else math.nan
-    layers = [m for m in models["2:4"].modules() if isinstance(m, SemiStructuredLinear)]
-    row["pruned_weights_zero"] = all(not m.weight[~m.mask].any() for m in layers)
-    x = torch.randn(2048, layers[0].in_features, device="cuda", dtype=DTYPE)
-    with torch.no_grad(), torch.autocast("cuda", DTYPE, enabled=mixed):
-        row["layer_error_after_steps"] = relative_error(
-            layers[0](x), F.linear(x.float(), (layers[0].weight * layers[0].mask).float(),
-                                   layers[0].bias.float()))
     print(f"BERT-large step {dtype} {mode:10s} " + "  ".join(
         f"{v} {row[v]:7.2f} ms (gpu {row['gpu_busy_ms'][v]:6.2f})" for v in variants)
         + "  " + "  ".join(f"{k} {v:.3f}x" for k, v in row.items() if k.endswith("speedup"))
-        + f"  zeros held {row['pruned_weights_zero']}  err {row['layer_error_after_steps']:.1e}",
-        flush=True)
+        + f"  checks {checks}", flush=True)
+    for variant, kernels in row["top_kernels"].items():
+        print(f"  top kernels {variant}: " + "; ".join(
+            f"{name[:60]} {ms:.2f} ms x{calls:.0f}" for name, (ms, calls) in
+            list(kernels.items())[:5]), flush=True)
     return row
+
+
+def layer_checks(layers: list[SemiStructuredLinear], mixed: bool) -> dict:
+    """After the timed steps: pruned weights still zero in every layer, and the first
+    layer's output (its packed copies, if sparse) against the dense masked product."""
+    layer = layers[0]
+    x = torch.randn(2048, layer.in_features, device="cuda", dtype=DTYPE)
+    with torch.no_grad(), torch.autocast("cuda", DTYPE, enabled=mixed):
+        error = relative_error(layer(x), F.linear(x.float(), (layer.weight * layer.mask).float(),
+                                                  layer.bias.float()))
+    return {"pruned_weights_zero": all(not m.weight[~m.mask].any() for m in layers),
+            "layer_error": error}
 
 
 def compile_check() -> dict:
@@ -355,13 +395,15 @@ def main() -> None:
                         help="only the BERT-large step (no per-layer table)")
     parser.add_argument("--bert-modes", nargs="+", default=["eager", "cuda_graph"],
                         choices=["eager", "cuda_graph"], help="BERT-large steps to time")
+    parser.add_argument("--bert-precisions", nargs="+", default=["bf16", "bf16-mixed"],
+                        choices=["bf16", "bf16-mixed"], help="BERT-large weights' precisions")
     args = parser.parse_args()
     result = {"environment": environment(),
               "cusparselt_version": torch.backends.cusparselt.version()}
     if not args.bert_only:
         result.update(layers=layer_rows(args.only), compile=compile_check())
         print("torch.compile:", result["compile"], flush=True)
-    result["bert"] = bert_rows(tuple(args.bert_modes))
+    result["bert"] = bert_rows(tuple(args.bert_modes), tuple(args.bert_precisions))
     write_json(f"semi_structured_{torch.cuda.get_device_name().replace(' ', '_')}{args.tag}.json",
                result)
 
