@@ -92,10 +92,11 @@ def check_across_ranks(slots: Sequence[MaskedSlot | CompressedSlot], step: int |
 
 
 def keep_masks_out_of_buffer_broadcast(wrapper: nn.Module,
-                                       slots: Sequence[MaskedSlot | CompressedSlot]) -> list[str]:
-    """Add the mask buffers of ``slots`` (masked tensors' masks, compressed layers' 2:4
-    masks and block masks) to the ignore list of ``wrapper``, a ``DistributedDataParallel``,
-    and return their names ([] for any other wrapper).
+                                       slots: Sequence[MaskedSlot | CompressedSlot]) -> None:
+    """Add the names of the mask buffers of ``slots`` (masked tensors' masks, compressed
+    layers' 2:4 masks and block masks) to the ignore list of ``wrapper`` if it is a
+    ``DistributedDataParallel`` (names, so a ``.to()`` that replaces the buffers keeps them
+    there).
 
     With ``broadcast_buffers`` (DDP's default) DDP sends rank 0's buffers before every
     forward, and it lists the module's buffers anew each time, so masks registered after
@@ -104,9 +105,7 @@ def keep_masks_out_of_buffer_broadcast(wrapper: nn.Module,
     Masks agree on every rank by construction and are compared by checksum after every
     update (:func:`check_across_ranks`), so they need not travel.
     """
-    if not isinstance(wrapper, DistributedDataParallel):
-        return []
-    masks = {id(slot.mask) for slot in slots}
-    names = [name for name, buffer in wrapper.module.named_buffers() if id(buffer) in masks]
-    wrapper.parameters_to_ignore.update(names)  # re-read at every buffer broadcast
-    return names
+    if isinstance(wrapper, DistributedDataParallel):
+        masks = {id(slot.mask) for slot in slots}
+        wrapper.parameters_to_ignore.update(  # re-read at every buffer broadcast
+            name for name, buffer in wrapper.module.named_buffers() if id(buffer) in masks)

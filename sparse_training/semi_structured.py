@@ -93,7 +93,7 @@ class SemiStructuredLinear(nn.Module):
 
     trained_weight = "weight"  # the parameter holding the weight
     masks_gradient = True  # False while an engine's optimizer step masks the gradient
-    timing = "eager"  # how the paths are timed: "eager" or "cuda_graph" (module doc)
+    _timing = "eager"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
@@ -145,6 +145,21 @@ class SemiStructuredLinear(nn.Module):
         self._captured = False  # True once a forward ran under CUDA graph capture
 
     @property
+    def timing(self) -> str:
+        """How the paths are timed: ``"eager"`` (wall time, the default) or ``"cuda_graph"``
+        (GPU time of graph replays, for a step captured in a CUDA graph; module doc).
+
+        Raises:
+            ValueError: on setting any other value.
+        """
+        return self._timing
+
+    @timing.setter
+    def timing(self, timing: str) -> None:
+        check_timing(timing)
+        self._timing = timing
+
+    @property
     def sparsity(self) -> float:
         """Fraction of the weight's entries that are pruned (0.5)."""
         return 1.0 - int(self.mask.sum()) / self.mask.numel()
@@ -179,12 +194,7 @@ class SemiStructuredLinear(nn.Module):
 
     def paths(self, x: Tensor, dtype: torch.dtype | None = None) -> PathChoice | str:
         """The measured choice for an input like ``x`` (timed at its first call), or why
-        cuSPARSELt does not serve it; cached per (device, dtype, token count, timing).
-
-        Raises:
-            ValueError: ``timing`` is not ``"eager"`` or ``"cuda_graph"``.
-        """
-        check_timing(self.timing)
+        cuSPARSELt does not serve it; cached per (device, dtype, token count, timing)."""
         dtype = dtype or self._compute_dtype(x)
         key = (x.device, dtype, x.numel() // self.in_features, self.timing)
         route = self._routes.get(key)
@@ -227,7 +237,7 @@ class SemiStructuredLinear(nn.Module):
         captured in a CUDA graph (replays take optimizer steps that no Python sees)."""
         copies = self._copies(dtype)
         marker = _weights_changed_marker(self.weight)
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if torch.cuda.is_current_stream_capturing():  # a sparse route runs on CUDA
             self._captured = True
         for copy, used in zip(copies, (route.forward, route.input_grad), strict=False):
             if used and (self._captured or copy[1] != marker):

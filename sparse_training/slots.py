@@ -323,7 +323,7 @@ def whole_counts(slots: Sequence[MaskedSlot | CompressedSlot], gradients: bool =
     sums = [slot.mask.sum() for slot in slots]
     likes = [slot.param for slot in slots]
     if gradients:
-        sums += [(~local(slot.param.grad).isfinite()).sum() for slot in slots]
+        sums += [local(slot.param.grad).isfinite().logical_not_().sum() for slot in slots]
         likes += likes
     counts = totals_like(sums, likes).tolist()
     return counts[:len(slots)], int(sum(counts[len(slots):]))
