@@ -46,6 +46,7 @@ from sparse_training.permutations import permute_channels
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "squad.yaml"
 DENY = ["qa_outputs"]  # the 2-output span head stays dense in every run (embeddings: not Linear)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # training, scoring, the permutation search
 
 
 # -----------------------------------------------------------------------------------------------
@@ -107,14 +108,13 @@ class SpanQA(pl.LightningModule):
 @torch.no_grad()
 def evaluate(model: SpanQA, data: Data, cfg: DictConfig) -> dict[str, float]:
     """Exact match and F1 on the eval questions (best span over each question's windows)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model.to(device).eval()
+    model.to(DEVICE).eval()
     starts, ends = [], []
     for first in range(0, len(data.eval), 4 * cfg.batch_size):
         indices = list(range(first, min(first + 4 * cfg.batch_size, len(data.eval))))
-        batch = {k: v.to(device) for k, v in squad_data.collate(data.eval, indices).items()
+        batch = {k: v.to(DEVICE) for k, v in squad_data.collate(data.eval, indices).items()
                  if not k.endswith("positions")}
-        with torch.autocast(device, torch.bfloat16, enabled=device == "cuda"):
+        with torch.autocast(DEVICE, torch.bfloat16, enabled=DEVICE == "cuda"):
             out = model(batch)
         for row, i in enumerate(indices):  # (T,) logits of each window, padding cut off
             length = len(data.eval.input_ids[i])
@@ -145,12 +145,11 @@ def precision(cfg: DictConfig) -> str:
     """``cfg.precision``, with ``auto`` resolved: bf16-mixed on a GPU, 32-true on the CPU."""
     if cfg.precision != "auto":
         return cfg.precision
-    return "bf16-mixed" if torch.cuda.is_available() else "32-true"
+    return "bf16-mixed" if DEVICE == "cuda" else "32-true"
 
 
 def make_trainer(cfg: DictConfig, epochs: int, logger: Any, callbacks: list) -> pl.Trainer:
-    gpu = torch.cuda.is_available()
-    return pl.Trainer(max_epochs=epochs, accelerator="gpu" if gpu else "cpu", devices=1,
+    return pl.Trainer(max_epochs=epochs, accelerator="gpu" if DEVICE == "cuda" else "cpu", devices=1,
                       precision=precision(cfg), logger=logger, callbacks=callbacks,
                       enable_checkpointing=False, enable_model_summary=False,
                       enable_progress_bar=cfg.progress_bar, log_every_n_steps=10,
@@ -194,8 +193,7 @@ def run(cfg: DictConfig, spec: DictConfig, seed: int, data: Data, model_dir: Pat
         model.load_state_dict(dense)
     row: dict[str, Any] = {"name": spec.name, "family": spec.family, "seed": seed}
     if spec.get("permute"):  # ASP: permute input channels so that 2:4 keeps more magnitude
-        device = "cuda" if torch.cuda.is_available() else "cpu"  # the search is torch ops
-        report = permute_channels(model.bert.to(device), kwargs["pattern"], seed=seed)
+        report = permute_channels(model.bert.to(DEVICE), kwargs["pattern"], seed=seed)
         before = sum(r["kept_before"] for r in report)
         row["kept_magnitude_gain"] = round(sum(r["kept_after"] for r in report) / before - 1, 5)
     if spec.init == "dense" and kwargs:  # ASP's one-shot F1: pruned, before fine-tuning
@@ -231,8 +229,6 @@ def run(cfg: DictConfig, spec: DictConfig, seed: int, data: Data, model_dir: Pat
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One line per configuration: means over seeds, the F1 spread, the gap to dense."""
     names = list(dict.fromkeys(r["name"] for r in rows))
-    dense_f1 = statistics.mean(r["f1"] for r in rows if r["name"] == "dense") if any(
-        r["name"] == "dense" for r in rows) else None
     lines = []
     for name in names:
         mine = [r for r in rows if r["name"] == name]
@@ -244,12 +240,20 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 line[key] = statistics.mean(values)
         if len(f1s := [r["f1"] for r in mine if "f1" in r]) > 1:
             line["f1_spread"] = max(f1s) - min(f1s)
-        if dense_f1 is not None and "f1" in line:
-            line["f1_gap"] = line["f1"] - dense_f1
         if errors := [r["error"] for r in mine if "error" in r]:
             line["error"] = errors[0]
         lines.append(line)
+    dense_f1 = dense_line_f1(lines)  # None where dense did not run or failed
+    for line in lines:
+        if dense_f1 is not None and "f1" in line:
+            line["f1_gap"] = line["f1"] - dense_f1
     return lines
+
+
+def dense_line_f1(lines: list[dict[str, Any]]) -> float | None:
+    """The dense configuration's mean F1, or None where it did not run or has no score."""
+    return next((line["f1"] for line in lines if line["name"] == "dense" and "f1" in line),
+                None)
 
 
 COLUMNS = [("name", "run", ""), ("family", "family", ""), ("sparsity", "sparsity", ".3f"),
@@ -263,17 +267,17 @@ COLUMNS = [("name", "run", ""), ("family", "family", ""), ("sparsity", "sparsity
 def report(cfg: DictConfig, rows: list[dict[str, Any]], group: str, header: str) -> None:
     out = Path(cfg.out_dir)
     lines = summarize(rows)
-    reporting.write_results(out, rows)
+    written = reporting.write_results(out, rows)
     (out / "results.md").write_text(f"{header}\n\n{reporting.markdown_table(lines, COLUMNS)}\n")
     series: dict[str, list[tuple[float, float]]] = {}
     for line in lines:
         if line["family"] != "dense" and "f1" in line:
             series.setdefault(line["family"], []).append((line["sparsity"], line["f1"]))
-    dense_f1 = next((line["f1"] for line in lines if line["name"] == "dense"), None)
+    dense_f1 = dense_line_f1(lines)
     png = reporting.plot_vs_sparsity(out / "f1_vs_sparsity.png", series, metric="F1",
                                      title=f"SQuAD v1.1, {Path(str(cfg.model_dir or 'MiniLM-L6')).name}: F1 vs sparsity",
                                      dense=dense_f1)
-    print(f"results: {out / 'results.md'}, {out / 'results.csv'}, {out / 'results.json'}, {png}")
+    print("results: " + ", ".join(map(str, [out / "results.md", *written, png])))
     if cfg.logger == "wandb":
         curve = [[line["family"], line["sparsity"], line["f1"]] for line in lines if "f1" in line]
         reporting.log_summary_run(cfg, group, lines, metric="f1", curve=curve,
@@ -355,7 +359,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                 f"sparsity {row['sparsity']:.3f}")
             rows.append(row)
             reporting.write_results(Path(cfg.out_dir), rows)  # what a cut-off sweep leaves
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU"
     split = (f"trained on {cfg.train_file}, the whole dev set scored" if cfg.train_file else
              "SQuAD v1.1 dev, articles 0-37 fine-tune / 38-47 scored")
     header = (f"{split}; {gpu}; "

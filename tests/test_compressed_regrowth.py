@@ -46,7 +46,7 @@ def test_a_block_move_carries_values_and_optimizer_state_and_zeroes_new_blocks()
         if old is None:
             assert not layer.values[new].any()
     # the dense weight: the old one with the dropped blocks zeroed, the grown ones zero
-    keep = new_mask.repeat_interleave(16, 0).repeat_interleave(16, 1)[:40, :48]
+    keep = expanded(layer)[:40, :48]  # the layer's block mask is new_mask (checked above)
     assert torch.equal(values_to_dense(layer.values, layer.topology),
                        torch.where(keep, old_dense, 0))
     x = torch.randn(5, 48, dtype=torch.float64)

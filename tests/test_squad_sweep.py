@@ -134,3 +134,18 @@ def test_replay_rebuilds_the_table_from_a_cut_off_sweep(tmp_path):
     assert table.startswith(f"replayed from {saved}")
     assert "| 2:4 | N:M 50% | 0.500 | 65.00 | 55.00 | -5.00 |" in table
     assert "RuntimeError: boom" in table
+
+
+def test_a_failed_dense_run_still_gets_its_table_without_gaps(tmp_path):
+    """The dense row recorded as an error (no F1): the other rows are reported, with no gap
+    to dense, instead of the report failing."""
+    rows = [{"name": "dense", "family": "dense", "seed": 0, "error": "RuntimeError: oom"},
+            {"name": "2:4", "family": "N:M 50%", "seed": 0, "f1": 65.0, "exact_match": 55.0,
+             "sparsity": 0.5, "seconds": 3.0}]
+    saved = tmp_path / "results.json"
+    saved.write_text(json.dumps(rows))
+    out = tmp_path / "out"
+    squad_sweep.main([f"replay={saved}", f"out_dir={out}", "logger=none"])
+    table = (out / "results.md").read_text()
+    assert "RuntimeError: oom" in table
+    assert "| 2:4 | N:M 50% | 0.500 | 65.00 | 55.00 | – |" in table
