@@ -132,8 +132,8 @@ def decide(times: dict[str, float]) -> PathChoice:
     ``refresh`` and, for a transposable mask, ``dense_input_grad``, ``sparse_input_grad``,
     ``refresh_transposed``. A product goes sparse where it is faster, and only if the
     products' savings per step, net of the refreshes they need, exceed :data:`MARGIN` of
-    the dense products' time (a tie measured in isolation lost 6% in a whole BERT-large
-    step on an H100: docs/performance.md)."""
+    the dense products' time (smaller savings are within the timing's noise; a BERT-large
+    step with such ties sparse was no faster than with them dense: docs/performance.md)."""
     forward = times["sparse_forward"] < times["dense_forward"]
     saved = times["dense_forward"] - times["sparse_forward"] if forward else 0.0
     refresh = times["refresh"] if forward else 0.0
