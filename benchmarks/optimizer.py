@@ -17,6 +17,10 @@ Also the host time per call (Python + launch; cached plan vs plan rebuilt every 
 Prints one table and writes optimizer_step.json (GPU name, versions) to $OUT or
 benchmarks/results/.
 
+With ``--bf16`` the same table for bf16 weights, gradients and state (Lightning's
+``bf16-true``), the kernels checked against torch's fused step instead (ASP's way: the
+same float32 arithmetic rounded once); writes optimizer_step_bf16.json.
+
 Without a GPU:  python benchmarks/optimizer.py --host-cpu
 Host time per ``fused_masked_step`` call on this machine's CPU with the kernel launch
 stubbed out (TRITON_INTERPRET=1, real shapes, tensors never touched): the Python side
@@ -54,8 +58,8 @@ from sparse_training.kernels import masked_step as ms  # noqa: E402
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.01})
 SGD = (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "weight_decay": 1e-4})
-# Bytes per element moved by the masked step beyond the mask: reads + writes, fp32.
-STATE_BYTES = {"AdamW": 4 * (4 + 3), "SGD": 4 * (3 + 2)}
+# Tensors read + written per element by the masked step, beyond the mask.
+STREAMS = {"AdamW": 4 + 3, "SGD": 3 + 2}
 
 
 def check_correctness() -> dict:
@@ -94,18 +98,62 @@ def _check(opt_cls, kw) -> dict:
     return out
 
 
-def make_model(shapes, opt_cls, kw):
-    params = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.02) for s in shapes]
+def check_against_torch_fused(dtype: torch.dtype) -> dict:
+    """Half-precision weights, 4 steps, odd sizes: the kernel against torch's fused step the
+    ASP way (gradients masked, ``fused=True`` step, weights masked) and both against a
+    float64 run of the same steps. Both compute in float32 and round once, so kept weights
+    should mostly agree bit for bit (fast math's approximate square root and division may
+    flip a rounding), and both should be as far from float64 as rounding makes them."""
+    result = {}
+    for opt_cls, kw in (ADAMW, SGD):
+        torch.manual_seed(0)
+        shapes = [(1000, 37), (4097,), (65536 * 3 + 5,), (1024, 1024)]
+        ps = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=dtype)) for s in shapes]
+        twins = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+        exact = [torch.nn.Parameter(p.detach().double()) for p in ps]
+        masks = [torch.rand(p.shape, device="cuda") > 0.5 for p in ps]
+        opt, ref, ref64 = opt_cls(ps, **kw), opt_cls(twins, fused=True, **kw), opt_cls(exact, **kw)
+        for _ in range(4):
+            for p, q, e, k in zip(ps, twins, exact, masks, strict=True):
+                g = torch.randn(p.shape, device="cuda", dtype=dtype)
+                p.grad, q.grad, e.grad = g, g * k, g.double() * k
+            fused_masked_step(opt, dict(zip(ps, masks, strict=True)))
+            ref.step()
+            ref64.step()
+            with torch.no_grad():
+                for q, e, k in zip(twins, exact, masks, strict=True):
+                    q.mul_(k)
+                    e.mul_(k)
+        kept, twin_kept, exact_kept = (torch.cat([t.detach()[k].double() for t, k in
+                                                  zip(ts, masks, strict=True)])
+                                       for ts in (ps, twins, exact))
+        ulps = (kept - twin_kept).abs() / (torch.finfo(dtype).eps * twin_kept.abs())
+
+        def error(values, exact_kept=exact_kept):
+            return float((values - exact_kept).norm() / exact_kept.norm())
+        out = {"kept_bit_equal_to_torch_fused": float((kept == twin_kept).double().mean()),
+               "max_diff_ulps": float(ulps[twin_kept != 0].max()),
+               "rel_err_vs_fp64": error(kept), "torch_fused_rel_err_vs_fp64": error(twin_kept),
+               "pruned_exact_zero": all(bool((p[~k] == 0).all())
+                                        for p, k in zip(ps, masks, strict=True))}
+        assert out["pruned_exact_zero"] and bool(kept.isfinite().all()), out
+        result[opt_cls.__name__] = out
+    return result
+
+
+def make_model(shapes, opt_cls, kw, dtype=torch.float32):
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=dtype) * 0.02)
+              for s in shapes]
     grads = [torch.randn_like(p) for p in params]
     masks = [torch.rand(p.shape, device="cuda") > 0.5 for p in params]
     return params, grads, masks
 
 
-def time_variants(shapes, opt_cls, kw) -> dict:
-    params, grads, masks = make_model(shapes, opt_cls, kw)
+def time_variants(shapes, opt_cls, kw, dtype=torch.float32) -> dict:
+    params, grads, masks = make_model(shapes, opt_cls, kw, dtype)
     mask_of = dict(zip(params, masks, strict=True))
     packed_of = {p: pack_mask(k) for p, k in mask_of.items()}
-    fmasks = [k.float() for k in masks]
+    fmasks = [k.to(dtype) for k in masks]
 
     def set_grads():
         for p, g in zip(params, grads, strict=True):
@@ -186,26 +234,30 @@ def time_variants(shapes, opt_cls, kw) -> dict:
     }
 
 
-def main() -> None:
+def main(dtype: torch.dtype = torch.float32) -> None:
     env = environment()
     bw = copy_bandwidth_gbs()
-    correctness = check_correctness()
+    half = dtype != torch.float32
+    correctness = check_against_torch_fused(dtype) if half else check_correctness()
     sizes = {"64Mi": [(1024, 1024)] * 64, "BERT-large": bert_large_shapes()}
+    size_of = torch.finfo(dtype).bits // 8
     runs = {}
     for (opt_cls, kw), name in ((ADAMW, "AdamW"), (SGD, "SGD")):
         for size, shapes in sizes.items():
-            r = time_variants(shapes, opt_cls, kw)
-            r["floor_ms"] = r["numel"] * (STATE_BYTES[name] + 1) / bw / 1e6
-            r["floor_packed_ms"] = r["numel"] * (STATE_BYTES[name] + 0.125) / bw / 1e6
+            r = time_variants(shapes, opt_cls, kw, dtype)
+            r["floor_ms"] = r["numel"] * (STREAMS[name] * size_of + 1) / bw / 1e6
+            r["floor_packed_ms"] = r["numel"] * (STREAMS[name] * size_of + 0.125) / bw / 1e6
             runs[f"{name} {size}"] = r
             gc.collect()
             torch.cuda.empty_cache()
     path = write_json(
-        "optimizer_step.json",
-        {"environment": env, "copy_bandwidth_GBs": bw, "correctness": correctness, "runs": runs},
+        "optimizer_step_bf16.json" if half else "optimizer_step.json",
+        {"environment": env, "param_dtype": str(dtype), "copy_bandwidth_GBs": bw,
+         "correctness": correctness, "runs": runs},
     )
     print(
         f"\n{env['gpu']}, torch {env['torch']}, triton {env['triton']}; copy bandwidth {bw:.0f} GB/s"
+        f"; {dtype} weights"
     )
     print(f"correctness: {correctness}")
     head = "| case | params | fused unmasked | masked fused | packed | exact-math | ASP | foreach+mul | floor (bool) | masked/unmasked | ASP/masked | masked/floor | host ms (cached / rebuilt) |"
@@ -301,4 +353,4 @@ if __name__ == "__main__":
     if "--host-cpu" in sys.argv:
         host_cpu()
     else:
-        main()
+        main(torch.bfloat16 if "--bf16" in sys.argv else torch.float32)

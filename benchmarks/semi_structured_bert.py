@@ -5,9 +5,10 @@ A BERT-large encoder (24 layers, built from a config; embeddings and encoder, no
 mask) at 16 x 384 tokens, fused AdamW, dense against every encoder Linear a
 ``SemiStructuredLinear(2:4:2d)``, with bf16 weights and with float32 weights under bf16
 autocast. Eager: dense, the layers masking dW themselves and the layers under the engine
-alternate timed blocks in one process. CUDA graph: the whole step captured per variant
+(its fused masked step, and its hook path) alternate timed blocks in one process. CUDA graph: the whole step captured per variant
 (layers with ``timing="cuda_graph"``, and forced sparse), timed one variant at a time.
-Each with its GPU busy time and top kernels from ``torch.profiler``.
+Each with its GPU busy time and its kernels (GPU ms and calls per step, all of them) from
+``torch.profiler``.
 """
 
 from __future__ import annotations
@@ -33,13 +34,15 @@ def relative_error(result: torch.Tensor, reference: torch.Tensor) -> float:
     return float((result.float() - reference.float()).abs().max() / reference.float().abs().max())
 
 
-def trainer_step(model: nn.Module, loss, engine: bool, deny: tuple[str, ...] = ()):
+def trainer_step(model: nn.Module, loss, engine: bool, deny: tuple[str, ...] = (),
+                 fused: bool | str = "auto"):
     """One training step of ``model`` (``loss()`` runs forward and backward) with fused
     AdamW: torch's (``engine`` False: a dense model, or 2:4 layers masking their own
     gradient), or the callback's path (``engine``: a :class:`SparsityEngine` attached, its
-    optimizer hooks mask the 2:4 weights' gradients, the layers leave them alone: inside the
-    fused masked step for float32 weights, one multi-tensor pass for bf16 ones; the
-    dense Linears that ``deny`` does not name are masked 2:4 too)."""
+    optimizer hooks mask the 2:4 weights, the layers leave their gradients alone: inside the
+    fused masked step, or with ``fused=False`` the hook path's multi-tensor gradient and
+    weight passes around torch's step; the dense Linears that ``deny`` does not name are
+    masked 2:4 too)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     if not engine:
         def step():
@@ -47,9 +50,9 @@ def trainer_step(model: nn.Module, loss, engine: bool, deny: tuple[str, ...] = (
             loss()
             optimizer.step()
         return step
-    sparse = SparsityEngine(model, SparsityConfig("2:4:2d", deny=list(deny)))
+    sparse = SparsityEngine(model, SparsityConfig("2:4:2d", deny=list(deny), fused=fused))
     sparse.start(None)
-    sparse.attach(optimizer)  # fused for float32 weights; bf16 ones take the hook path
+    sparse.attach(optimizer)
 
     def engine_step():
         sparse.on_step_start(0)
@@ -93,8 +96,8 @@ def timed_blocks(steps: dict, block: int, rounds: int) -> dict[str, list[float]]
 
 def gpu_busy_ms(step, block: int, top: dict | None = None) -> float:
     """GPU busy ms per step (kernels and copies from ``torch.profiler``; host time is not in
-    it, so a host-bound step shows wall > busy); ``top``, if given, gets the 8 kernels that
-    took the most GPU time (ms and calls per step)."""
+    it, so a host-bound step shows wall > busy); ``top``, if given, gets every kernel (ms and
+    calls per step), the most GPU time first."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -109,7 +112,7 @@ def gpu_busy_ms(step, block: int, top: dict | None = None) -> float:
                 total = kernels.setdefault(event.name[:90], [0.0, 0])
                 total[0] += event.time_range.elapsed_us() / 1e3 / block
                 total[1] += 1 / block
-        top.update(sorted(kernels.items(), key=lambda item: -item[1][0])[:8])
+        top.update(sorted(kernels.items(), key=lambda item: -item[1][0]))
     return busy_ms(prof.events()) / block
 
 
@@ -136,7 +139,8 @@ def bert_rows(modes: tuple[str, ...] = ("eager", "cuda_graph"),
     steps (``rounds`` each) so both see the same clocks, with the GPU busy time of each
     (the profiler, one more block); per precision: ``bf16`` weights, and ``bf16-mixed``
     (float32 weights under bf16 autocast, Lightning's ``bf16-mixed``). Eager: dense, 2:4
-    layers masking their own gradient, 2:4 under the engine. CUDA graph (the whole step
+    layers masking their own gradient, 2:4 under the engine (fused step, and hook path).
+    CUDA graph (the whole step
     captured, AdamW ``capturable``): dense against 2:4 layers with ``timing="cuda_graph"``,
     and with both products forced sparse (what the choice avoided)."""
     from transformers import BertConfig
@@ -148,7 +152,7 @@ def bert_rows(modes: tuple[str, ...] = ("eager", "cuda_graph"),
     for precision in precisions:
         dtype = DTYPE if precision == "bf16" else torch.float32
         for mode in modes:
-            variants = (("dense", "2:4", "2:4 engine") if mode == "eager"
+            variants = (("dense", "2:4", "2:4 engine", "2:4 engine hooks") if mode == "eager"
                         else ("dense", "2:4", "2:4 forced"))
             try:
                 result[f"{precision} {mode}"] = bert_row(config, ids, dtype, mode, variants,
@@ -189,7 +193,8 @@ def bert_row(config, ids: torch.Tensor, dtype: torch.dtype, mode: str, variants:
                 out = model.encoder(model.embeddings(input_ids=ids)).last_hidden_state
             out.float().square().mean().backward()
         if mode == "eager":
-            step = trainer_step(model, loss, engine=variant.endswith("engine"), deny=("pooler",))
+            step = trainer_step(model, loss, engine="engine" in variant, deny=("pooler",),
+                                fused=False if variant.endswith("hooks") else "auto")
             for _ in range(3):  # the first steps time the 2:4 paths
                 step()
             steps[variant], layers_of[variant] = step, layers

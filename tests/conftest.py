@@ -45,7 +45,8 @@ class TinyNet(pl.LightningModule):
             return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=1e-4)
         if self.optimizer_name == "adam":
             return torch.optim.Adam(self.parameters(), lr=self.lr, weight_decay=1e-4)
-        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+        return torch.optim.AdamW(self.parameters(), lr=self.lr,
+                                 fused=self.optimizer_name == "adamw-fused")
 
 
 class TwoOptimizerNet(TinyNet):

@@ -19,14 +19,14 @@ class FusedSpy(Callback):
         self.fused = bool(self.sparse.engine.fused_optimizers)
 
 
-def train(optimizer: str, fused, gradient_clip_val=None, max_steps=6):
+def train(optimizer: str, fused, max_steps=6, **trainer_options):
     pl.seed_everything(0)
     model = TinyNet(optimizer)
     sparse = SparsityCallback("unstructured", sparsity=0.5, schedule="gmp", frequency=2,
                               end=4, fused=fused)
     spy = FusedSpy(sparse)
     make_trainer([sparse, spy], max_epochs=1, max_steps=max_steps,
-                 gradient_clip_val=gradient_clip_val).fit(model, make_loader(n=96))
+                 **trainer_options).fit(model, make_loader(n=96))
     return model, sparse, spy.fused
 
 
@@ -43,6 +43,21 @@ def test_fused_matches_the_hook_path(optimizer):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)  # fp32 rounding
     for layer in sparse.engine.slots:
         assert not layer.param[~layer.mask].any()
+
+
+def test_fused_serves_bf16_weights():
+    """bf16-true: the kernel updates bf16 weights and their bf16 state in place, pruned
+    entries exact zeros (its arithmetic: test_kernels_masked_step)."""
+    model, sparse, served = train("adamw-fused", fused=True, precision="bf16-true")
+    assert served
+    (optimizer,) = model.trainer.optimizers
+    for layer in sparse.engine.slots:
+        assert layer.param.dtype == torch.bfloat16
+        assert not layer.param[~layer.mask].any()
+        state = optimizer.state[layer.param]
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert state[name].dtype == torch.bfloat16
+            assert not state[name][~layer.mask].any() and state[name][layer.mask].any()
 
 
 def test_fused_with_clipping_masks_gradients_first():

@@ -83,6 +83,47 @@ def test_matches_float64_reference(opt_cls, kw, grad_dtype):
                 )
 
 
+def _float64_twin(opt_cls, kw, params, opt):
+    """A float64 copy of ``params`` and of ``opt``'s state, for one reference step."""
+    twins = [torch.nn.Parameter(p.detach().double()) for p in params]
+    twin_opt = opt_cls(twins, **kw)
+    for p, q in zip(params, twins, strict=True):
+        twin_opt.state[q] = {name: t.double() for name, t in opt.state[p].items()}
+    return twins, twin_opt
+
+
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("opt_cls,kw", OPTIMIZERS[:4])
+def test_half_precision_params_rounded_once_per_step(opt_cls, kw, param_dtype):
+    """bf16/fp16 weights and state: each step equals the float64 step of the same inputs,
+    rounded once to the parameter dtype (float32 arithmetic inside, as torch's fused
+    optimizers): within eps relative at every step. (The compiled cast rounds to
+    nearest, half an eps; Triton's interpreter truncates float32 to bfloat16, a whole
+    one.)"""
+    params, opt = _model(opt_cls, kw, dtype=param_dtype)
+    masks = _masks(params)
+    eps = torch.finfo(param_dtype).eps
+    for step in range(3):
+        for p, k in zip(params, masks, strict=True):
+            for buf in opt.state[p].values():
+                if buf.dim():
+                    assert buf.dtype == param_dtype
+                    buf[~k] = float("nan")
+        twins, twin_opt = _float64_twin(opt_cls, kw, params, opt)
+        for p, q, g in zip(params, twins, _grads(params, param_dtype, seed=50 + step), strict=True):
+            p.grad, q.grad = g, g.double()
+        fused_masked_step(opt, dict(zip(params, masks, strict=True)))
+        masked_step_reference(twin_opt, dict(zip(twins, masks, strict=True)))
+        for p, q, k in zip(params, twins, masks, strict=True):
+            assert p.dtype == param_dtype and torch.equal(p[~k], torch.zeros_like(p[~k]))
+            torch.testing.assert_close(p.double(), q.detach(), rtol=eps, atol=1e-6)
+            for name, buf in opt.state[p].items():
+                if buf.dim():
+                    assert torch.equal(buf[~k], torch.zeros_like(buf[~k])), name
+                    torch.testing.assert_close(buf.double(), twin_opt.state[q][name],
+                                               rtol=eps, atol=1e-6)
+
+
 @pytest.mark.parametrize("opt_cls,kw", OPTIMIZERS[:1] + OPTIMIZERS[2:3])
 def test_kept_weights_match_torch_optimizer(opt_cls, kw):
     """The ASP way (mask grads, torch step, mask weights) agrees on kept weights."""

@@ -29,6 +29,7 @@ from torch import Tensor
 from ._triton import TRITON_IMPORT_ERROR, interpret_mode
 
 _SUPPORTED = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -94,8 +95,9 @@ def device_unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
         return f"{TRITON_IMPORT_ERROR}; install sparse_training[kernels]"
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if p.dtype != torch.float32:
-                return f"a parameter has dtype {p.dtype}; the fused masked step needs float32 parameters"
+            if p.dtype not in _PARAM_DTYPES:
+                return (f"a parameter has dtype {p.dtype}; the fused masked step needs "
+                        "float32, bfloat16 or float16 parameters")
             if p.device.type != "cuda" and not (p.device.type == "cpu" and interpret_mode()):
                 return f"a parameter is on {p.device}; the fused masked step needs CUDA tensors"
     return None
@@ -171,14 +173,14 @@ def _plan(
             if is_sgd:
                 buf = state.get("momentum_buffer")
                 first = hp["momentum"] != 0 and buf is None
-                key = (gi, grad.dtype, mask.dtype, p.device, first)
+                key = (gi, p.dtype, grad.dtype, mask.dtype, p.device, first)
             else:
                 if len(state) == 0:
                     state["step"] = _new_step(group, p)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 first = False
-                key = (gi, grad.dtype, mask.dtype, p.device, state["step"].device)
+                key = (gi, p.dtype, grad.dtype, mask.dtype, p.device, state["step"].device)
             batch = batches.get(key)
             if batch is None:
                 batch = batches[key] = StepBatch(

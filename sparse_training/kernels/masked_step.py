@@ -3,7 +3,12 @@
 One pass per element reads param, grad, optimizer state and mask and writes param and
 state: the gradient is masked, the moments / momentum buffer are written as exact
 zeros at pruned positions and so is the weight. A whole param group is one launch
-(one per gradient dtype and mask format present).
+(one per parameter dtype, gradient dtype and mask format present).
+
+Parameters may be float32, bfloat16 or float16; their optimizer state has their dtype
+(torch creates it with ``zeros_like``). The arithmetic runs in float32 and each tensor
+is rounded once when stored, as in torch's ``fused=True`` optimizers (its default
+``foreach`` path rounds after every operation instead).
 """
 
 from __future__ import annotations
@@ -117,7 +122,7 @@ def _update_block(
     one_minus_beta2, eps, momentum, one_minus_dampening,
     ALGO: tl.constexpr, DECOUPLED: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
     NESTEROV: tl.constexpr, SGD_FIRST: tl.constexpr, MASK_PACKED: tl.constexpr,
-    MASKED: tl.constexpr, FAST: tl.constexpr,
+    MASKED: tl.constexpr, FAST: tl.constexpr, PARAM_DTYPE: tl.constexpr,
 ):  # fmt: skip
     bound = offs < numel if MASKED else None
     if MASK_PACKED:
@@ -129,14 +134,14 @@ def _update_block(
     # FAST: inv_scale = sign / grad_scale, one division per program (exact for the
     # power-of-two scales of GradScaler); else grad_scale * sign, divided exactly.
     g = tl.where(keep, g * inv_scale if FAST else tl.div_rn(g, inv_scale), 0.0)
-    p = _load(p_ptr + offs, bound, MASKED)
+    p = _load(p_ptr + offs, bound, MASKED).to(tl.float32)
     if ALGO == _ADAM:
         if DECOUPLED:
             p = p * decay
         else:
             g = g + weight_decay * p
-        m = _load(a_ptr + offs, bound, MASKED)
-        v = _load(b_ptr + offs, bound, MASKED)
+        m = _load(a_ptr + offs, bound, MASKED).to(tl.float32)
+        v = _load(b_ptr + offs, bound, MASKED).to(tl.float32)
         m = m + one_minus_beta1 * (g - m)
         v = v * beta2 + one_minus_beta2 * (g * g)
         if FAST:
@@ -146,20 +151,20 @@ def _update_block(
             # inv_bc2 holds sqrt(1 - beta2^t) itself here, divided as torch does.
             denom = tl.div_rn(tl.sqrt_rn(v), inv_bc2) + eps
             p = p - step_size * tl.div_rn(m, denom)
-        tl.store(a_ptr + offs, tl.where(keep, m, 0.0), mask=bound)
-        tl.store(b_ptr + offs, tl.where(keep, v, 0.0), mask=bound)
+        tl.store(a_ptr + offs, tl.where(keep, m, 0.0).to(PARAM_DTYPE), mask=bound)
+        tl.store(b_ptr + offs, tl.where(keep, v, 0.0).to(PARAM_DTYPE), mask=bound)
     else:
         g = g + weight_decay * p
         if HAS_MOMENTUM:
             if SGD_FIRST:
                 buf = g
             else:
-                buf = _load(a_ptr + offs, bound, MASKED)
+                buf = _load(a_ptr + offs, bound, MASKED).to(tl.float32)
                 buf = buf * momentum + one_minus_dampening * g
-            tl.store(a_ptr + offs, tl.where(keep, buf, 0.0), mask=bound)
+            tl.store(a_ptr + offs, tl.where(keep, buf, 0.0).to(PARAM_DTYPE), mask=bound)
             g = g + momentum * buf if NESTEROV else buf
         p = p - lr * g
-    tl.store(p_ptr + offs, tl.where(keep, p, 0.0), mask=bound)
+    tl.store(p_ptr + offs, tl.where(keep, p, 0.0).to(PARAM_DTYPE), mask=bound)
 
 
 @triton.jit
@@ -167,8 +172,8 @@ def _masked_step_kernel(
     table, tensor_index, chunk_index, n_chunks, grad_scale_ptr, found_inf_ptr,
     grad_sign, lr, step_size_all, bc2_all, decay, weight_decay, one_minus_beta1, beta2,
     one_minus_beta2, log2_beta1, log2_beta2, eps, momentum, one_minus_dampening,
-    GRAD_DTYPE: tl.constexpr, ALGO: tl.constexpr, DECOUPLED: tl.constexpr,
-    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, SGD_FIRST: tl.constexpr,
+    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, ALGO: tl.constexpr,
+    DECOUPLED: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, SGD_FIRST: tl.constexpr,
     MASK_PACKED: tl.constexpr, STEP_ON_DEVICE: tl.constexpr, BC_PER_TENSOR: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, ALIGNED: tl.constexpr,
     FAST: tl.constexpr, COLUMNS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
@@ -188,10 +193,10 @@ def _masked_step_kernel(
             row = table + tl.load(tensor_index + c) * COLUMNS
             first = tl.load(chunk_index + c) * CHUNK
             numel = tl.load(row + 5)
-            p_ptr = _typed(row, 0, tl.float32, ALIGNED)
+            p_ptr = _typed(row, 0, PARAM_DTYPE, ALIGNED)
             g_ptr = _typed(row, 1, GRAD_DTYPE, ALIGNED)
-            a_ptr = _typed(row, 2, tl.float32, ALIGNED)
-            b_ptr = _typed(row, 3, tl.float32, ALIGNED)
+            a_ptr = _typed(row, 2, PARAM_DTYPE, ALIGNED)
+            b_ptr = _typed(row, 3, PARAM_DTYPE, ALIGNED)
             k_ptr = _typed(row, 4, tl.int8, ALIGNED)
             step_size = lr
             inv_bc2 = 1.0
@@ -219,7 +224,7 @@ def _masked_step_kernel(
                         inv_scale, step_size, inv_bc2, lr, decay, weight_decay,
                         one_minus_beta1, beta2, one_minus_beta2, eps, momentum,
                         one_minus_dampening, ALGO, DECOUPLED, HAS_MOMENTUM, NESTEROV,
-                        SGD_FIRST, MASK_PACKED, False, FAST,
+                        SGD_FIRST, MASK_PACKED, False, FAST, PARAM_DTYPE,
                     )  # fmt: skip
             else:
                 for tail in range(0, numel - first, BLOCK):
@@ -228,7 +233,7 @@ def _masked_step_kernel(
                         inv_scale, step_size, inv_bc2, lr, decay, weight_decay,
                         one_minus_beta1, beta2, one_minus_beta2, eps, momentum,
                         one_minus_dampening, ALGO, DECOUPLED, HAS_MOMENTUM, NESTEROV,
-                        SGD_FIRST, MASK_PACKED, True, FAST,
+                        SGD_FIRST, MASK_PACKED, True, FAST, PARAM_DTYPE,
                     )  # fmt: skip
 
 
@@ -244,11 +249,13 @@ def _bias_corrections(t: float, hp: dict, fast: bool) -> tuple[float, float]:
 
 
 def _kernel_ready(batch: StepBatch, i: int) -> bool:
-    tensors = [batch.params[i], batch.grads[i], batch.masks[i]]
-    tensors += [s[i] for s in (batch.exp_avgs, batch.exp_avg_sqs, batch.momentum_buffers) if s]
-    if not all(t.is_contiguous() for t in tensors):
+    param = batch.params[i]
+    state = [s[i] for s in (batch.exp_avgs, batch.exp_avg_sqs, batch.momentum_buffers) if s]
+    if not all(t.is_contiguous() for t in [param, batch.grads[i], batch.masks[i], *state]):
         return False
-    if batch.grads[i].dtype not in _TORCH_TO_TL:
+    if batch.grads[i].dtype not in _TORCH_TO_TL or param.dtype not in _TORCH_TO_TL:
+        return False
+    if any(t.dtype != param.dtype for t in state):  # e.g. float32 state loaded by hand
         return False
     return (
         not batch.steps
@@ -290,6 +297,7 @@ class _Launch:
     kernel_idx: list[int] | None  # batch indices the kernel takes (None: all)
     ref_idx: list[int]  # the rest: pure-torch reference
     device: torch.device
+    param_dtype: torch.dtype  # one per batch (the plan groups by it)
     static_columns: list[list[int]]  # p, a, b, k addresses of the kernel's tensors
     numels: list[int]
     static_aligned: bool
@@ -312,6 +320,7 @@ def _prepare(batch: StepBatch) -> _Launch:
         kernel_idx=kernel_idx,
         ref_idx=ref_idx,
         device=params[0].device if params else torch.device("cpu"),
+        param_dtype=params[0].dtype if params else torch.float32,
         static_columns=static,
         numels=[p.numel() for p in params],
         static_aligned=all_aligned([a for col in static for a in col]),
@@ -412,6 +421,7 @@ def launch_masked_step(
         hp["lr"], step_size_all, bc2_all, 1 - hp["lr"] * hp["weight_decay"], hp["weight_decay"],
         1 - beta1, beta2, 1 - beta2, math.log2(beta1), math.log2(beta2),
         hp.get("eps", 0.0), momentum, 1 - hp.get("dampening", 0.0),
+        PARAM_DTYPE=_TORCH_TO_TL[prep.param_dtype],
         GRAD_DTYPE=_TORCH_TO_TL[grads[0].dtype],
         ALGO=_ADAM if adam else _SGD,
         DECOUPLED=hp.get("decoupled", False),
@@ -489,8 +499,8 @@ def fused_unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
     """Why ``fused_masked_step`` cannot run ``optimizer`` in kernels, or None if it can.
 
     None requires an exact ``torch.optim.AdamW``, ``Adam`` or ``SGD`` (no subclass),
-    no ``amsgrad``/``capturable``/``differentiable``, float32 parameters on CUDA (or
-    CPU under ``TRITON_INTERPRET=1``) and Triton installed.
+    no ``amsgrad``/``capturable``/``differentiable``, float32, bfloat16 or float16
+    parameters on CUDA (or CPU under ``TRITON_INTERPRET=1``) and Triton installed.
 
     Args:
         optimizer: The user's optimizer.

@@ -15,6 +15,8 @@ import torch
 from ._step_plan import StepBatch, run_masked_step
 from .bitpack import unpack_mask
 
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
 
 def zero_pruned_reference(tensors: Sequence[torch.Tensor],
                           masks: Sequence[torch.Tensor]) -> None:
@@ -153,19 +155,30 @@ def sgd_update_reference(
 def apply_batch_reference(
     batch: StepBatch, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None
 ) -> None:
-    """Update every tensor of a ``StepBatch`` with the per-tensor references."""
+    """Update every tensor of a ``StepBatch`` with the per-tensor references.
+
+    bfloat16 and float16 parameters and their state are updated on float32 copies and
+    rounded once, as the kernel and torch's ``fused=True`` optimizers do."""
     if found_inf is not None and bool(found_inf.item()):
         return
     hp = batch.hparams
     for i, (p, g, k) in enumerate(zip(batch.params, batch.grads, batch.masks, strict=True)):
         if batch.algo == "adam":
-            adam_update_reference(
-                p, g, k, batch.exp_avgs[i], batch.exp_avg_sqs[i], float(batch.steps[i]),
-                grad_scale=grad_scale, **hp,
-            )  # fmt: skip
+            state = [batch.exp_avgs[i], batch.exp_avg_sqs[i]]
         else:
-            buf = batch.momentum_buffers[i] if batch.momentum_buffers else None
-            sgd_update_reference(p, g, k, buf, first=batch.sgd_first, grad_scale=grad_scale, **hp)
+            state = [batch.momentum_buffers[i]] if batch.momentum_buffers else []
+        stored = [p, *state]
+        work = [t.float() if t.dtype in _LOW_PRECISION else t for t in stored]
+        if batch.algo == "adam":
+            adam_update_reference(work[0], g, k, work[1], work[2], float(batch.steps[i]),
+                                  grad_scale=grad_scale, **hp)
+        else:
+            buf = work[1] if state else None
+            sgd_update_reference(work[0], g, k, buf, first=batch.sgd_first,
+                                 grad_scale=grad_scale, **hp)
+        for tensor, updated in zip(stored, work, strict=True):
+            if updated is not tensor:
+                tensor.copy_(updated)
 
 
 def masked_step_reference(
