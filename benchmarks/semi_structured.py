@@ -1,6 +1,7 @@
 """2:4 Linear on the sparse tensor cores (cuSPARSELt) against cuBLAS and torch's own path.
 
-One run, bf16 (``cd benchmarks && PYTHONPATH=.. python3 semi_structured.py``), two tables:
+One run, bf16 (``cd benchmarks && PYTHONPATH=.. python3 semi_structured.py``), two tables
+(``--layers-only`` or ``--bert-only`` for one of them):
 
 1. ``layers``: per weight shape and token count, median ms (``do_bench``: host included,
    as eager training sees it) of
@@ -171,6 +172,8 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="suffix of the JSON file name")
     parser.add_argument("--bert-only", action="store_true",
                         help="only the BERT-large step (no per-layer table)")
+    parser.add_argument("--layers-only", action="store_true",
+                        help="only the per-layer table (no BERT-large step)")
     parser.add_argument("--bert-modes", nargs="+", default=["eager", "cuda_graph"],
                         choices=["eager", "cuda_graph"], help="BERT-large steps to time")
     parser.add_argument("--bert-precisions", nargs="+", default=["bf16", "bf16-mixed"],
@@ -181,7 +184,8 @@ def main() -> None:
     if not args.bert_only:
         result.update(layers=layer_rows(args.only), compile=compile_check())
         print("torch.compile:", result["compile"], flush=True)
-    result["bert"] = bert_rows(tuple(args.bert_modes), tuple(args.bert_precisions))
+    if not args.layers_only:
+        result["bert"] = bert_rows(tuple(args.bert_modes), tuple(args.bert_precisions))
     write_json(f"semi_structured_{torch.cuda.get_device_name().replace(' ', '_')}{args.tag}.json",
                result)
 
