@@ -1,0 +1,168 @@
+"""Where the 2:4 steps lose time that the GPU does not spend (issue 10's open rows).
+
+One run (``cd benchmarks && PYTHONPATH=.. python3 semi_structured_host.py``), bf16, two
+tables:
+
+1. ``layers``: a single BERT-large Linear (1024 -> 4096 and 4096 -> 1024, 4096 tokens) as
+   ``nn.Linear`` with torch's fused AdamW, and as ``SemiStructuredLinear(2:4:2d)`` under the
+   engine (its fused masked step) and under the engine's hook path. Per variant: wall ms
+   per step (back to back, synchronised at the ends), GPU busy ms per step
+   (``torch.profiler``), the CUDA runtime calls that can block the host, and the host
+   functions with the most own time (``cProfile``).
+2. ``adamw``: torch's ``AdamW(fused=True).step()`` alone on the parameters and gradients of
+   the BERT-large encoder, dense and with every Linear a ``SemiStructuredLinear`` (run 9:
+   3.13 against 2.16 ms of GPU time per step, same 21 launches), with the gradients'
+   layout, and on random tensors with and without zeros, to find what differs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from _common import bench_ms, busy_ms, environment, write_json
+from semi_structured_bert import DTYPE, bert_model, trainer_step
+from torch import nn
+
+from sparse_training.semi_structured import SemiStructuredLinear
+
+BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync",
+            "cudaEventSynchronize")
+
+
+def profiled_step(step, steps: int = 50) -> dict:
+    """Wall and GPU busy ms per step, the blocking runtime calls per step (torch.profiler),
+    and the host functions with the most own time (cProfile, ms per step)."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / steps * 1e3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = prof.events()
+    calls: dict[str, float] = {}
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name in BLOCKING:
+            calls[e.name] = calls.get(e.name, 0) + 1 / steps
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, _)
+    top = sorted(stats.items(), key=lambda item: -item[1][2])[:12]
+    return {"wall_ms": wall, "gpu_busy_ms": busy_ms(events) / steps,
+            "blocking_calls_per_step": calls,
+            "top_host": [(f"{key[0].split('/')[-1]}:{key[1]}({key[2]})"[:80],
+                          value[2] * 1e3 / steps, value[1] / steps) for key, value in top]}
+
+
+def layer_rows(tokens: int = 4096) -> dict:
+    rows = {}
+    for name, (in_f, out_f) in {"up 1024->4096": (1024, 4096),
+                                "down 4096->1024": (4096, 1024)}.items():
+        torch.manual_seed(0)
+        dense = nn.Linear(in_f, out_f, device="cuda", dtype=DTYPE)
+        x = torch.randn(tokens, in_f, device="cuda", dtype=DTYPE, requires_grad=True)
+        grad = torch.randn(tokens, out_f, device="cuda", dtype=DTYPE)
+        variants = {"dense": (dense, False, "auto"),
+                    "2:4 engine": (SemiStructuredLinear.from_dense(dense, True), True, "auto"),
+                    "2:4 engine hooks": (SemiStructuredLinear.from_dense(dense, True), True,
+                                         False)}
+        row = {}
+        for variant, (layer, engine, fused) in variants.items():
+            def loss(layer=layer, x=x, grad=grad):
+                x.grad = None
+                layer(x).backward(grad)
+            row[variant] = profiled_step(trainer_step(nn.Sequential(layer), loss, engine,
+                                                      fused=fused))
+            r = row[variant]
+            print(f"{name:16s} {variant:17s} wall {r['wall_ms']:.3f}  gpu {r['gpu_busy_ms']:.3f}"
+                  f" ms  blocking {r['blocking_calls_per_step']}", flush=True)
+            for key, ms, count in r["top_host"][:8]:
+                print(f"    {key:60s} {ms:.3f} ms x{count:.0f}", flush=True)
+        rows[name] = row
+    return rows
+
+
+def adamw_rows() -> dict:
+    """torch's fused AdamW step alone on the dense and the 2:4 BERT-large encoder."""
+    from transformers import BertConfig
+
+    config = BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                        intermediate_size=4096)
+    ids = torch.randint(0, config.vocab_size, (16, 384), device="cuda")
+    rows = {}
+    for variant in ("dense", "2:4"):
+        model = bert_model(config, variant, DTYPE)
+        out = model.encoder(model.embeddings(input_ids=ids)).last_hidden_state
+        out.float().square().mean().backward()
+        params = [p for p in model.parameters() if p.grad is not None]
+        optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
+        optimizer.step()  # state created
+        grads = [p.grad for p in params]
+        rows[variant] = {
+            "step_ms": bench_ms(optimizer.step),
+            "tensors": len(params),
+            "numel": sum(p.numel() for p in params),
+            "grads_not_contiguous": sum(not g.is_contiguous() for g in grads),
+            "grad_dtypes": sorted({str(g.dtype) for g in grads}),
+            "param_dtypes": sorted({str(p.dtype) for p in params}),
+            "addresses_not_256_aligned": sum(t.data_ptr() % 256 != 0
+                                             for p in params for t in (p, p.grad)),
+            "weights_with_other_strides": sum(p.stride() != p.grad.stride() for p in params),
+        }
+        print(f"fused AdamW alone, {variant}: {rows[variant]}", flush=True)
+        del model, optimizer, params, grads, out
+        torch.cuda.empty_cache()
+    return rows
+
+
+def adamw_value_rows() -> dict:
+    """torch's fused AdamW step alone on BERT-large-shaped random bf16 tensors, with half of
+    the gradients' entries zero or not, and half of the weights' entries zero or not: does
+    its time depend on the values?"""
+    from _common import bert_large_shapes
+
+    rows = {}
+    for zero_grads in (False, True):
+        for zero_weights in (False, True):
+            torch.manual_seed(0)
+            params = [nn.Parameter(torch.randn(s, device="cuda", dtype=DTYPE) * 0.02)
+                      for s in bert_large_shapes()]
+            for p in params:
+                keep = torch.rand(p.shape, device="cuda") < 0.5
+                p.grad = torch.randn_like(p) * 1e-3 * (keep if zero_grads else 1)
+                if zero_weights:
+                    p.data.mul_(keep)
+            optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
+            optimizer.step()
+            name = f"grads {'half zero' if zero_grads else 'dense'}, " \
+                   f"weights {'half zero' if zero_weights else 'dense'}"
+            rows[name] = bench_ms(optimizer.step)
+            print(f"fused AdamW alone, random tensors, {name}: {rows[name]:.3f} ms", flush=True)
+            del params, optimizer
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    result = {"environment": environment(), "layers": layer_rows(), "adamw": adamw_rows(),
+              "adamw_values": adamw_value_rows()}
+    print("JSON:", write_json("semi_structured_host.json", result))
+
+
+if __name__ == "__main__":
+    main()
