@@ -17,13 +17,12 @@ tables:
 
 from __future__ import annotations
 
-import time
-
 import torch
 from _common import bench_ms, busy_ms, environment, write_json
 from semi_structured_bert import DTYPE, bert_model, trainer_step
 from torch import nn
 
+from sparse_training.kernels.semi_structured.paths import wall_ms
 from sparse_training.semi_structured import SemiStructuredLinear
 
 BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync",
@@ -38,14 +37,9 @@ def profiled_step(step, steps: int = 50) -> dict:
 
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(5):
+    for _ in range(3):
         step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - start) / steps * 1e3
+    wall = wall_ms(step, steps)  # 2 more warm-up steps, then steps back to back
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()

@@ -124,11 +124,11 @@ def evaluate(model: SpanQA, data: Data, cfg: DictConfig) -> dict[str, float]:
     return squad_data.squad_scores(answers, data.eval_questions)
 
 
-def sparsity_of(model: SpanQA) -> float:
+def sparsity_of(encoder: torch.nn.Module) -> float:
     """Fraction of zeros over the encoder's Linear weights (what the methods prune), compressed
     layers counted by their dense shape."""
     zeros = total = 0
-    for module in model.bert.bert.encoder.modules():
+    for module in encoder.modules():
         if isinstance(module, torch.nn.Linear):
             zeros, total = zeros + int((module.weight == 0).sum()), total + module.weight.numel()
         elif isinstance(module, COMPRESSED_LAYERS):
@@ -214,7 +214,7 @@ def run(cfg: DictConfig, spec: DictConfig, seed: int, data: Data, model_dir: Pat
             trainer.fit(model, data.train_loader(cfg))
         seconds = time.perf_counter() - start
         row.update({k: round(v, 3) for k, v in evaluate(model, data, cfg).items()})
-        row.update(sparsity=round(sparsity_of(model), 4), seconds=round(seconds, 1))
+        row.update(sparsity=round(sparsity_of(model.bert.bert.encoder), 4), seconds=round(seconds, 1))
     except Exception as error:  # the W&B run closes with the error, not reused by the next
         reporting.finish_logger(logger, {**row, "error": f"{type(error).__name__}: {error}"})
         raise

@@ -44,10 +44,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 try:
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.distributed.tensor import DTensor, distribute_tensor
 except ImportError:  # torch built without distributed: nothing is ever sharded
-    DTensor = distribute_tensor = FullyShardedDataParallel = None  # type: ignore[assignment,misc]
+    DTensor = distribute_tensor = FullyShardedDataParallel = FSDPModule = None  # type: ignore[assignment,misc]
 
 if TYPE_CHECKING:
     from sparse_training.slots import CompressedSlot, MaskedSlot

@@ -25,6 +25,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from sparse_training.sharding import FSDPModule
+
 
 @dataclass(frozen=True, eq=False)
 class WeightTensor:
@@ -60,13 +62,7 @@ class WeightTensor:
         """Class name of the first owning module (``Linear``, ``LSTM``, ...), not of the
         subclasses swapped in at run time by FSDP2's ``fully_shard`` (``FSDPLinear``) and by
         parametrizations (``ParametrizedLinear``)."""
-        module = self.owners[0][0]
-        cls = type(module)
-        if cls.__bases__[0].__name__ == "FSDPModule":  # FSDPLinear(FSDPModule, Linear)
-            cls = cls.__bases__[1]
-        if parametrize.is_parametrized(module):  # ParametrizedLinear -> Linear
-            cls = cls.__bases__[0]
-        return cls.__name__
+        return original_class(type(self.owners[0][0])).__name__
 
     def forward_weight(self) -> Tensor:
         """The tensor the forward pass uses (a parametrization is evaluated, without
@@ -76,6 +72,19 @@ class WeightTensor:
             return getattr(module, attr)
         with torch.no_grad(), _eval(module.parametrizations[attr]):
             return getattr(module, attr)
+
+
+def original_class(cls: type) -> type:
+    """``cls`` before the subclasses swapped in at run time, in either order: FSDP2's
+    ``fully_shard`` (``FSDPLinear(FSDPModule, Linear)``) and parametrizations
+    (``ParametrizedLinear(Linear)``)."""
+    while True:
+        if FSDPModule is not None and FSDPModule in cls.__bases__:
+            cls = next(base for base in cls.__bases__ if base is not FSDPModule)
+        elif len(cls.__bases__) == 1 and cls.__name__ == f"Parametrized{cls.__bases__[0].__name__}":
+            cls = cls.__bases__[0]
+        else:
+            return cls
 
 
 @contextlib.contextmanager

@@ -184,3 +184,21 @@ def test_callback_refuses_lightning_fsdp1_strategy():
     with pytest.raises(ValueError, match="ModelParallelStrategy with fully_shard"):
         sparse.on_fit_start(SimpleNamespace(strategy=FSDPStrategy()), torch.nn.Linear(8, 8))
     assert sparse.engine is None
+
+
+def test_setup_table_type_undoes_fsdp_and_parametrize_in_either_order():
+    from torch import nn
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.utils import parametrize
+
+    from sparse_training.tensors import original_class
+
+    layer = nn.Linear(4, 4)
+    parametrize.register_parametrization(layer, "weight", nn.Identity())
+    parametrized = type(layer)  # ParametrizedLinear(Linear), as torch builds it
+    sharded_after = type("FSDPParametrizedLinear", (FSDPModule, parametrized), {})
+    fsdp_linear = type("FSDPLinear", (FSDPModule, nn.Linear), {})
+    parametrized_after = type("ParametrizedFSDPLinear", (fsdp_linear,), {})
+    for cls in (parametrized, sharded_after, fsdp_linear, parametrized_after):
+        assert original_class(cls) is nn.Linear, cls.__name__
+    assert original_class(nn.Linear) is nn.Linear

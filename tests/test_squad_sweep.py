@@ -104,18 +104,16 @@ def test_compressed_layers_count_in_the_reported_sparsity():
     from sparse_training.block_sparse import BlockSparseLinear
     from sparse_training.patcher import replace_module
 
-    model = squad_sweep.SpanQA.__new__(squad_sweep.SpanQA)
-    torch.nn.Module.__init__(model)
-    model.bert = BertForQuestionAnswering(BertConfig(
-        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
-    encoder = model.bert.bert.encoder
+    encoder = BertForQuestionAnswering(BertConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64)).bert.encoder
     linear = encoder.layer[0].intermediate.dense
     grid = torch.zeros(4, 2, dtype=torch.bool)
     grid[::2] = True  # half the 16x16 blocks of the 64x32 weight kept
     replace_module(encoder, "layer.0.intermediate.dense",
                    BlockSparseLinear.from_dense(linear, (16, 16), mask=grid))
     dense = 4 * 32 * 32 + 32 * 64  # the attention's four Linears and the output Linear
-    assert squad_sweep.sparsity_of(model) == pytest.approx(0.5 * 64 * 32 / (dense + 64 * 32))
+    assert squad_sweep.sparsity_of(encoder) == pytest.approx(0.5 * 64 * 32 / (dense + 64 * 32))
 
 
 def test_replay_rebuilds_the_table_from_a_cut_off_sweep(tmp_path):
