@@ -48,7 +48,7 @@ from benchmarks._common import (  # noqa: E402
     host_ms,
     write_json,
 )
-from sparse_training.kernels import _step_plan as sp  # noqa: E402
+from sparse_training.kernels import _step_run as sp  # noqa: E402
 from sparse_training.kernels import (  # noqa: E402
     fused_masked_step,
     masked_step_reference,

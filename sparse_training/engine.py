@@ -326,8 +326,6 @@ class SparsityEngine:
         from sparse_training.kernels import fused_unsupported_reason
 
         reason = ("SR-STE keeps dense optimizer state" if self.updater.dense_state
-                  else "its parameters are sharded DTensors (FSDP2), the fused kernels take "
-                  "plain tensors" if any(s.sharded for s in slots)
                   else fused_unsupported_reason(optimizer))
         if self.config.fused is True and reason is not None:
             raise ValueError(f"fused=True cannot serve {type(optimizer).__name__}: {reason}; "

@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from sparse_training.kernels._shards import is_sharded, local  # noqa: F401  (sharding.local)
+
 try:
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -57,20 +59,6 @@ FSDP1_PROBLEM = (
     "1-D shards of other shapes, which masks cannot follow; shard with FSDP2 instead: "
     "torch.distributed.fsdp.fully_shard, in Lightning ModelParallelStrategy with "
     "fully_shard in the LightningModule's configure_model")
-
-
-def is_sharded(tensor: Tensor | None) -> bool:
-    """Whether ``tensor`` is a DTensor (a parameter, gradient or state of FSDP2)."""
-    return DTensor is not None and isinstance(tensor, DTensor)
-
-
-def local(tensor: Tensor) -> Tensor:
-    """This rank's shard of a DTensor (the tensor itself otherwise): writes to it are
-    writes to the DTensor's storage."""
-    if not is_sharded(tensor):
-        return tensor
-    with torch.no_grad():  # the local tensor itself, not an autograd view of it
-        return tensor.to_local()
 
 
 @torch.no_grad()

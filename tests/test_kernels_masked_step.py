@@ -248,7 +248,7 @@ def _set_grads(params, dtype, seed, skip=()):
 def test_cached_plan_follows_lr_masks_and_state_dict(opt_cls, kw):
     """Steps through the cached plan: LR schedule, in-place mask changes, a new mask
     object, load_state_dict, a missing gradient, then a plain step() continues."""
-    from sparse_training.kernels import _step_plan as sp
+    from sparse_training.kernels import _step_run as sp
 
     params, opt = _model(opt_cls, kw)
     ref, opt_ref = _model(opt_cls, kw, dtype=torch.float64)
@@ -294,7 +294,7 @@ def test_cached_plan_follows_lr_masks_and_state_dict(opt_cls, kw):
 
 
 def test_cached_plan_rebuilt_for_new_param_groups_and_momentum():
-    from sparse_training.kernels import _step_plan as sp
+    from sparse_training.kernels import _step_run as sp
 
     params, opt = _model(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
     masks = dict(zip(params, _masks(params), strict=True))

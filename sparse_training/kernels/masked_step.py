@@ -23,12 +23,8 @@ from functools import lru_cache
 import torch
 
 from ._multi_tensor import address_table, all_aligned, chunk_table
-from ._step_plan import (
-    StepBatch,
-    device_unsupported_reason,
-    options_unsupported_reason,
-    run_masked_step,
-)
+from ._step_plan import StepBatch, device_unsupported_reason, options_unsupported_reason
+from ._step_run import run_masked_step
 from ._triton import kernels_run_on, tl, triton
 from .reference import apply_batch_reference
 
@@ -265,7 +261,8 @@ def _kernel_ready(batch: StepBatch, i: int) -> bool:
 
 
 def _split(batch: StepBatch, keep: list[int]) -> StepBatch:
-    lists = ("params", "grads", "masks", "exp_avgs", "exp_avg_sqs", "steps", "momentum_buffers")
+    lists = ("keys", "params", "grads", "masks", "exp_avgs", "exp_avg_sqs", "steps",
+             "momentum_buffers")
     part = StepBatch(batch.algo, batch.hparams, batch.sgd_first)
     for name in lists:
         src = getattr(batch, name)
@@ -288,7 +285,7 @@ _TABLES_PER_BATCH = 4
 class _Launch:
     """What one batch's launches share across steps (kept in ``StepBatch.launch``).
 
-    Built from a batch on its first launch. A cached plan (``_step_plan``) guarantees
+    Built from a batch on its first launch. A cached plan (``_step_run``) guarantees
     that params, state, masks and the kernel-ready split stay valid; per call only the
     gradients (their addresses: a device table per address set, a few kept), the step
     values (bias corrections) and the launch config are read again.
@@ -484,7 +481,8 @@ def fused_masked_step(
     Args:
         optimizer: A ``torch.optim.AdamW``, ``Adam`` or ``SGD`` (exact classes).
         masks: Parameter tensor (the object itself) -> bool mask of its shape, or a
-            bit-packed uint8 mask from ``pack_mask``.
+            bit-packed uint8 mask from ``pack_mask``; for an FSDP2 DTensor parameter, the
+            mask of its local shard (the kernel updates the local shards).
         grad_scale: Optional float32 scalar tensor the gradients are divided by.
         found_inf: Optional float32 scalar tensor; nonzero skips the step.
 

@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ._step_plan import StepBatch, run_masked_step
+from ._step_plan import StepBatch
+from ._step_run import run_masked_step
 from .bitpack import unpack_mask
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
