@@ -82,8 +82,10 @@ class SpanQA(pl.LightningModule):
         super().__init__()
         from transformers import BertForQuestionAnswering
 
-        # float32 whatever the checkpoint holds (transformers 5 keeps a half checkpoint half)
-        self.bert = BertForQuestionAnswering.from_pretrained(str(model_dir)).float()
+        # float32 whatever the checkpoint holds (transformers 5 keeps a half checkpoint half);
+        # encoder_layers > 0 keeps the first layers only (the model-size experiment)
+        layers = {"num_hidden_layers": cfg.encoder_layers} if cfg.encoder_layers else {}
+        self.bert = BertForQuestionAnswering.from_pretrained(str(model_dir), **layers).float()
         self.bert.train()  # from_pretrained returns eval mode; Lightning keeps the mode it finds
         self.lr, self.warmup, self.weight_decay = cfg.lr, cfg.warmup, cfg.weight_decay
 
@@ -160,8 +162,8 @@ def dense_model(cfg: DictConfig, data: Data, model_dir: Path, seed: int
                 ) -> tuple[dict[str, Tensor], float]:
     """The dense fine-tuned weights (cached, keyed by every setting they depend on) and the
     seconds it took to train them."""
-    keys = ("train_file", "train_questions", "max_length", "doc_stride", "batch_size",
-            "dense_epochs", "lr", "warmup", "weight_decay")
+    keys = ("train_file", "train_questions", "encoder_layers", "max_length", "doc_stride",
+            "batch_size", "dense_epochs", "lr", "warmup", "weight_decay")
     settings = {k: cfg[k] for k in keys} | {
         "model": str(model_dir), "seed": seed, "precision": precision(cfg),
         "squad": str(squad_data.squad_path(cfg.squad_file))}

@@ -147,3 +147,17 @@ def test_a_failed_dense_run_still_gets_its_table_without_gaps(tmp_path):
     table = (out / "results.md").read_text()
     assert "RuntimeError: oom" in table
     assert "| 2:4 | N:M 50% | 0.500 | 65.00 | 55.00 | – |" in table
+
+
+def test_encoder_layers_keeps_the_first_pretrained_layers():
+    """The model-size experiment: ``encoder_layers=2`` is the pretrained MiniLM's first two
+    layers."""
+    full_cfg = reporting.load_config([], squad_sweep.CONFIG, "")
+    small_cfg = reporting.load_config(["encoder_layers=2"], squad_sweep.CONFIG, "")
+    full = squad_sweep.SpanQA(squad_data.model_dir(), full_cfg).bert.bert.encoder.layer
+    small = squad_sweep.SpanQA(squad_data.model_dir(), small_cfg).bert.bert.encoder.layer
+    assert (len(full), len(small)) == (6, 2)
+    for kept, pretrained in zip(small, full, strict=False):
+        for (name, a), (_, b) in zip(kept.state_dict().items(), pretrained.state_dict().items(),
+                                     strict=True):
+            assert torch.equal(a, b), name
