@@ -1,6 +1,6 @@
 """Where the 2:4 steps lose time that the GPU does not spend (issue 10's open rows).
 
-One run (``cd benchmarks && PYTHONPATH=.. python3 semi_structured_host.py``), bf16, two
+One run (``cd benchmarks && PYTHONPATH=.. python3 semi_structured_host.py``), bf16, three
 tables:
 
 1. ``layers``: a single BERT-large Linear (1024 -> 4096 and 4096 -> 1024, 4096 tokens) as
@@ -13,13 +13,16 @@ tables:
    the BERT-large encoder, dense and with every Linear a ``SemiStructuredLinear`` (run 9:
    3.13 against 2.16 ms of GPU time per step, same 21 launches), with the gradients'
    layout, and on random tensors with and without zeros, to find what differs.
+3. ``llm_kernels``: the 8192 -> 28672 Linear step at 16k tokens, dense and under the engine
+   (run 10: 2.2-2.9 ms slower than its isolated products predict), every GPU kernel's ms
+   and calls per step, and the forward alone for comparison.
 """
 
 from __future__ import annotations
 
 import torch
 from _common import bench_ms, busy_ms, environment, write_json
-from semi_structured_bert import DTYPE, bert_model, trainer_step
+from semi_structured_bert import DTYPE, bert_model, gpu_busy_ms, trainer_step
 from torch import nn
 
 from sparse_training.kernels.semi_structured.paths import wall_ms
@@ -152,9 +155,40 @@ def adamw_value_rows() -> dict:
     return rows
 
 
+def llm_kernels(in_f: int = 8192, out_f: int = 28672, tokens: int = 16384) -> dict:
+    """Every GPU kernel of the dense and the engine's 2:4 Linear step (ms and calls per
+    step), with the step's wall time and the forward alone."""
+    torch.manual_seed(0)
+    dense = nn.Linear(in_f, out_f, device="cuda", dtype=DTYPE)
+    sparse = SemiStructuredLinear.from_dense(dense, True)
+    x = torch.randn(tokens, in_f, device="cuda", dtype=DTYPE, requires_grad=True)
+    grad = torch.randn(tokens, out_f, device="cuda", dtype=DTYPE)
+    rows = {}
+    for variant, (layer, engine) in {"dense": (dense, False),
+                                     "2:4 engine": (sparse, True)}.items():
+        def loss(layer=layer):
+            x.grad = None
+            layer(x).backward(grad)
+        step = trainer_step(nn.Sequential(layer), loss, engine)
+        for _ in range(3):  # the first steps time the 2:4 paths
+            step()
+        kernels: dict = {}
+        with torch.no_grad():
+            forward = bench_ms(lambda layer=layer: layer(x))
+        rows[variant] = {"wall_ms": wall_ms(step, 10),
+                         "gpu_busy_ms": gpu_busy_ms(step, 5, kernels),
+                         "forward_ms": forward, "kernels": kernels}
+        print(f"{variant}: wall {rows[variant]['wall_ms']:.2f} ms, gpu "
+              f"{rows[variant]['gpu_busy_ms']:.2f} ms, forward alone {forward:.2f} ms", flush=True)
+        for name, (ms, calls) in list(kernels.items())[:8]:
+            print(f"    {name[:70]:70s} {ms:.3f} ms x{calls:.0f}", flush=True)
+    rows["choice"] = str(sparse.paths(x))
+    return rows
+
+
 def main() -> None:
     result = {"environment": environment(), "layers": layer_rows(), "adamw": adamw_rows(),
-              "adamw_values": adamw_value_rows()}
+              "adamw_values": adamw_value_rows(), "llm_kernels": llm_kernels()}
     print("JSON:", write_json("semi_structured_host.json", result))
 
 
