@@ -29,9 +29,9 @@ The cost is paid at mask updates only, never per step:
 These are collectives: every rank must make the same calls (Lightning calls the hooks, the
 logging and ``state_dict`` on every rank). The whole-tensor gather is the simple correct
 design; at 7B scale a distributed threshold search (docs/distributed.md) would replace it.
-Not supported yet, and refused with a reason: the fused Triton step (it takes plain
-tensors; sharded parameters use the hook path, and ``fused=True`` raises), SR-STE, compressed
-layers with sharded parameters, and FSDP1 (:data:`FSDP1_PROBLEM`).
+The fused Triton step updates the local shards (``kernels._step_plan``). Not supported yet,
+and refused with a reason: SR-STE, compressed layers with sharded parameters, and FSDP1
+(:data:`FSDP1_PROBLEM`).
 """
 
 from __future__ import annotations
@@ -46,10 +46,17 @@ from torch import Tensor, nn
 from sparse_training.kernels._shards import is_sharded, local  # noqa: F401  (sharding.local)
 
 try:
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.tensor import DTensor, distribute_tensor
 except ImportError:  # torch built without distributed: nothing is ever sharded
-    DTensor = distribute_tensor = FullyShardedDataParallel = FSDPModule = None  # type: ignore[assignment,misc]
+    DTensor = distribute_tensor = FullyShardedDataParallel = None  # type: ignore[assignment,misc]
+try:  # FSDP2's module class: torch.distributed.fsdp from torch 2.6, _composable before
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:
+    try:
+        from torch.distributed._composable.fsdp import FSDPModule
+    except ImportError:
+        FSDPModule = None  # type: ignore[assignment,misc]
 
 if TYPE_CHECKING:
     from sparse_training.slots import CompressedSlot, MaskedSlot

@@ -179,6 +179,25 @@ def fsdp1_refused(rank: int, accelerator: str) -> str:
     return "no error"
 
 
+def plain_state_refused(recorder: Recorder) -> str:
+    """The error of the fused step on a sharded weight whose AdamW state is plain and whole
+    (as a state dict saved without sharding loads it): refused before any write."""
+    from sparse_training.kernels import fused_masked_step
+
+    weight = recorder.model.net[0].weight
+    optimizer = torch.optim.AdamW([weight])
+    weight.grad = torch.zeros_like(weight)
+    optimizer.state[weight].update(step=torch.tensor(0.0), exp_avg=torch.zeros(weight.shape),
+                                   exp_avg_sq=torch.zeros(weight.shape))
+    try:
+        fused_masked_step(optimizer, {weight: torch.ones_like(local(weight), dtype=torch.bool)})
+    except ValueError as error:
+        return str(error)
+    finally:
+        weight.grad = None
+    return "no error"
+
+
 def after_fit(recorder: Recorder) -> dict:
     """On the masks a run left: whether the engine's mask installation catches rank 1
     computing another whole mask of a sharded tensor, and whether ``make_permanent``
@@ -203,6 +222,7 @@ def main(out: Path, accelerator: str) -> None:
         recorder = fit(settings, make_loader(n=128), accelerator=accelerator)
         results[name] = recorder.rows
     results["after"] = after_fit(recorder)
+    plain_state = plain_state_refused(recorder)
     stopped = fit(RUNS["rigl"], make_loader(n=128), [SaveAndStop(out / "rigl.ckpt")],
                   accelerator=accelerator)
     resumed = fit(RUNS["rigl"], make_loader(n=128), ckpt_path=out / "rigl.ckpt",
@@ -210,6 +230,7 @@ def main(out: Path, accelerator: str) -> None:
     results["rigl-stopped"], results["rigl-resumed"] = stopped.rows, resumed.rows
     rank = resumed.rank
     results["refused"] = {"sr-ste": refused({**RUNS["2:4"], "regrow": "sr-ste"}, accelerator),
+                          "plain state": plain_state,
                           "fsdp1": fsdp1_refused(rank, accelerator)}
     (out / f"rank{rank}.json").write_text(json.dumps(results))
 

@@ -170,6 +170,8 @@ def test_sharding_refuses_what_it_cannot_serve(sharded):
     (rank0, rank1), _ = sharded
     for refused in (rank0["refused"], rank1["refused"]):
         assert "SR-STE keeps dense weights" in refused["sr-ste"]
+        assert "exp_avg is a plain tensor of local shape (32, 16) for a parameter sharded" in (
+            refused["plain state"])
         assert "FSDP1 (FullyShardedDataParallel" in refused["fsdp1"]
 
 

@@ -45,9 +45,14 @@ def test_fused_matches_the_hook_path(optimizer):
         assert not layer.param[~layer.mask].any()
 
 
-def test_fused_serves_bf16_weights():
-    """bf16-true: the kernel updates bf16 weights and their bf16 state in place, pruned
-    entries exact zeros (its arithmetic: test_kernels_masked_step)."""
+def test_fused_serves_bf16_weights(monkeypatch):
+    """bf16-true: the kernel (never the pure-torch fallback) updates bf16 weights and their
+    bf16 state in place, pruned entries exact zeros (its arithmetic: test_kernels_masked_step)."""
+    from sparse_training.kernels import masked_step
+
+    def fallback(*args):
+        raise AssertionError("the pure-torch reference ran instead of the kernel")
+    monkeypatch.setattr(masked_step, "apply_batch_reference", fallback)
     model, sparse, served = train("adamw-fused", fused=True, precision="bf16-true")
     assert served
     (optimizer,) = model.trainer.optimizers

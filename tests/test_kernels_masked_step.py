@@ -11,6 +11,7 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not importable; the kernels are optional")
 
+from sparse_training.kernels import _step_run as sp  # noqa: E402
 from sparse_training.kernels import (  # noqa: E402
     fused_masked_step,
     fused_unsupported_reason,
@@ -94,7 +95,7 @@ def _float64_twin(opt_cls, kw, params, opt):
 
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("opt_cls,kw", OPTIMIZERS[:4])
-def test_half_precision_params_rounded_once_per_step(opt_cls, kw, param_dtype):
+def test_half_precision_params_rounded_once_per_step(opt_cls, kw, param_dtype, monkeypatch):
     """bf16/fp16 weights and state: each step equals the float64 step of the same inputs,
     rounded once to the parameter dtype (float32 arithmetic inside, as torch's fused
     optimizers): within eps relative at every step. (The compiled cast rounds to
@@ -103,6 +104,8 @@ def test_half_precision_params_rounded_once_per_step(opt_cls, kw, param_dtype):
     params, opt = _model(opt_cls, kw, dtype=param_dtype)
     masks = _masks(params)
     eps = torch.finfo(param_dtype).eps
+    reference_step = ms.apply_batch_reference  # the twin's; the kernel must take every tensor
+    monkeypatch.setattr(ms, "apply_batch_reference", _fails)
     for step in range(3):
         for p, k in zip(params, masks, strict=True):
             for buf in opt.state[p].values():
@@ -113,7 +116,8 @@ def test_half_precision_params_rounded_once_per_step(opt_cls, kw, param_dtype):
         for p, q, g in zip(params, twins, _grads(params, param_dtype, seed=50 + step), strict=True):
             p.grad, q.grad = g, g.double()
         fused_masked_step(opt, dict(zip(params, masks, strict=True)))
-        masked_step_reference(twin_opt, dict(zip(twins, masks, strict=True)))
+        sp.run_masked_step(twin_opt, dict(zip(twins, masks, strict=True)), None, None,
+                           reference_step)
         for p, q, k in zip(params, twins, masks, strict=True):
             assert p.dtype == param_dtype and torch.equal(p[~k], torch.zeros_like(p[~k]))
             torch.testing.assert_close(p.double(), q.detach(), rtol=eps, atol=1e-6)
@@ -122,6 +126,43 @@ def test_half_precision_params_rounded_once_per_step(opt_cls, kw, param_dtype):
                     assert torch.equal(buf[~k], torch.zeros_like(buf[~k])), name
                     torch.testing.assert_close(buf.double(), twin_opt.state[q][name],
                                                rtol=eps, atol=1e-6)
+
+
+def _fails(*args):
+    raise AssertionError("the pure-torch reference ran instead of the kernel")
+
+
+def test_state_of_another_shape_is_refused_before_any_write():
+    """State loaded for another shape (or sharding) would be written with the parameter's
+    element count: refused, naming the tensor, and nothing changes."""
+    params, opt = _model(torch.optim.AdamW, {"lr": 1e-2})
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.state[params[0]].update(step=torch.tensor(0.0), exp_avg=torch.zeros(10),
+                                exp_avg_sq=torch.zeros(10))
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=r"exp_avg is a plain tensor of local shape \(10,\)"):
+        fused_masked_step(opt, dict(zip(params, _masks(params), strict=True)))
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+
+
+def test_half_precision_params_with_float32_state_take_the_reference():
+    """bf16 weights whose state was made float32 by hand: not the kernel's layout, so the
+    float32 reference updates them, as it would float32 ones (rounded once)."""
+    params, opt = _model(torch.optim.AdamW, {"lr": 1e-2}, dtype=torch.bfloat16)
+    twins, twin_opt = _model(torch.optim.AdamW, {"lr": 1e-2}, dtype=torch.float32)
+    for p, q in zip(params, twins, strict=True):
+        q.data.copy_(p.float())
+        opt.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros(p.shape),
+                            exp_avg_sq=torch.zeros(p.shape))
+    masks = _masks(params)
+    for p, q, g in zip(params, twins, _grads(params, torch.bfloat16, 60), strict=True):
+        p.grad, q.grad = g, g.float()
+    fused_masked_step(opt, dict(zip(params, masks, strict=True)))
+    masked_step_reference(twin_opt, dict(zip(twins, masks, strict=True)))
+    for p, q in zip(params, twins, strict=True):
+        assert torch.equal(p, q.bfloat16())
+        assert opt.state[p]["exp_avg"].dtype == torch.float32
 
 
 @pytest.mark.parametrize("opt_cls,kw", OPTIMIZERS[:1] + OPTIMIZERS[2:3])
@@ -248,7 +289,6 @@ def _set_grads(params, dtype, seed, skip=()):
 def test_cached_plan_follows_lr_masks_and_state_dict(opt_cls, kw):
     """Steps through the cached plan: LR schedule, in-place mask changes, a new mask
     object, load_state_dict, a missing gradient, then a plain step() continues."""
-    from sparse_training.kernels import _step_run as sp
 
     params, opt = _model(opt_cls, kw)
     ref, opt_ref = _model(opt_cls, kw, dtype=torch.float64)
@@ -294,7 +334,6 @@ def test_cached_plan_follows_lr_masks_and_state_dict(opt_cls, kw):
 
 
 def test_cached_plan_rebuilt_for_new_param_groups_and_momentum():
-    from sparse_training.kernels import _step_run as sp
 
     params, opt = _model(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
     masks = dict(zip(params, _masks(params), strict=True))

@@ -21,5 +21,7 @@ def local(tensor: Tensor) -> Tensor:
     writes to the DTensor's storage."""
     if not is_sharded(tensor):
         return tensor
+    if not torch.is_grad_enabled():  # the optimizer step's hot path: no context to enter
+        return tensor.to_local()
     with torch.no_grad():  # the local tensor itself, not an autograd view of it
         return tensor.to_local()

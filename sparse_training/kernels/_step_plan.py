@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._shards import local
+from ._shards import is_sharded, local
 from ._triton import TRITON_IMPORT_ERROR, interpret_mode
 
 _SUPPORTED = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
@@ -38,8 +38,8 @@ class StepBatch:
             parameters' local shards (the parameters themselves when not sharded), their
             gradients' local shards, and masks of the local shards' shapes (bool, or
             bit-packed uint8, see ``pack_mask``).
-        exp_avgs, exp_avg_sqs, steps: Adam state tensors (local shards; steps already
-            advanced).
+        exp_avgs, exp_avg_sqs: Adam's moments (local shards).
+        steps: Adam's step counters (plain 0-d tensors, already advanced).
         momentum_buffers: SGD state (local shards; empty without momentum).
         group_index: Index of the param group in ``optimizer.param_groups``.
         step_buffer: In a cached plan, the 1-D tensor whose elements ``steps`` are
@@ -129,7 +129,8 @@ def _check_mask(p: torch.Tensor, mask: torch.Tensor) -> None:
         raise ValueError(f"mask on {mask.device} for a parameter on {p.device}")
     if mask.dtype == torch.bool:
         if mask.shape != p.shape:
-            raise ValueError(f"mask shape {tuple(mask.shape)} != parameter shape {tuple(p.shape)}")
+            raise ValueError(f"mask shape {tuple(mask.shape)} != parameter shape {tuple(p.shape)} "
+                             "(of its local shard for a DTensor)")
     elif mask.dtype == torch.uint8:
         if mask.dim() != 1 or mask.numel() != (p.numel() + 7) // 8:
             raise ValueError(
@@ -147,9 +148,32 @@ def _new_step(group: dict, p: torch.Tensor) -> torch.Tensor:
     return torch.tensor(0.0, dtype=dtype)
 
 
+def _check_alike(p: torch.Tensor, shard: torch.Tensor, name: str, tensor: torch.Tensor
+                 ) -> torch.Tensor:
+    """``tensor``'s part beside ``shard`` (the kernel writes it with the shard's element
+    count): sharded like ``p`` and of the shard's shape, else an error."""
+    part = local(tensor)
+    if is_sharded(tensor) != is_sharded(p) or part.shape != shard.shape:
+        what = "a DTensor" if is_sharded(tensor) else "a plain tensor"
+        raise ValueError(
+            f"{name} is {what} of local shape {tuple(part.shape)} for a parameter "
+            f"{'sharded as a DTensor' if is_sharded(p) else 'not sharded'} whose "
+            f"{'local shard' if is_sharded(p) else 'shape'} is {tuple(shard.shape)}; "
+            "state loaded with another sharding must be resharded like the parameters")
+    return part
+
+
 def plan_batches(
     optimizer: torch.optim.Optimizer, masks: Mapping[torch.Tensor, torch.Tensor]
 ) -> tuple[list[StepBatch], list[torch.Tensor]]:
+    """The batches of one step (and the parameters they handle): every parameter with a
+    gradient and a mask, its missing Adam state created as torch creates it, grouped by
+    param group, dtypes, mask format and devices; local shards for DTensors.
+
+    Raises:
+        ValueError: a sparse gradient, a malformed mask, or a gradient or state tensor that
+            does not match the parameter (shape, or sharding).
+    """
     batches: dict[tuple, StepBatch] = {}
     handled = []
     is_sgd = isinstance(optimizer, torch.optim.SGD)
@@ -185,13 +209,14 @@ def plan_batches(
                 )
             batch.keys.append(p)
             batch.params.append(shard)
-            batch.grads.append(local(grad))
+            batch.grads.append(_check_alike(p, shard, "the gradient", grad))
             batch.masks.append(mask)
             if not is_sgd:
-                batch.exp_avgs.append(local(state["exp_avg"]))
-                batch.exp_avg_sqs.append(local(state["exp_avg_sq"]))
+                batch.exp_avgs.append(_check_alike(p, shard, "exp_avg", state["exp_avg"]))
+                batch.exp_avg_sqs.append(
+                    _check_alike(p, shard, "exp_avg_sq", state["exp_avg_sq"]))
                 batch.steps.append(state["step"])
             elif not first and hp["momentum"] != 0:
-                batch.momentum_buffers.append(local(buf))
+                batch.momentum_buffers.append(_check_alike(p, shard, "momentum_buffer", buf))
             handled.append(p)
     return list(batches.values()), handled

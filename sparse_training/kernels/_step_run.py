@@ -47,7 +47,8 @@ def run_masked_step(
 
     Args:
         optimizer: A ``torch.optim.AdamW``, ``Adam`` or ``SGD``.
-        masks: Parameter tensor -> bool mask of its shape (or packed uint8).
+        masks: Parameter tensor -> bool mask of its shape, or of its local shard's for a
+            DTensor (or packed uint8).
         grad_scale: Optional scale the gradients are divided by.
         found_inf: Optional float tensor; nonzero skips the step.
         apply: Updates one batch in place.
