@@ -189,14 +189,8 @@ def masked_step_reference(
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
 ) -> None:
-    """Pure-torch ``fused_masked_step``: same state handling, per-tensor arithmetic.
-
-    Args:
-        optimizer: A ``torch.optim.AdamW``, ``Adam`` or ``SGD``.
-        masks: Parameter tensor -> bool mask of its shape, or of its local shard's for a
-            DTensor (or packed uint8).
-        grad_scale: Optional scale the gradients are divided by.
-        found_inf: Optional float tensor; nonzero skips the step.
+    """Pure-torch ``fused_masked_step``: the same arguments and state handling, per-tensor
+    arithmetic.
 
     Raises:
         ValueError: For an unsupported optimizer or option, or a malformed mask.
