@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 # -- config: the YAML file, then key=value overrides from the command line ----------------------
 
@@ -145,6 +145,10 @@ def config_help(yaml_path: Path, description: str, prog: str) -> str:
             if isinstance(value, DictConfig):
                 shown = "{" + ", ".join(map(str, value)) + "}"
                 comment += f" (a mapping: set a field as {key}.NAME.FIELD=VALUE)"
+            elif isinstance(value, ListConfig) and value and all(
+                    isinstance(v, DictConfig) and "name" in v for v in value):
+                shown = "[" + ", ".join(str(v.name) for v in value) + "]"
+                comment += " (named entries, listed by name)"
             else:
                 shown = yaml.safe_dump(OmegaConf.to_container(cfg)[key], default_flow_style=True)
                 shown = shown.removesuffix("...\n").strip()  # null, true, [0.7, 0.8]
@@ -230,9 +234,9 @@ def setup_wandb(cfg: DictConfig) -> None:
     import wandb
 
     os.environ.setdefault("WANDB_SILENT", "true")  # the sweep prints its own lines
-    if cfg.wandb_mode == "auto":
-        logged_in = wandb.login(prompt=False)
-        cfg.wandb_mode = os.environ.get("WANDB_MODE") or ("online" if logged_in else "offline")
+    if cfg.wandb_mode == "auto":  # $WANDB_MODE decides without asking W&B for a login
+        cfg.wandb_mode = os.environ.get("WANDB_MODE") or (
+            "online" if wandb.login(prompt=False) else "offline")
 
 
 def _run_args(cfg: DictConfig, group: str, name: str) -> dict[str, Any]:
@@ -360,16 +364,15 @@ def _wandb_records(path: Path) -> Iterator[Any]:
 
 
 def cached_training(cache_dir: str | Path, prefix: str, settings: dict[str, Any],
-                    train: Callable[[], dict[str, Any]], what: str = "dense net"
-                    ) -> tuple[dict[str, Any], float]:
+                    train: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], float]:
     """``train()``'s state dict and its seconds: from ``cache_dir/prefix-<hash>.pt`` when
     trained before with the same ``settings`` (a JSON-able dict of everything the result
-    depends on; a line naming ``what`` says so), else trained now and saved there."""
+    depends on; a line says so), else trained now and saved there."""
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     path = Path(cache_dir) / f"{prefix}-{key}.pt"
     if path.is_file():
         cached = torch.load(path)
-        print(f"{what}: cached {path}")
+        print(f"dense net: cached {path}")
         return cached["state_dict"], cached["seconds"]
     start = time.perf_counter()
     state = train()

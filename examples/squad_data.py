@@ -129,8 +129,7 @@ def collate(windows: Windows, indices: list[int]) -> dict[str, Tensor]:
     return {"input_ids": ids, "attention_mask": (ids != 0).long(),
             "token_type_ids": padded([windows.token_type_ids[i] for i in indices]),
             "start_positions": torch.tensor([windows.starts[i] for i in indices]),
-            "end_positions": torch.tensor([windows.ends[i] for i in indices]),
-            "window_index": torch.tensor(indices)}
+            "end_positions": torch.tensor([windows.ends[i] for i in indices])}
 
 
 def best_spans(windows: Windows, start_logits: list[Tensor], end_logits: list[Tensor],

@@ -90,7 +90,7 @@ class SpanQA(pl.LightningModule):
         self.lr, self.warmup, self.weight_decay = cfg.lr, cfg.warmup, cfg.weight_decay
 
     def forward(self, batch: dict[str, Tensor]) -> Any:
-        return self.bert(**{k: v for k, v in batch.items() if k != "window_index"})
+        return self.bert(**batch)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self(batch).loss
@@ -307,42 +307,61 @@ def replay(cfg: DictConfig, group: str) -> list[dict[str, Any]]:
     return rows
 
 
+RUN_KEYS = {"name", "family", "init", "permute", "callback"}
+
+
+def check_config(cfg: DictConfig) -> list[DictConfig]:
+    """The runs to do (``only`` of ``runs``), every setting checked before anything changes.
+
+    Raises:
+        reporting.ConfigError: naming the bad value and the valid forms.
+    """
+    if numbers := [n for n in cfg.only if isinstance(n, int)]:  # YAML 1.1 reads 2:4 as 124
+        raise reporting.ConfigError(
+            f"only has numbers {numbers}: YAML reads an unquoted N:M as a base-60 number "
+            f"(2:4 is 124); quote the names: 'only=[\"2:4\",\"4:8\"]'")
+    if unknown := set(cfg.only) - {s.name for s in cfg.runs}:
+        raise reporting.ConfigError(f"only names unknown runs {sorted(unknown)}; runs are "
+                                    f"{[s.name for s in cfg.runs]}")
+    specs = [s for s in cfg.runs if not cfg.only or s.name in cfg.only]
+    for spec in specs:
+        name = spec.get("name", "?")
+        if extra := set(spec) - RUN_KEYS:
+            raise reporting.ConfigError(f"run {name!r} has unknown keys {sorted(extra)}; a run "
+                                        f"takes {sorted(RUN_KEYS)}")
+        if spec.get("init") not in ("dense", "pretrained"):
+            raise reporting.ConfigError(f"run {name!r}: init must be dense or pretrained, got "
+                                        f"{spec.get('init')!r}")
+        if (kwargs := callback_kwargs(spec)) is not None:
+            try:
+                SparsityConfig(**kwargs)
+            except (TypeError, ValueError) as error:
+                raise reporting.ConfigError(f"run {name!r}: {error}") from error
+    return specs
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     cfg = reporting.load_config(sys.argv[1:] if argv is None else argv, CONFIG,
                                 __doc__.split("\n\n")[0])
+    specs = [] if cfg.replay else check_config(cfg)
+    progress = reporting.Progress(len(specs) * len(cfg.seeds))
     from transformers import BertTokenizerFast
     from transformers.utils import logging as hf_logging
 
     reporting.quiet_lightning()
     hf_logging.set_verbosity_error()  # the load report: the span head is new, the pooler unused
     hf_logging.disable_progress_bar()
-    sweep_start = time.perf_counter()
     Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
     reporting.setup_wandb(cfg)
     group = f"squad-{time.strftime('%Y%m%d-%H%M%S')}"
     if cfg.replay:
         return replay(cfg, group)
-    if numbers := [n for n in cfg.only if isinstance(n, int)]:  # YAML 1.1 reads 2:4 as 124
-        raise reporting.ConfigError(
-            f"only has numbers {numbers}: YAML reads an unquoted N:M as a base-60 number "
-            f"(2:4 is 124); quote the names: 'only=[\"2:4\",\"4:8\"]'")
-    specs = [s for s in cfg.runs if not cfg.only or s.name in cfg.only]
-    if unknown := set(cfg.only) - {s.name for s in cfg.runs}:
-        raise reporting.ConfigError(f"only names unknown runs {sorted(unknown)}; runs are "
-                                    f"{[s.name for s in cfg.runs]}")
-    for spec in specs:  # every run's settings checked before any training
-        if (kwargs := callback_kwargs(spec)) is not None:
-            try:
-                SparsityConfig(**kwargs)
-            except (TypeError, ValueError) as error:
-                raise reporting.ConfigError(f"run {spec.name!r}: {error}") from error
     model_dir = squad_data.model_dir(cfg.model_dir)
     data = Data(cfg, BertTokenizerFast.from_pretrained(str(model_dir)))
     print(f"{len(data.train_questions)} train questions ({len(data.train)} windows), "
           f"{len(data.eval_questions)} eval questions; {len(specs)} runs x {len(cfg.seeds)} seeds",
           flush=True)
     rows = []
-    progress = reporting.Progress(len(specs) * len(cfg.seeds))
     for seed in cfg.seeds:
         dense, dense_seconds = (dense_model(cfg, data, model_dir, seed)
                                 if any(s.init == "dense" for s in specs) else ({}, 0.0))
@@ -365,7 +384,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     split = (f"trained on {cfg.train_file}, the whole dev set scored" if cfg.train_file else
              "SQuAD v1.1 dev, articles 0-37 fine-tune / 38-47 scored")
     header = (f"{split}; {gpu}; "
-              f"torch {torch.__version__}; sweep {time.perf_counter() - sweep_start:.0f} s")
+              f"torch {torch.__version__}; sweep {progress.elapsed:.0f} s")
     report(cfg, rows, group, header)
     return rows
 

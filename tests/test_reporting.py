@@ -244,6 +244,11 @@ def test_sync_hint_and_setup_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     spaced = wandb_cfg(tmp_path / "a b")
     assert reporting.sync_hint(spaced) == f"wandb sync '{tmp_path}/a b/wandb'/offline-run-*"
     monkeypatch.setenv("WANDB_MODE", "offline")
+    import wandb
+
+    def no_login(**kwargs):
+        raise AssertionError("$WANDB_MODE decides: no login attempt")
+    monkeypatch.setattr(wandb, "login", no_login)
     auto = wandb_cfg(tmp_path, wandb_mode="auto")
     reporting.setup_wandb(auto)
     assert auto.wandb_mode == "offline"

@@ -66,6 +66,9 @@ def test_the_full_size_recipe_is_a_valid_set_of_keys():
                                 squad_sweep.CONFIG, "")
     assert (cfg.model_dir, cfg.lr, cfg.out_dir) == ("bert-large-uncased", 3e-5,
                                                     "outputs/squad-bert-large")
+    # the recipe's hyperparameters as its comment states them (BERT's SQuAD fine-tuning)
+    assert (cfg.dense_epochs, cfg.epochs, cfg.batch_size, cfg.max_length, cfg.doc_stride,
+            cfg.warmup, cfg.weight_decay) == (2, 2, 32, 384, 128, 0.1, 0.01)
     assert len(cfg.runs) == 24  # the sweep's rows come from squad.yaml
 
 
@@ -161,3 +164,31 @@ def test_encoder_layers_keeps_the_first_pretrained_layers():
         for (name, a), (_, b) in zip(kept.state_dict().items(), pretrained.state_dict().items(),
                                      strict=True):
             assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("argv, run, match", [
+    (["only=[2:4]"], None, r"only has numbers \[124\]"),
+    (["only=[magic]"], None, r"only names unknown runs \['magic'\]"),
+    ([], "init: scratch", r"run 'r': init must be dense or pretrained, got 'scratch'"),
+    ([], "init: dense, permut: true", r"run 'r' has unknown keys \['permut'\]"),
+    ([], "init: dense, callback: {pattern: '2:4', ned: 1}",
+     r"run 'r': .*unexpected keyword argument 'ned'"),
+])
+def test_bad_config_fails_before_anything_changes(tmp_path, argv, run, match):
+    """Bad settings, including a run of a recipe's `runs` (config=PATH), are refused with
+    the bad value before the output folder (or W&B) is touched."""
+    out = tmp_path / "out"
+    if run is not None:
+        recipe = tmp_path / "recipe.yaml"
+        recipe.write_text(f"runs:\n  - {{name: r, family: f, {run}}}\n")
+        argv = [f"config={recipe}"]
+    with pytest.raises(reporting.ConfigError, match=match):
+        squad_sweep.main([f"out_dir={out}", "logger=none", *argv])
+    assert not out.exists()  # refused before the output folder (or W&B) was touched
+
+
+def test_help_lists_the_runs_by_name(capsys):
+    with pytest.raises(SystemExit):
+        squad_sweep.main(["--help"])
+    text = capsys.readouterr().out
+    assert "runs: [dense, 2:4, 2:4 +perm," in text and "callback" not in text.split("runs:")[1][:200]
