@@ -48,8 +48,8 @@ from benchmarks._common import (  # noqa: E402
     host_ms,
     write_json,
 )
-from sparse_training.kernels import _step_run as sp  # noqa: E402
 from sparse_training.kernels import (  # noqa: E402
+    _step_run,  # noqa: E402
     fused_masked_step,
     masked_step_reference,
     pack_mask,
@@ -141,7 +141,7 @@ def check_against_torch_fused(dtype: torch.dtype) -> dict:
     return result
 
 
-def make_model(shapes, opt_cls, kw, dtype=torch.float32):
+def make_model(shapes, dtype=torch.float32):
     params = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=dtype) * 0.02)
               for s in shapes]
     grads = [torch.randn_like(p) for p in params]
@@ -150,7 +150,7 @@ def make_model(shapes, opt_cls, kw, dtype=torch.float32):
 
 
 def time_variants(shapes, opt_cls, kw, dtype=torch.float32) -> dict:
-    params, grads, masks = make_model(shapes, opt_cls, kw, dtype)
+    params, grads, masks = make_model(shapes, dtype)
     mask_of = dict(zip(params, masks, strict=True))
     packed_of = {p: pack_mask(k) for p, k in mask_of.items()}
     fmasks = [k.to(dtype) for k in masks]
@@ -213,7 +213,7 @@ def time_variants(shapes, opt_cls, kw, dtype=torch.float32) -> dict:
     times["foreach_mul"] = bench_ms(foreach_mul)
 
     def uncached():
-        sp.clear_plan_cache()
+        _step_run.clear_plan_cache()
         masked(mask_of)()
 
     host = {
@@ -312,7 +312,7 @@ def host_cpu(calls: int = 100, repeats: int = 5) -> None:
                 fused_masked_step(opt, dict(zip(params, masks, strict=True)))
 
             def rebuilt(step=step):
-                sp.clear_plan_cache()
+                _step_run.clear_plan_cache()
                 step()
 
             def best_us(fn, n=calls):

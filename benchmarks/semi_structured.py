@@ -19,8 +19,9 @@ One run, bf16 (``cd benchmarks && PYTHONPATH=.. python3 semi_structured.py``), t
    16 x 384 tokens, fused AdamW, dense vs every encoder Linear a ``SemiStructuredLinear``
    (the automatic choice), with bf16 weights and under bf16 autocast with float32 weights,
    eager (alternating timed blocks) and as a whole step captured in a CUDA graph, with GPU
-   busy time (``semi_structured_bert.py``); and whether ``torch.compile`` traces the layer
-   (outputs compared).
+   busy time (``semi_structured_bert.py``).
+
+With the layers table also whether ``torch.compile`` traces the layer (outputs compared).
 """
 
 from __future__ import annotations
@@ -170,10 +171,11 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=[],
                         help="layer names containing any of these (default: all)")
     parser.add_argument("--tag", default="", help="suffix of the JSON file name")
-    parser.add_argument("--bert-only", action="store_true",
-                        help="only the BERT-large step (no per-layer table)")
-    parser.add_argument("--layers-only", action="store_true",
-                        help="only the per-layer table (no BERT-large step)")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--bert-only", action="store_true",
+                      help="only the BERT-large step (no per-layer table)")
+    only.add_argument("--layers-only", action="store_true",
+                      help="only the per-layer table (no BERT-large step)")
     parser.add_argument("--bert-modes", nargs="+", default=["eager", "cuda_graph"],
                         choices=["eager", "cuda_graph"], help="BERT-large steps to time")
     parser.add_argument("--bert-precisions", nargs="+", default=["bf16", "bf16-mixed"],

@@ -109,7 +109,7 @@ def gpu_busy_ms(step, block: int, top: dict | None = None) -> float:
         kernels: dict[str, list[float]] = {}
         for event in prof.events():
             if event.device_type == torch.autograd.DeviceType.CUDA:
-                total = kernels.setdefault(event.name[:90], [0.0, 0])
+                total = kernels.setdefault(event.name, [0.0, 0])  # whole: templates differ
                 total[0] += event.time_range.elapsed_us() / 1e3 / block
                 total[1] += 1 / block
         top.update(sorted(kernels.items(), key=lambda item: -item[1][0]))
@@ -135,14 +135,14 @@ def graphed(step) -> tuple:
 def bert_rows(modes: tuple[str, ...] = ("eager", "cuda_graph"),
               precisions: tuple[str, ...] = ("bf16", "bf16-mixed"), batch: int = 16,
               length: int = 384, block: int = 10, rounds: int = 4) -> dict:
-    """Dense and 2:4 BERT-large steps in one process, alternating timed blocks of ``block``
-    steps (``rounds`` each) so both see the same clocks, with the GPU busy time of each
-    (the profiler, one more block); per precision: ``bf16`` weights, and ``bf16-mixed``
-    (float32 weights under bf16 autocast, Lightning's ``bf16-mixed``). Eager: dense, 2:4
-    layers masking their own gradient, 2:4 under the engine (fused step, and hook path).
-    CUDA graph (the whole step
-    captured, AdamW ``capturable``): dense against 2:4 layers with ``timing="cuda_graph"``,
-    and with both products forced sparse (what the choice avoided)."""
+    """Dense and 2:4 BERT-large steps in one process, ``rounds`` timed blocks of ``block``
+    steps each, with the GPU busy time of each (the profiler, one more block); per
+    precision: ``bf16`` weights, and ``bf16-mixed`` (float32 weights under bf16 autocast,
+    Lightning's ``bf16-mixed``). Eager, the variants' blocks alternating so that all see the
+    same clocks: dense, 2:4 layers masking their own gradient, 2:4 under the engine (fused
+    step, and hook path). CUDA graph (the whole step captured, AdamW ``capturable``), one
+    variant at a time (:func:`bert_row`): dense against 2:4 layers with
+    ``timing="cuda_graph"``, and with both products forced sparse (what the choice avoided)."""
     from transformers import BertConfig
 
     config = BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
@@ -188,7 +188,7 @@ def bert_row(config, ids: torch.Tensor, dtype: torch.dtype, mode: str, variants:
 
         def loss(model=model):  # embeddings and encoder: no padding, no attention mask
             # (BertModel builds a dense mask under graph capture, which sends SDPA to its
-            # float32 math path: 2 fp32 GEMMs per layer, 2.6x the step)
+            # float32 math path: 2 fp32 GEMMs per layer, 2.5x the step)
             with torch.autocast("cuda", DTYPE, enabled=mixed, cache_enabled=False):
                 out = model.encoder(model.embeddings(input_ids=ids)).last_hidden_state
             out.float().square().mean().backward()
@@ -226,7 +226,7 @@ def bert_row(config, ids: torch.Tensor, dtype: torch.dtype, mode: str, variants:
     row["checks"] = checks
     for variant in variants[1:]:
         row[f"{variant} speedup"] = row["dense"] / row[variant]
-        busy = row["gpu_busy_ms"][variant]  # 0 if the profiler saw no kernels (graphs)
+        busy = row["gpu_busy_ms"][variant]  # 0 only if the profiler saw no kernels
         row[f"{variant} gpu speedup"] = row["gpu_busy_ms"]["dense"] / busy if busy else math.nan
     print(f"BERT-large step {dtype} {mode:10s} " + "  ".join(
         f"{v} {row[v]:7.2f} ms (gpu {row['gpu_busy_ms'][v]:6.2f})" for v in variants)

@@ -21,7 +21,14 @@ tables:
 from __future__ import annotations
 
 import torch
-from _common import bench_ms, busy_ms, environment, write_json
+from _common import (
+    bench_ms,
+    bert_large_shapes,
+    busy_ms,
+    environment,
+    linear_and_inputs,
+    write_json,
+)
 from semi_structured_bert import DTYPE, bert_model, gpu_busy_ms, trainer_step
 from torch import nn
 
@@ -40,9 +47,7 @@ def profiled_step(step, steps: int = 50) -> dict:
 
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(3):
-        step()
-    wall = wall_ms(step, steps)  # 2 more warm-up steps, then steps back to back
+    wall = wall_ms(step, steps)  # 2 warm-up steps (the first times the 2:4 paths), then timed
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
@@ -71,9 +76,7 @@ def layer_rows(tokens: int = 4096) -> dict:
     for name, (in_f, out_f) in {"up 1024->4096": (1024, 4096),
                                 "down 4096->1024": (4096, 1024)}.items():
         torch.manual_seed(0)
-        dense = nn.Linear(in_f, out_f, device="cuda", dtype=DTYPE)
-        x = torch.randn(tokens, in_f, device="cuda", dtype=DTYPE, requires_grad=True)
-        grad = torch.randn(tokens, out_f, device="cuda", dtype=DTYPE)
+        dense, x, grad = linear_and_inputs(in_f, out_f, tokens, DTYPE)
         variants = {"dense": (dense, False, "auto"),
                     "2:4 engine": (SemiStructuredLinear.from_dense(dense, True), True, "auto"),
                     "2:4 engine hooks": (SemiStructuredLinear.from_dense(dense, True), True,
@@ -131,8 +134,6 @@ def adamw_value_rows() -> dict:
     """torch's fused AdamW step alone on BERT-large-shaped random bf16 tensors, with half of
     the gradients' entries zero or not, and half of the weights' entries zero or not: does
     its time depend on the values?"""
-    from _common import bert_large_shapes
-
     rows = {}
     for zero_grads in (False, True):
         for zero_weights in (False, True):
@@ -159,10 +160,8 @@ def llm_kernels(in_f: int = 8192, out_f: int = 28672, tokens: int = 16384) -> di
     """Every GPU kernel of the dense and the engine's 2:4 Linear step (ms and calls per
     step), with the step's wall time and the forward alone."""
     torch.manual_seed(0)
-    dense = nn.Linear(in_f, out_f, device="cuda", dtype=DTYPE)
+    dense, x, grad = linear_and_inputs(in_f, out_f, tokens, DTYPE)
     sparse = SemiStructuredLinear.from_dense(dense, True)
-    x = torch.randn(tokens, in_f, device="cuda", dtype=DTYPE, requires_grad=True)
-    grad = torch.randn(tokens, out_f, device="cuda", dtype=DTYPE)
     rows = {}
     for variant, (layer, engine) in {"dense": (dense, False),
                                      "2:4 engine": (sparse, True)}.items():
