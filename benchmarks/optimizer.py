@@ -49,7 +49,7 @@ from benchmarks._common import (  # noqa: E402
     write_json,
 )
 from sparse_training.kernels import (  # noqa: E402
-    _step_run,  # noqa: E402
+    _step_run,
     fused_masked_step,
     masked_step_reference,
     pack_mask,

@@ -22,6 +22,8 @@ One run, bf16 (``cd benchmarks && PYTHONPATH=.. python3 semi_structured.py``), t
    busy time (``semi_structured_bert.py``).
 
 With the layers table also whether ``torch.compile`` traces the layer (outputs compared).
+``--predict JSON`` prints a run's measured engine steps against what its isolated timings
+predict (no GPU needed).
 """
 
 from __future__ import annotations
@@ -125,7 +127,36 @@ def layer_row(name: str, in_f: int, out_f: int, tokens: int) -> dict:
     row["fwd_graph_speedup"] = row["fwd_dense_graph"] / row["fwd_ours_graph"]
     row["fwd_vs_torch_semi"] = row["fwd_torch_semi"] / row["fwd_ours"]
     row["step_forced_speedup"] = row["step_dense"] / row["step_forced_sparse"]
+    row["step_engine_predicted"] = predicted_step_ms(row)
     return row
+
+
+def predicted_step_ms(row: dict) -> float:
+    """The engine's bf16 step as the row's isolated timings predict it: the dense step, less
+    what the products the choice sent to cuSPARSELt save, plus their repacking (the
+    ``refresh`` column repacks both copies; with only the forward sparse, W's half)."""
+    choice, ms = row["choice"], row["step_dense"]
+    if choice["forward"]:
+        ms -= row["fwd_dense"] - row["fwd_ours"]
+    if choice["input_grad"]:
+        ms -= row["dx_dense"] - row["dx_ours"]
+    if choice["forward"] or choice["input_grad"]:
+        ms += row["refresh"] if choice["forward"] and choice["input_grad"] else row["refresh"] / 2
+    return ms
+
+
+def print_predictions(path: str) -> None:
+    """Measured against predicted engine steps (:func:`predicted_step_ms`) of a JSON's rows."""
+    import json
+    from pathlib import Path
+
+    print("| layer | tokens | dense ms | predicted ms | measured ms | predicted x | measured x |")
+    print("|---|---|---|---|---|---|---|")
+    for row in json.loads(Path(path).read_text())["layers"]:
+        predicted = predicted_step_ms(row)
+        print(f"| {row['layer']} | {row['tokens']} | {row['step_dense']:.2f} | {predicted:.2f} | "
+              f"{row['step_engine_ours']:.2f} | {row['step_dense'] / predicted:.2f}x | "
+              f"{row['step_dense'] / row['step_engine_ours']:.2f}x |")
 
 
 def layer_rows(only: list[str]) -> list[dict]:
@@ -180,7 +211,12 @@ def main() -> None:
                         choices=["eager", "cuda_graph"], help="BERT-large steps to time")
     parser.add_argument("--bert-precisions", nargs="+", default=["bf16", "bf16-mixed"],
                         choices=["bf16", "bf16-mixed"], help="BERT-large weights' precisions")
+    parser.add_argument("--predict", metavar="JSON",
+                        help="print a run's measured against predicted engine steps (no GPU)")
     args = parser.parse_args()
+    if args.predict:
+        print_predictions(args.predict)
+        return
     result = {"environment": environment(),
               "cusparselt_version": torch.backends.cusparselt.version()}
     if not args.bert_only:

@@ -22,7 +22,7 @@ The cost is paid at mask updates only, never per step:
   and its mask, 1 byte per weight), and the memory of those whole tensors on every rank
   (for the global distribution, all pooled tensors at once: the whole masked model);
 - counting kept weights (the sparsity figures after a mask change, regrowth's counts): one
-  all-reduce per tensor;
+  all-reduce per mesh dimension for all sharded tensors together (:func:`totals_like`);
 - a checkpoint gathers every mask (1 byte per weight) and saves it bit-packed, whole, in
   the callback's state; the weights and optimizer state stay sharded.
 
