@@ -5,8 +5,10 @@ A BERT-large encoder (24 layers, built from a config; embeddings and encoder, no
 mask) at 16 x 384 tokens, fused AdamW, dense against every encoder Linear a
 ``SemiStructuredLinear(2:4:2d)``, with bf16 weights and with float32 weights under bf16
 autocast. Eager: dense, the layers masking dW themselves and the layers under the engine
-(its fused masked step, and its hook path) alternate timed blocks in one process. CUDA graph: the whole step captured per variant
-(layers with ``timing="cuda_graph"``, and forced sparse), timed one variant at a time.
+(its fused masked step, and its hook path) alternate timed blocks in one process. CUDA
+graph: the whole step captured per variant, AdamW ``capturable`` (dense, layers with
+``timing="cuda_graph"`` masking dW themselves, the same under the engine's fused masked
+step, and forced sparse), timed one variant at a time.
 Each with its GPU busy time and its kernels (GPU ms and calls per step, all of them) from
 ``torch.profiler``.
 """
@@ -35,15 +37,15 @@ def relative_error(result: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def trainer_step(model: nn.Module, loss, engine: bool, deny: tuple[str, ...] = (),
-                 fused: bool | str = "auto"):
+                 fused: bool | str = "auto", capturable: bool = False):
     """One training step of ``model`` (``loss()`` runs forward and backward) with fused
     AdamW: torch's (``engine`` False: a dense model, or 2:4 layers masking their own
     gradient), or the callback's path (``engine``: a :class:`SparsityEngine` attached, its
     optimizer hooks mask the 2:4 weights, the layers leave their gradients alone: inside the
     fused masked step, or with ``fused=False`` the hook path's multi-tensor gradient and
     weight passes around torch's step; the dense Linears that ``deny`` does not name are
-    masked 2:4 too)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    masked 2:4 too). ``capturable``: AdamW's option for steps captured in a CUDA graph."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True, capturable=capturable)
     if not engine:
         def step():
             optimizer.zero_grad(set_to_none=True)
@@ -142,7 +144,8 @@ def bert_rows(modes: tuple[str, ...] = ("eager", "cuda_graph"),
     same clocks: dense, 2:4 layers masking their own gradient, 2:4 under the engine (fused
     step, and hook path). CUDA graph (the whole step captured, AdamW ``capturable``), one
     variant at a time (:func:`bert_row`): dense against 2:4 layers with
-    ``timing="cuda_graph"``, and with both products forced sparse (what the choice avoided)."""
+    ``timing="cuda_graph"`` (masking dW themselves, and under the engine's fused masked
+    step), and with both products forced sparse (what the choice avoided)."""
     from transformers import BertConfig
 
     config = BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
@@ -153,7 +156,7 @@ def bert_rows(modes: tuple[str, ...] = ("eager", "cuda_graph"),
         dtype = DTYPE if precision == "bf16" else torch.float32
         for mode in modes:
             variants = (("dense", "2:4", "2:4 engine", "2:4 engine hooks") if mode == "eager"
-                        else ("dense", "2:4", "2:4 forced"))
+                        else ("dense", "2:4", "2:4 engine", "2:4 forced"))
             try:
                 result[f"{precision} {mode}"] = bert_row(config, ids, dtype, mode, variants,
                                                          block, rounds)
@@ -192,27 +195,21 @@ def bert_row(config, ids: torch.Tensor, dtype: torch.dtype, mode: str, variants:
             with torch.autocast("cuda", DTYPE, enabled=mixed, cache_enabled=False):
                 out = model.encoder(model.embeddings(input_ids=ids)).last_hidden_state
             out.float().square().mean().backward()
+        step = trainer_step(model, loss, engine="engine" in variant, deny=("pooler",),
+                            fused=False if variant.endswith("hooks") else "auto",
+                            capturable=mode == "cuda_graph")
         if mode == "eager":
-            step = trainer_step(model, loss, engine="engine" in variant, deny=("pooler",),
-                                fused=False if variant.endswith("hooks") else "auto")
             for _ in range(3):  # the first steps time the 2:4 paths
                 step()
             steps[variant], layers_of[variant] = step, layers
         else:
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True,
-                                          capturable=True)
-
-            def whole_step(loss=loss, optimizer=optimizer):
-                optimizer.zero_grad(set_to_none=True)
-                loss()
-                optimizer.step()
-            replay, graph = graphed(whole_step)
+            replay, graph = graphed(step)
             row["blocks_ms"].update(timed_blocks({variant: replay}, block, rounds))
             row["gpu_busy_ms"][variant] = gpu_busy_ms(replay, block,
                                                       row["top_kernels"].setdefault(variant, {}))
             if layers:
                 checks[variant] = layer_checks(layers, mixed)
-            del model, layers, optimizer, replay, graph, whole_step, loss
+            del model, layers, replay, graph, step, loss
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
     if mode == "eager":

@@ -1,7 +1,7 @@
 """Where the 2:4 steps lose time that the GPU does not spend (issue 10's open rows).
 
-One run (``cd benchmarks && PYTHONPATH=.. python3 semi_structured_host.py``), bf16, three
-tables:
+One run (``cd benchmarks && PYTHONPATH=.. python3 semi_structured_host.py``, ``--tables``
+to pick), bf16, these tables:
 
 1. ``layers``: a single BERT-large Linear (1024 -> 4096 and 4096 -> 1024, 4096 tokens) as
    ``nn.Linear`` with torch's fused AdamW, and as ``SemiStructuredLinear(2:4:2d)`` under the
@@ -13,12 +13,14 @@ tables:
    the BERT-large encoder, dense and with every Linear a ``SemiStructuredLinear`` (run 9:
    3.13 against 2.16 ms of GPU time per step, same 21 launches), with the gradients'
    layout, and on random tensors with and without zeros, to find what differs.
-3. ``llm_kernels``: the 8192 -> 28672 Linear step at 16k tokens, dense and under the engine
+3. ``llm_kernels``: the 8192 <-> 28672 Linear steps at 16k tokens, dense and under the engine
    (run 10: 2.2-2.9 ms slower than its isolated products predict), every GPU kernel's ms
    and calls per step, and the forward alone for comparison.
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 from _common import (
@@ -156,9 +158,13 @@ def adamw_value_rows() -> dict:
     return rows
 
 
-def llm_kernels(in_f: int = 8192, out_f: int = 28672, tokens: int = 16384) -> dict:
-    """Every GPU kernel of the dense and the engine's 2:4 Linear step (ms and calls per
-    step), with the step's wall time and the forward alone."""
+def llm_kernels(shapes: tuple = ((8192, 28672), (28672, 8192)), tokens: int = 16384) -> dict:
+    """Every GPU kernel of the dense and the engine's 2:4 Linear steps (ms and calls per
+    step), with each step's wall time and the forward alone, per (in, out) shape."""
+    return {f"{in_f}x{out_f}": llm_kernel_rows(in_f, out_f, tokens) for in_f, out_f in shapes}
+
+
+def llm_kernel_rows(in_f: int, out_f: int, tokens: int) -> dict:
     torch.manual_seed(0)
     dense, x, grad = linear_and_inputs(in_f, out_f, tokens, DTYPE)
     sparse = SemiStructuredLinear.from_dense(dense, True)
@@ -177,18 +183,28 @@ def llm_kernels(in_f: int = 8192, out_f: int = 28672, tokens: int = 16384) -> di
         rows[variant] = {"wall_ms": wall_ms(step, 10),
                          "gpu_busy_ms": gpu_busy_ms(step, 5, kernels),
                          "forward_ms": forward, "kernels": kernels}
-        print(f"{variant}: wall {rows[variant]['wall_ms']:.2f} ms, gpu "
+        print(f"{in_f}x{out_f} {variant}: wall {rows[variant]['wall_ms']:.2f} ms, gpu "
               f"{rows[variant]['gpu_busy_ms']:.2f} ms, forward alone {forward:.2f} ms", flush=True)
-        for name, (ms, calls) in list(kernels.items())[:8]:
+        for name, (ms, calls) in list(kernels.items())[:12]:
             print(f"    {name[:70]:70s} {ms:.3f} ms x{calls:.0f}", flush=True)
     rows["choice"] = str(sparse.paths(x))
     return rows
 
 
+TABLES = {"layers": layer_rows, "adamw": adamw_rows, "adamw_values": adamw_value_rows,
+          "llm_kernels": llm_kernels}
+
+
 def main() -> None:
-    result = {"environment": environment(), "layers": layer_rows(), "adamw": adamw_rows(),
-              "adamw_values": adamw_value_rows(), "llm_kernels": llm_kernels()}
-    print("JSON:", write_json("semi_structured_host.json", result))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tables", nargs="+", default=list(TABLES), choices=list(TABLES),
+                        help="tables to run (default: all)")
+    parser.add_argument("--tag", default="", help="suffix of the JSON file name")
+    args = parser.parse_args()
+    result = {"environment": environment()}
+    result.update({name: TABLES[name]() for name in args.tables})
+    gpu = torch.cuda.get_device_name().replace(" ", "_")
+    print("JSON:", write_json(f"semi_structured_host_{gpu}{args.tag}.json", result))
 
 
 if __name__ == "__main__":

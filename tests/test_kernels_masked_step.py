@@ -259,6 +259,29 @@ def test_lr_scheduler_is_read_each_step():
         assert torch.equal(p, b)
 
 
+def test_capturable_adamw_matches_float64_reference():
+    """``capturable=True`` (the CUDA-graph option) runs the same math; a tensor lr, which
+    the kernel cannot read at replay, is refused with the reason."""
+    kw = {"lr": 1e-2, "weight_decay": 0.1, "capturable": True}
+    params, opt = _model(torch.optim.AdamW, kw)
+    ref, opt_ref = _model(torch.optim.AdamW, kw, dtype=torch.float64)
+    masks = _masks(params)
+    for step in range(3):
+        for p, q, g in zip(params, ref, _grads(params, torch.float32, seed=30 + step),
+                           strict=True):
+            p.grad, q.grad = g, g.double()
+        fused_masked_step(opt, dict(zip(params, masks, strict=True)))
+        masked_step_reference(opt_ref, dict(zip(ref, masks, strict=True)))
+    for p, q, k in zip(params, ref, masks, strict=True):
+        torch.testing.assert_close(p.double(), q, rtol=2e-6, atol=2e-6)
+        assert torch.equal(p[~k], torch.zeros_like(p[~k]))
+        assert float(opt.state[p]["step"]) == 3
+    tensor_lr = torch.optim.AdamW(params, lr=torch.tensor(1e-2), capturable=True)
+    assert "tensor lr" in fused_unsupported_reason(tensor_lr)
+    with pytest.raises(ValueError, match="tensor lr"):
+        fused_masked_step(tensor_lr, dict(zip(params, masks, strict=True)))
+
+
 def test_unsupported_reasons():
     p = torch.nn.Parameter(torch.randn(4))
     assert fused_unsupported_reason(torch.optim.AdamW([p])) is None  # CPU ok under the interpreter

@@ -12,10 +12,26 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+# Pinned host copies of tables uploaded under CUDA graph capture, kept while their device
+# table lives: each replay of the graph copies from them again.
+_CAPTURED_SOURCES = WeakIdKeyDictionary()
 
 
-@lru_cache(maxsize=64)
-def _chunk_table_cached(
+def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` copied to ``device`` asynchronously. Under CUDA graph capture the copy is
+    recorded in the graph from a pinned host buffer kept with the device tensor (a
+    pageable copy cannot be captured), so every replay reads the same values."""
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        return host.to(device, non_blocking=True)
+    pinned = host.pin_memory()
+    table = pinned.to(device, non_blocking=True)
+    _CAPTURED_SOURCES[table] = pinned
+    return table
+
+
+def _chunk_table(
     numels: tuple[int, ...], chunk: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     sizes = torch.tensor(numels, dtype=torch.int64)
@@ -23,8 +39,7 @@ def _chunk_table_cached(
     tensor_index = torch.repeat_interleave(torch.arange(len(numels)), per_tensor)
     first = torch.cumsum(per_tensor, 0) - per_tensor
     chunk_index = torch.arange(tensor_index.numel()) - first[tensor_index]
-    table = torch.stack([tensor_index, chunk_index]).to(device)
-    return table[0], table[1]
+    return _upload(tensor_index, device), _upload(chunk_index, device)
 
 
 def chunk_table(
@@ -39,9 +54,16 @@ def chunk_table(
 
     Returns:
         ``(tensor_index, chunk_index)``, two int64 tensors of one entry per program;
-        the grid is their length.
+        the grid is their length. Cached by sizes, except under CUDA graph capture (a
+        table made there holds its values only once the graph has been replayed).
     """
-    return _chunk_table_cached(tuple(int(n) for n in numels), int(chunk), torch.device(device))
+    key = (tuple(int(n) for n in numels), int(chunk), torch.device(device))
+    if key[2].type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _chunk_table(*key)  # filled by the graph's replays: not for eager calls
+    return _chunk_table_cached(*key)
+
+
+_chunk_table_cached = lru_cache(maxsize=64)(_chunk_table)
 
 
 def address_table(columns: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
@@ -54,10 +76,10 @@ def address_table(columns: Sequence[Sequence[int]], device: torch.device) -> tor
     Returns:
         A contiguous int64 tensor on ``device`` with row ``t`` holding tensor ``t``'s
         values in column order. The copy is asynchronous; the host buffer is
-        pageable, so the driver stages it before the call returns.
+        pageable, so the driver stages it before the call returns (pinned and kept
+        under CUDA graph capture, where the copy becomes part of the graph).
     """
-    host = torch.tensor(list(zip(*columns, strict=True)), dtype=torch.int64)
-    return host.to(device, non_blocking=True)
+    return _upload(torch.tensor(list(zip(*columns, strict=True)), dtype=torch.int64), device)
 
 
 def all_aligned(addresses: Sequence[int], nbytes: int = 16) -> bool:

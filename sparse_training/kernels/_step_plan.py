@@ -72,9 +72,13 @@ def options_unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
             "torch.optim.Adam, torch.optim.SGD (subclasses may change the math)"
         )
     for i, group in enumerate(optimizer.param_groups):
-        for option in ("amsgrad", "differentiable", "capturable"):
+        for option in ("amsgrad", "differentiable"):
             if group.get(option, False):
                 return f"param group {i} sets {option}=True, which the fused masked step does not support"
+        if group.get("capturable", False) and isinstance(group["lr"], torch.Tensor):
+            return (f"param group {i} sets capturable=True with a tensor lr; the fused masked "
+                    "step reads lr on the host (a float lr is supported; a captured step keeps "
+                    "the lr it was captured with, as torch's does)")
         if (
             kind is torch.optim.SGD
             and group["nesterov"]

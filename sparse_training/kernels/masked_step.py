@@ -301,6 +301,7 @@ class _Launch:
     step_ptrs: list[int] | None  # device step counters (fused/capturable placement)
     tables: OrderedDict
     chunk_tables: dict
+    captured: list  # tables made under CUDA graph capture, alive as long as the plan
 
 
 def _prepare(batch: StepBatch) -> _Launch:
@@ -324,6 +325,7 @@ def _prepare(batch: StepBatch) -> _Launch:
         step_ptrs=list(map(_DATA_PTR, sub.steps)) if step_on_device else None,
         tables=OrderedDict(),
         chunk_tables={},
+        captured=[],
     )
 
 
@@ -392,17 +394,28 @@ def launch_masked_step(
             col6 = [_f32_bits(distinct[t][0]) for t in values]
             col7 = [_f32_bits(distinct[t][1]) for t in values]
             key = (key, tuple(col6), tuple(col7))
+    # Tables made under CUDA graph capture hold their values only from the graph's first
+    # replay on: kept alive for the graph, never looked up by eager calls.
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     entry = prep.tables.get(key)
     if entry is None:
         p_col, a_col, b_col, k_col = prep.static_columns
         table = address_table([p_col, grad_ptrs, a_col, b_col, k_col, numels, col6, col7], device)
-        entry = prep.tables[key] = (table, prep.static_aligned and all_aligned(grad_ptrs))
-        if len(prep.tables) > _TABLES_PER_BATCH:
-            prep.tables.popitem(last=False)
+        entry = (table, prep.static_aligned and all_aligned(grad_ptrs))
+        if capturing:
+            prep.captured.append(entry)
+        else:
+            prep.tables[key] = entry
+            if len(prep.tables) > _TABLES_PER_BATCH:
+                prep.tables.popitem(last=False)
     table, aligned = entry
     chunks = prep.chunk_tables.get(config.chunk)
     if chunks is None:
-        chunks = prep.chunk_tables[config.chunk] = chunk_table(numels, config.chunk, device)
+        chunks = chunk_table(numels, config.chunk, device)
+        if capturing:
+            prep.captured.append(chunks)
+        else:
+            prep.chunk_tables[config.chunk] = chunks
     tensor_index, chunk_index = chunks
     n_chunks = tensor_index.numel()
     grid = n_chunks
@@ -478,6 +491,11 @@ def fused_masked_step(
     Parameters on devices the kernels cannot run on (CPU without
     ``TRITON_INTERPRET=1``) are updated by the pure-torch reference.
 
+    With ``capturable=True`` the step can be captured in a CUDA graph, as torch's: run
+    it once before capturing (the usual warm-up, which plans the step); hyperparameters
+    are then the ones read at capture (a float ``lr``; a tensor ``lr`` is refused), and
+    the graph stays valid while the parameters, masks and state objects do.
+
     Args:
         optimizer: A ``torch.optim.AdamW``, ``Adam`` or ``SGD`` (exact classes).
         masks: Parameter tensor (the object itself) -> bool mask of its shape, or a
@@ -487,8 +505,8 @@ def fused_masked_step(
         found_inf: Optional float32 scalar tensor; nonzero skips the step.
 
     Raises:
-        ValueError: If the optimizer class or an option (amsgrad, capturable,
-            differentiable) is unsupported, or a mask is malformed.
+        ValueError: If the optimizer class or an option (amsgrad, differentiable, a
+            tensor lr with capturable) is unsupported, or a mask is malformed.
     """
     run_masked_step(optimizer, masks, grad_scale, found_inf, _apply, cache=True)
 
@@ -497,7 +515,7 @@ def fused_unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
     """Why ``fused_masked_step`` cannot run ``optimizer`` in kernels, or None if it can.
 
     None requires an exact ``torch.optim.AdamW``, ``Adam`` or ``SGD`` (no subclass),
-    no ``amsgrad``/``capturable``/``differentiable``, float32, bfloat16 or float16
+    no ``amsgrad``/``differentiable`` (nor a tensor ``lr`` with ``capturable``), float32, bfloat16 or float16
     parameters on CUDA (or CPU under ``TRITON_INTERPRET=1``) and Triton installed.
 
     Args:
