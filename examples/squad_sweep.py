@@ -382,8 +382,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             reporting.write_results(Path(cfg.out_dir), rows)  # what a cut-off sweep leaves
     gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU"
     split = (f"trained on {cfg.train_file}, the whole dev set scored" if cfg.train_file else
-             "SQuAD v1.1 dev, articles 0-37 fine-tune / 38-47 scored")
-    header = (f"{split}; {gpu}; "
+             f"SQuAD v1.1 dev, {len(data.train_questions)} questions of articles 0-37 fine-tune"
+             " / 38-47 scored")
+    layers = f"; first {cfg.encoder_layers} encoder layers" if cfg.encoder_layers else ""
+    header = (f"{split}{layers}; {gpu}; "
               f"torch {torch.__version__}; sweep {progress.elapsed:.0f} s")
     report(cfg, rows, group, header)
     return rows
