@@ -16,6 +16,8 @@ to pick), bf16, these tables:
 3. ``llm_kernels``: the 8192 <-> 28672 Linear steps at 16k tokens, dense and under the engine
    (run 10: 2.2-2.9 ms slower than its isolated products predict), every GPU kernel's ms
    and calls per step, and the forward alone for comparison.
+4. ``harness``: the engine's 8192 -> 28672 step timed by do_bench and by the wall clock, on a
+   fresh and on a deep-copied layer (run 12 against run 11's 2 ms).
 """
 
 from __future__ import annotations
@@ -191,8 +193,42 @@ def llm_kernel_rows(in_f: int, out_f: int, tokens: int) -> dict:
     return rows
 
 
+def harness_rows(in_f: int = 8192, out_f: int = 28672, tokens: int = 16384) -> dict:
+    """The engine's 2:4 step of one layer timed both ways the tables time it (run 12's
+    do_bench layer table read 2 ms more than run 11's back-to-back wall clock): do_bench
+    (``bench_ms``, an L2 flush before each call) and ``wall_ms``, on a layer fresh from
+    ``from_dense`` and on a deep copy of a layer that trained first (as the layer table's
+    engine column does), with the dense step as the control."""
+    import copy
+
+    from semi_structured import step_ms
+
+    torch.manual_seed(0)
+    dense, x, grad = linear_and_inputs(in_f, out_f, tokens, DTYPE)
+    fresh = SemiStructuredLinear.from_dense(dense, True)
+    trained = SemiStructuredLinear.from_dense(dense, True)
+    step_ms(trained, x, grad)  # the layer masking dW itself, as the table's "step" column
+    layers = {"dense": (dense, False), "2:4 engine, fresh layer": (fresh, True),
+              "2:4 engine, deep copy": (copy.deepcopy(trained), True)}
+    rows = {}
+    for variant, (layer, engine) in layers.items():
+        rows[variant] = {"do_bench_ms": step_ms(layer, x, grad, engine=engine)}
+        x_grad = x.detach().requires_grad_()
+
+        def loss(layer=layer, x_grad=x_grad):
+            x_grad.grad = None
+            layer(x_grad).backward(grad)
+        step = trainer_step(nn.Sequential(layer), loss, engine)
+        for _ in range(3):
+            step()
+        rows[variant]["wall_ms"] = wall_ms(step, 10)
+        print(f"{variant}: do_bench {rows[variant]['do_bench_ms']:.2f} ms, back-to-back wall "
+              f"{rows[variant]['wall_ms']:.2f} ms", flush=True)
+    return rows
+
+
 TABLES = {"layers": layer_rows, "adamw": adamw_rows, "adamw_values": adamw_value_rows,
-          "llm_kernels": llm_kernels}
+          "llm_kernels": llm_kernels, "harness": harness_rows}
 
 
 def main() -> None:
