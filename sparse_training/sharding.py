@@ -29,9 +29,10 @@ The cost is paid at mask updates only, never per step:
 These are collectives: every rank must make the same calls (Lightning calls the hooks, the
 logging and ``state_dict`` on every rank). The whole-tensor gather is the simple correct
 design; at 7B scale a distributed threshold search (docs/distributed.md) would replace it.
-The fused Triton step updates the local shards (``kernels._step_plan``). Not supported yet,
-and refused with a reason: SR-STE, compressed layers with sharded parameters, and FSDP1
-(:data:`FSDP1_PROBLEM`).
+The fused Triton step updates the local shards (``kernels._step_plan``). Compressed
+block-sparse layers train sharded along their kept blocks (``values`` dim 0) with fixed
+blocks. Not supported yet, and refused with a reason: SR-STE, regrowth on sharded compressed
+layers, 2:4 layers with sharded weights, and FSDP1 (:data:`FSDP1_PROBLEM`).
 """
 
 from __future__ import annotations
@@ -119,14 +120,21 @@ def totals_like(shard_sums: Sequence[Tensor], likes: Sequence[Tensor]) -> Tensor
 
 def sharding_problem(model: nn.Module, slots: Sequence[MaskedSlot],
                      compressed: Sequence[CompressedSlot], regrow: str | None) -> str | None:
-    """Why the engine cannot serve this model's sharding, or None: FSDP1 modules,
-    compressed layers with sharded parameters, SR-STE on sharded tensors."""
+    """Why the engine cannot serve this model's sharding, or None: FSDP1 modules, 2:4
+    layers with sharded weights, regrowth on sharded compressed layers, SR-STE on sharded
+    tensors."""
     if FullyShardedDataParallel is not None and any(
             isinstance(m, FullyShardedDataParallel) for m in model.modules()):
         return f"the model holds FullyShardedDataParallel modules: {FSDP1_PROBLEM}"
-    if sharded := [s.name for s in compressed if is_sharded(s.param)]:
-        return (f"compressed layers {sharded} have sharded (FSDP2) parameters, which "
-                f"compressed layers do not support yet; use compress=False under FSDP")
+    sharded_compressed = [s for s in compressed if is_sharded(s.param)]
+    if two_four := [s.name for s in sharded_compressed if not s.movable]:
+        return (f"2:4 layers {two_four} have sharded (FSDP2) weights, which their whole "
+                f"dense mask cannot follow yet; use pattern='2:4' on nn.Linear under FSDP")
+    if regrow in ("rigl", "set") and sharded_compressed:
+        return (f"compressed layers {[s.name for s in sharded_compressed]} have sharded "
+                f"(FSDP2) values; regrow={regrow!r} moves their blocks across shards, which "
+                f"sharded training does not support yet: use compress=False (masked "
+                f"blocks) for regrowth under FSDP")
     if regrow == "sr-ste" and (sharded := [s.name for s in slots if s.sharded]):
         return (f"tensors {sharded} are sharded (FSDP2): SR-STE keeps dense weights beside "
                 f"them, which sharded training does not support yet")

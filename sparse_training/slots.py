@@ -178,7 +178,9 @@ class CompressedSlot:
     """
 
     compressed = True
-    sharded = False  # the engine refuses compressed layers with sharded parameters
+    # the block grid is replicated on every rank (a sharded layer's values split along the
+    # kept blocks; the engine refuses moving them, and 2:4 layers with sharded weights)
+    sharded = False
     mask_key = "mask"  # a 2:4 layer's dense mask buffer, which the optimizer hooks read
 
     def __init__(self, name: str, layer: BlockSparseLinear | SemiStructuredLinear) -> None:
@@ -212,7 +214,7 @@ class CompressedSlot:
         return torch.Size((self.layer.out_features, self.layer.in_features))
 
     def full_mask(self) -> Tensor:
-        """The block grid (a compressed layer is never sharded)."""
+        """The block grid (replicated, whether or not the values are sharded)."""
         return self.mask
 
     @property

@@ -1,15 +1,17 @@
 """Two-process CPU FSDP2 runs (gloo, Lightning's ``ModelParallelStrategy``, ``fully_shard``
 in ``configure_model``) of 2:4 (oneshot), GMP (unstructured, global distribution), block
-masks and RigL. Each rank writes, per optimizer step, its whole masks' checksums and
-counts, a hash of the whole parameters, and whether every pruned weight and optimizer
-moment of its local shards is zero. RigL also runs one epoch, saves a sharded (distributed)
-checkpoint and resumes from it for the second.
+masks, RigL and compressed block-sparse layers (values sharded along the kept blocks).
+Each rank writes, per optimizer step, its whole masks' checksums and counts, a hash of the
+whole parameters, and whether every pruned weight and optimizer moment of its local shards
+is zero. RigL and the compressed run also run one epoch, save a sharded (distributed)
+checkpoint and resume from it for the second.
 
     python tests/fsdp_sharded.py OUT_DIR [cpu|gpu]   # Lightning relaunches it for rank 1
 
 With ``gpu``: the same on 2 GPUs (NCCL). Used by tests/test_fsdp.py, which trains the same
 runs in one process (the reference). Each rank also records the errors that refuse what
-sharded training does not support: SR-STE and FSDP1 modules.
+sharded training does not support: SR-STE, regrowth on compressed layers and FSDP1
+modules.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import make_loader  # noqa: E402
 
 from sparse_training import SparsityCallback, SparsityConfig, SparsityEngine  # noqa: E402
+from sparse_training.block_sparse import BlockSparseLinear  # noqa: E402
 from sparse_training.ranks import mask_checksum  # noqa: E402
 from sparse_training.sharding import full, local  # noqa: E402
 from sparse_training.slots import make_permanent  # noqa: E402
@@ -46,16 +49,22 @@ RUNS = {
 }
 # the fused masked step on the local shards (Triton's interpreter on CPU)
 RUNS |= {f"{name} fused": {**RUNS[name], "fused": True} for name in ("2:4", "rigl")}
+# compressed BlockSparseLinear layers (swapped in at setup), their values sharded by
+# fully_shard along the kept blocks: 2 of 4 blocks and 4 of 8, split evenly over the ranks
+RUNS["compressed"] = dict(pattern="block:16x16", sparsity=0.5, schedule="oneshot",
+                          compress=True)
+WIDTHS = {"compressed": (16, 64, 32, 5)}  # the head (5 rows) cannot take 16x16 blocks
 
 
 class ShardedNet(pl.LightningModule):
-    """An MLP whose Linear layers ``configure_model`` shards with FSDP2 (when a device
-    mesh is there); the head's 5 rows split unevenly, 3 and 2."""
+    """An MLP whose Linear (or compressed) layers ``configure_model`` shards with FSDP2
+    (when a device mesh is there); the head's 5 rows split unevenly, 3 and 2."""
 
-    def __init__(self) -> None:
+    def __init__(self, widths: tuple[int, ...] = (16, 32, 24, 5)) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 24), nn.ReLU(),
-                                 nn.Linear(24, 5))
+        first, second, third, head = widths
+        self.net = nn.Sequential(nn.Linear(first, second), nn.ReLU(), nn.Linear(second, third),
+                                 nn.ReLU(), nn.Linear(third, head))
 
     def configure_model(self) -> None:
         if self.device_mesh is None:  # one process: the reference run
@@ -64,7 +73,7 @@ class ShardedNet(pl.LightningModule):
 
         mesh = self.device_mesh["data_parallel"]
         for layer in self.net:
-            if isinstance(layer, nn.Linear):
+            if isinstance(layer, (nn.Linear, BlockSparseLinear)):
                 fully_shard(layer, mesh=mesh)
         fully_shard(self, mesh=mesh)
 
@@ -113,7 +122,9 @@ class Recorder(Callback):
             "checksums": [int(mask_checksum(mask)) for mask in masks],
             "counts": [int(mask.sum()) for mask in masks],
             "parameters": digest.hexdigest(), "zeros_hold": bool(zeros),
+            "block_checksums": [int(mask_checksum(slot.mask)) for slot in engine.compressed],
             "local_shapes": [list(slot.mask.shape) for slot in engine.slots],
+            "local_blocks": [local(slot.param).shape[0] for slot in engine.compressed],
             "sharded": [slot.sharded for slot in engine.slots],
             "fused": bool(engine.fused_optimizers),
             "kinds": [plan.kind for plan in engine.plans if plan.selected]})
@@ -131,11 +142,11 @@ class SaveAndStop(Callback):
 
 
 def fit(settings: dict, loader, callbacks=(), ckpt_path=None, accelerator="cpu",
-        **trainer_args) -> Recorder:
-    """Train a fresh ShardedNet for 2 epochs (FSDP2 over 2 processes unless
+        widths: tuple[int, ...] = (16, 32, 24, 5), **trainer_args) -> Recorder:
+    """Train a fresh ShardedNet of ``widths`` for 2 epochs (FSDP2 over 2 processes unless
     ``trainer_args`` name another strategy); the Recorder of the run."""
     pl.seed_everything(0)
-    model = ShardedNet()
+    model = ShardedNet(widths)
     sparse = SparsityCallback(**settings)
     recorder = Recorder(sparse)
     if "strategy" not in trainer_args:
@@ -219,6 +230,8 @@ def after_fit(recorder: Recorder) -> dict:
 def main(out: Path, accelerator: str) -> None:
     results = {}
     for name, settings in RUNS.items():
+        if name == "compressed":
+            continue
         recorder = fit(settings, make_loader(n=128), accelerator=accelerator)
         results[name] = recorder.rows
     results["after"] = after_fit(recorder)
@@ -228,8 +241,19 @@ def main(out: Path, accelerator: str) -> None:
     resumed = fit(RUNS["rigl"], make_loader(n=128), ckpt_path=out / "rigl.ckpt",
                   accelerator=accelerator)
     results["rigl-stopped"], results["rigl-resumed"] = stopped.rows, resumed.rows
+    compressed = {"settings": RUNS["compressed"], "widths": WIDTHS["compressed"],
+                  "accelerator": accelerator}
+    results["compressed"] = fit(**compressed, loader=make_loader(n=128)).rows
+    results["compressed-stopped"] = fit(
+        **compressed, loader=make_loader(n=128),
+        callbacks=[SaveAndStop(out / "compressed.ckpt")]).rows
+    results["compressed-resumed"] = fit(
+        **compressed, loader=make_loader(n=128), ckpt_path=out / "compressed.ckpt").rows
     rank = resumed.rank
     results["refused"] = {"sr-ste": refused({**RUNS["2:4"], "regrow": "sr-ste"}, accelerator),
+                          "compressed rigl": refused(
+                              {**RUNS["compressed"], "schedule": "constant", "regrow": "rigl"},
+                              accelerator),
                           "plain state": plain_state,
                           "fsdp1": fsdp1_refused(rank, accelerator)}
     (out / f"rank{rank}.json").write_text(json.dumps(results))

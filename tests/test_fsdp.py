@@ -34,7 +34,7 @@ from sparse_training import SparsityCallback
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import make_loader  # noqa: E402
-from fsdp_sharded import RUNS, fit  # noqa: E402
+from fsdp_sharded import RUNS, WIDTHS, fit  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("fsdp_sharded.py")
 ACCELERATORS = ["cpu", "gpu"]
@@ -114,7 +114,8 @@ def reference(name: str, accelerator: str) -> list[dict]:
         try:
             _REFERENCES[name, accelerator] = fit(
                 RUNS[name], reference_loader(), accelerator=accelerator, strategy="auto",
-                devices=1, accumulate_grad_batches=2).rows
+                devices=1, accumulate_grad_batches=2,
+                **({"widths": WIDTHS[name]} if name in WIDTHS else {})).rows
         finally:
             torch.set_num_threads(threads)
     return _REFERENCES[name, accelerator]
@@ -122,7 +123,8 @@ def reference(name: str, accelerator: str) -> list[dict]:
 
 def _logical(rows: list[dict]) -> list[dict]:
     """What must match one process: steps, whole masks, counts, parameters, zeros."""
-    return [{k: v for k, v in row.items() if k not in ("local_shapes", "sharded")}
+    return [{k: v for k, v in row.items() if k not in ("local_shapes", "local_blocks",
+                                                       "sharded")}
             for row in rows]
 
 
@@ -158,6 +160,25 @@ def test_sharded_checkpoint_resumes_exactly(sharded):
         assert _logical(rank["rigl-resumed"]) == _logical(whole[4:])
 
 
+def test_compressed_values_sharded_along_kept_blocks_train_and_resume_exactly(sharded):
+    """compress=True under FSDP2: the BlockSparseLinear layers swapped in at setup have
+    their values sharded by fully_shard along the kept blocks (1 + 1 and 2 + 2 of 2 and 4),
+    train to the same weights as one process at every step, and a sharded checkpoint
+    resumes the second epoch exactly."""
+    (rank0, rank1), accelerator = sharded
+    rows = rank0["compressed"]
+    assert len(rows) == 1 + 8
+    assert _logical(rows) == _logical(rank1["compressed"])
+    assert _logical(rows) == _logical(reference("compressed", accelerator))
+    assert len({row["parameters"] for row in rows}) == len(rows)  # the values train
+    assert len({tuple(row["block_checksums"]) for row in rows}) == 1  # blocks stay put
+    assert rows[0]["local_blocks"] == rank1["compressed"][0]["local_blocks"] == [1, 2]
+    assert rows[0]["checksums"] == []  # the head cannot take 16x16 blocks: not selected
+    for rank in (rank0, rank1):
+        assert _logical(rank["compressed-stopped"]) == _logical(rank["compressed"][:5])
+        assert _logical(rank["compressed-resumed"]) == _logical(rank["compressed"][4:])
+
+
 def test_sharded_masks_checked_across_ranks_and_made_permanent(sharded):
     """A rank computing another whole mask is caught on every rank; ``make_permanent``
     removes the mask buffers of sharded tensors (shaped like their local shards)."""
@@ -173,6 +194,7 @@ def test_sharding_refuses_what_it_cannot_serve(sharded):
         assert "exp_avg is a plain tensor of local shape (32, 16) for a parameter sharded" in (
             refused["plain state"])
         assert "FSDP1 (FullyShardedDataParallel" in refused["fsdp1"]
+        assert "regrow='rigl' moves their blocks across shards" in refused["compressed rigl"]
 
 
 def test_callback_refuses_lightning_fsdp1_strategy():
