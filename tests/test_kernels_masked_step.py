@@ -259,9 +259,14 @@ def test_lr_scheduler_is_read_each_step():
         assert torch.equal(p, b)
 
 
-def test_capturable_adamw_matches_float64_reference():
-    """``capturable=True`` (the CUDA-graph option) runs the same math; a tensor lr, which
-    the kernel cannot read at replay, is refused with the reason."""
+@pytest.mark.parametrize("steps_read_by_kernel", [False, True])
+def test_capturable_adamw_matches_float64_reference(steps_read_by_kernel, monkeypatch):
+    """``capturable=True`` (the CUDA-graph option) runs the same math, also with the bias
+    corrections computed in the kernel from the step counters (what CUDA step tensors get;
+    forced here on CPU tensors, which the interpreter reads alike); a tensor lr, which the
+    kernel cannot read at replay, is refused with the reason."""
+    if steps_read_by_kernel:
+        monkeypatch.setattr(ms, "_steps_on_device", bool)
     kw = {"lr": 1e-2, "weight_decay": 0.1, "capturable": True}
     params, opt = _model(torch.optim.AdamW, kw)
     ref, opt_ref = _model(torch.optim.AdamW, kw, dtype=torch.float64)

@@ -304,6 +304,12 @@ class _Launch:
     captured: list  # tables made under CUDA graph capture, alive as long as the plan
 
 
+def _steps_on_device(steps: list[torch.Tensor]) -> bool:
+    """Whether the kernel reads Adam's step counters itself (device tensors, as torch places
+    them for fused/capturable optimizers) instead of host bias corrections."""
+    return bool(steps) and steps[0].device.type != "cpu"
+
+
 def _prepare(batch: StepBatch) -> _Launch:
     ready = [_kernel_ready(batch, i) for i in range(len(batch.params))]
     kernel_idx = None if all(ready) else [i for i, r in enumerate(ready) if r]
@@ -313,7 +319,7 @@ def _prepare(batch: StepBatch) -> _Launch:
     state_a = sub.exp_avgs or sub.momentum_buffers or params
     state_b = sub.exp_avg_sqs or params
     static = [list(map(_DATA_PTR, ts)) for ts in (params, state_a, state_b, sub.masks)]
-    step_on_device = bool(sub.steps) and sub.steps[0].device.type != "cpu"
+    step_on_device = _steps_on_device(sub.steps)
     return _Launch(
         kernel_idx=kernel_idx,
         ref_idx=ref_idx,
