@@ -263,8 +263,9 @@ def test_lr_scheduler_is_read_each_step():
 def test_capturable_adamw_matches_float64_reference(steps_read_by_kernel, monkeypatch):
     """``capturable=True`` (the CUDA-graph option) runs the same math, also with the bias
     corrections computed in the kernel from the step counters (what CUDA step tensors get;
-    forced here on CPU tensors, which the interpreter reads alike); a tensor lr, which the
-    kernel cannot read at replay, is refused with the reason."""
+    forced here on CPU tensors, which the interpreter reads alike). Under capture a step
+    that would plan (create state, stack the step counters) is refused; a tensor lr, which
+    the kernel cannot read at replay, is refused with the reason."""
     if steps_read_by_kernel:
         monkeypatch.setattr(ms, "_steps_on_device", bool)
     kw = {"lr": 1e-2, "weight_decay": 0.1, "capturable": True}
@@ -281,6 +282,15 @@ def test_capturable_adamw_matches_float64_reference(steps_read_by_kernel, monkey
         torch.testing.assert_close(p.double(), q, rtol=2e-6, atol=2e-6)
         assert torch.equal(p[~k], torch.zeros_like(p[~k]))
         assert float(opt.state[p]["step"]) == 3
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    _set_grads(params, torch.float32, 40)
+    fused_masked_step(opt, dict(zip(params, masks, strict=True)))  # planned: captured as is
+    assert all(float(opt.state[p]["step"]) == 4 for p in params)
+    _set_grads(params, torch.float32, 41)
+    with pytest.raises(RuntimeError, match="run one step before capturing"):
+        fused_masked_step(opt, dict(zip(params, [m.clone() for m in masks], strict=True)))
+    monkeypatch.undo()
     tensor_lr = torch.optim.AdamW(params, lr=torch.tensor(1e-2), capturable=True)
     assert "tensor lr" in fused_unsupported_reason(tensor_lr)
     with pytest.raises(ValueError, match="tensor lr"):

@@ -12,22 +12,22 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
-# Pinned host copies of tables uploaded under CUDA graph capture, kept while their device
-# table lives: each replay of the graph copies from them again.
-_CAPTURED_SOURCES = WeakIdKeyDictionary()
+# Tables uploaded under CUDA graph capture and their pinned host sources: every replay of
+# the graph copies one into the other, so both live as long as the process (a few KB per
+# table; a launcher that drops its table would leave the graph a freed address).
+_CAPTURED: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
 def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``host`` copied to ``device`` asynchronously. Under CUDA graph capture the copy is
-    recorded in the graph from a pinned host buffer kept with the device tensor (a
-    pageable copy cannot be captured), so every replay reads the same values."""
+    recorded in the graph from a pinned host buffer (a pageable copy cannot be captured):
+    the table holds its values from the graph's first replay on."""
     if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
         return host.to(device, non_blocking=True)
     pinned = host.pin_memory()
     table = pinned.to(device, non_blocking=True)
-    _CAPTURED_SOURCES[table] = pinned
+    _CAPTURED.append((table, pinned))
     return table
 
 

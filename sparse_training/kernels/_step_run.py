@@ -196,6 +196,12 @@ def _run_cached(optimizer, masks, grad_scale, found_inf, apply) -> bool:
     """One step through the cached plan; False (nothing done) if the slow path must run."""
     plan = _PLANS.get(optimizer)
     if plan is None or not plan.valid(optimizer, masks):
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # the graph would replay the state's creation and the step counters' stacking
+            raise RuntimeError(
+                "the fused masked step was captured in a CUDA graph before it was planned "
+                "(first step, or new masks, parameters or optimizer state): run one step "
+                "before capturing, and capture again after such changes")
         plan = _build_plan(optimizer, masks)
         if plan is None:
             _PLANS.pop(optimizer, None)

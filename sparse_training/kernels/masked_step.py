@@ -163,7 +163,6 @@ class _Launch:
     step_ptrs: list[int] | None  # device step counters (fused/capturable placement)
     tables: OrderedDict
     chunk_tables: dict
-    captured: list  # tables made under CUDA graph capture, alive as long as the plan
 
 
 def _steps_on_device(steps: list[torch.Tensor]) -> bool:
@@ -193,7 +192,6 @@ def _prepare(batch: StepBatch) -> _Launch:
         step_ptrs=list(map(_DATA_PTR, sub.steps)) if step_on_device else None,
         tables=OrderedDict(),
         chunk_tables={},
-        captured=[],
     )
 
 
@@ -262,28 +260,17 @@ def launch_masked_step(
             col6 = [_f32_bits(distinct[t][0]) for t in values]
             col7 = [_f32_bits(distinct[t][1]) for t in values]
             key = (key, tuple(col6), tuple(col7))
-    # Tables made under CUDA graph capture hold their values only from the graph's first
-    # replay on: kept alive for the graph, never looked up by eager calls.
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     entry = prep.tables.get(key)
-    if entry is None:
+    if entry is None:  # under CUDA graph capture: the gradients the graph allocated
         p_col, a_col, b_col, k_col = prep.static_columns
         table = address_table([p_col, grad_ptrs, a_col, b_col, k_col, numels, col6, col7], device)
-        entry = (table, prep.static_aligned and all_aligned(grad_ptrs))
-        if capturing:
-            prep.captured.append(entry)
-        else:
-            prep.tables[key] = entry
-            if len(prep.tables) > _TABLES_PER_BATCH:
-                prep.tables.popitem(last=False)
+        entry = prep.tables[key] = (table, prep.static_aligned and all_aligned(grad_ptrs))
+        if len(prep.tables) > _TABLES_PER_BATCH:
+            prep.tables.popitem(last=False)
     table, aligned = entry
     chunks = prep.chunk_tables.get(config.chunk)
     if chunks is None:
-        chunks = chunk_table(numels, config.chunk, device)
-        if capturing:
-            prep.captured.append(chunks)
-        else:
-            prep.chunk_tables[config.chunk] = chunks
+        chunks = prep.chunk_tables[config.chunk] = chunk_table(numels, config.chunk, device)
     tensor_index, chunk_index = chunks
     n_chunks = tensor_index.numel()
     grid = n_chunks
@@ -360,9 +347,10 @@ def fused_masked_step(
     ``TRITON_INTERPRET=1``) are updated by the pure-torch reference.
 
     With ``capturable=True`` the step can be captured in a CUDA graph, as torch's: run
-    it once before capturing (the usual warm-up, which plans the step); hyperparameters
-    are then the ones read at capture (a float ``lr``; a tensor ``lr`` is refused), and
-    the graph stays valid while the parameters, masks and state objects do.
+    it once before capturing (the usual warm-up, which plans the step; planning under
+    capture raises); hyperparameters are then the ones read at capture (a float ``lr``; a
+    tensor ``lr`` is refused), and the graph stays valid while the parameters, masks and
+    state objects do.
 
     Args:
         optimizer: A ``torch.optim.AdamW``, ``Adam`` or ``SGD`` (exact classes).
