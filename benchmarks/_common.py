@@ -8,8 +8,9 @@ import platform
 import time
 
 import torch
-import triton
-from triton.testing import do_bench, do_bench_cudagraph
+
+# triton (the optional ``kernels`` extra) is imported where it is used, so that the scripts
+# that only need busy_ms (bert_step.py's CPU check) run without it
 
 
 class NoLaunch:
@@ -29,6 +30,8 @@ def linear_and_inputs(in_features: int, out_features: int, tokens: int,
 
 def bench_ms(fn) -> float:
     """Median milliseconds of ``fn`` (triton.testing.do_bench, CUDA events)."""
+    from triton.testing import do_bench
+
     return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
 
@@ -37,6 +40,8 @@ def gpu_ms(fn) -> float:
     ``fn`` runs once first, outside the graph, so autotuning happens before capture."""
     fn()
     torch.cuda.synchronize()
+    from triton.testing import do_bench_cudagraph
+
     return float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
 
 
@@ -53,12 +58,16 @@ def host_ms(fn, calls: int = 20) -> float:
     return elapsed / calls * 1e3
 
 
+def device_activity(events) -> list:
+    """The profiler events that are device work (kernels, copies, memsets): user
+    annotations and ``Optimizer.*`` ranges, which span idle time too, left out."""
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+            and not e.is_user_annotation and not e.name.startswith("Optimizer.")]
+
+
 def busy_ms(events) -> float:
-    """Union of the device activity intervals (kernels, copies, memsets; user annotations,
-    which span idle time too, left out), in ms."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if e.device_type == torch.autograd.DeviceType.CUDA
-                   and not e.is_user_annotation and not e.name.startswith("Optimizer."))
+    """Union of the device activity intervals (:func:`device_activity`), in ms."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in device_activity(events))
     total, end = 0.0, float("-inf")
     for start, stop in spans:
         if stop > end:
@@ -77,6 +86,8 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
 
 def environment() -> dict:
     """GPU name, versions: stored with every result."""
+    import triton
+
     return {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,

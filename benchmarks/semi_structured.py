@@ -34,7 +34,7 @@ import copy
 import torch
 import torch.nn.functional as F
 from _common import bench_ms, environment, gpu_ms, write_json
-from semi_structured_bert import DTYPE, bert_rows, relative_error, trainer_step
+from semi_structured_bert import DTYPE, bert_rows, layer_step, relative_error
 from torch import nn
 
 from sparse_training.kernels.semi_structured import PackedWeight
@@ -56,17 +56,9 @@ SHAPES = {  # name: (in, out), token counts
 
 def step_ms(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor, mixed: bool = False,
             engine: bool = False) -> float:
-    """Forward, backward (dX and dW) and a fused AdamW step (:func:`trainer_step`);
-    ``mixed``: under bf16 autocast (the layer's weights float32, as Lightning's
-    ``bf16-mixed`` keeps them)."""
-    x = x.detach().requires_grad_()
-
-    def loss():
-        x.grad = None
-        with torch.autocast("cuda", DTYPE, enabled=mixed):
-            y = layer(x)
-        y.backward(grad)
-    return bench_ms(trainer_step(nn.Sequential(layer), loss, engine))
+    """Forward, backward (dX and dW) and a fused AdamW step (:func:`layer_step`), do_bench
+    ms; ``mixed``: under bf16 autocast."""
+    return bench_ms(layer_step(layer, x, grad, engine, mixed))
 
 
 def layer_row(name: str, in_f: int, out_f: int, tokens: int) -> dict:
@@ -134,7 +126,8 @@ def layer_row(name: str, in_f: int, out_f: int, tokens: int) -> dict:
 def predicted_step_ms(row: dict) -> float:
     """The engine's bf16 step as the row's isolated timings predict it: the dense step, less
     what the products the choice sent to cuSPARSELt save, plus their repacking (the
-    ``refresh`` column repacks both copies; with only the forward sparse, W's half)."""
+    ``refresh`` column repacks both copies; with one product sparse, half of it: the
+    copies of W and of W^T are counted alike)."""
     choice, ms = row["choice"], row["step_dense"]
     if choice["forward"]:
         ms -= row["fwd_dense"] - row["fwd_ours"]

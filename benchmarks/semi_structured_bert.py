@@ -21,7 +21,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from _common import busy_ms
+from _common import busy_ms, device_activity
 from torch import nn
 
 from sparse_training import SparsityConfig, SparsityEngine
@@ -64,6 +64,29 @@ def trainer_step(model: nn.Module, loss, engine: bool, deny: tuple[str, ...] = (
         optimizer.step()
         sparse.on_step_end()
     return engine_step
+
+
+def layer_step(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor, engine: bool = False,
+               mixed: bool = False, fused: bool | str = "auto"):
+    """:func:`trainer_step` of one layer: forward of ``x`` (a leaf that requires grad, so dX
+    is computed), backward of ``grad``; ``mixed``: under bf16 autocast (the layer's weights
+    float32, as Lightning's ``bf16-mixed`` keeps them)."""
+    x = x.detach().requires_grad_()
+
+    def loss():
+        x.grad = None
+        with torch.autocast("cuda", DTYPE, enabled=mixed):
+            y = layer(x)
+        y.backward(grad)
+    return trainer_step(nn.Sequential(layer), loss, engine, fused=fused)
+
+
+def bert_large_config():
+    """BERT-large's shapes (24 layers, 1024 wide, 16 heads, 4096 MLP)."""
+    from transformers import BertConfig
+
+    return BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                      intermediate_size=4096)
 
 
 def bert_model(config, variant: str, dtype: torch.dtype) -> nn.Module:
@@ -109,11 +132,10 @@ def gpu_busy_ms(step, block: int, top: dict | None = None) -> float:
         torch.cuda.synchronize()
     if top is not None:
         kernels: dict[str, list[float]] = {}
-        for event in prof.events():
-            if event.device_type == torch.autograd.DeviceType.CUDA:
-                total = kernels.setdefault(event.name, [0.0, 0])  # whole: templates differ
-                total[0] += event.time_range.elapsed_us() / 1e3 / block
-                total[1] += 1 / block
+        for event in device_activity(prof.events()):
+            total = kernels.setdefault(event.name, [0.0, 0])  # whole: templates differ
+            total[0] += event.time_range.elapsed_us() / 1e3 / block
+            total[1] += 1 / block
         top.update(sorted(kernels.items(), key=lambda item: -item[1][0]))
     return busy_ms(prof.events()) / block
 
@@ -146,10 +168,7 @@ def bert_rows(modes: tuple[str, ...] = ("eager", "cuda_graph"),
     variant at a time (:func:`bert_row`): dense against 2:4 layers with
     ``timing="cuda_graph"`` (masking dW themselves, and under the engine's fused masked
     step), and with both products forced sparse (what the choice avoided)."""
-    from transformers import BertConfig
-
-    config = BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
-                        intermediate_size=4096)
+    config = bert_large_config()
     ids = torch.randint(0, config.vocab_size, (batch, length), device="cuda")
     result = {"tokens": batch * length, "block_steps": block, "rounds": rounds}
     for precision in precisions:
@@ -208,7 +227,7 @@ def bert_row(config, ids: torch.Tensor, dtype: torch.dtype, mode: str, variants:
             row["gpu_busy_ms"][variant] = gpu_busy_ms(replay, block,
                                                       row["top_kernels"].setdefault(variant, {}))
             if layers:
-                checks[variant] = layer_checks(layers, mixed)
+                checks[variant] = layer_checks(layers, mixed, ids.numel())
             del model, layers, replay, graph, step, loss
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -217,7 +236,7 @@ def bert_row(config, ids: torch.Tensor, dtype: torch.dtype, mode: str, variants:
         row["gpu_busy_ms"] = {variant: gpu_busy_ms(step, block,
                                                    row["top_kernels"].setdefault(variant, {}))
                               for variant, step in steps.items()}
-        checks = {variant: layer_checks(layers, mixed)
+        checks = {variant: layer_checks(layers, mixed, ids.numel())
                   for variant, layers in layers_of.items() if layers}
     row.update({variant: statistics.median(ms) for variant, ms in row["blocks_ms"].items()})
     row["checks"] = checks
@@ -236,11 +255,12 @@ def bert_row(config, ids: torch.Tensor, dtype: torch.dtype, mode: str, variants:
     return row
 
 
-def layer_checks(layers: list[SemiStructuredLinear], mixed: bool) -> dict:
+def layer_checks(layers: list[SemiStructuredLinear], mixed: bool, tokens: int) -> dict:
     """After the timed steps: pruned weights still zero in every layer, and the first
-    layer's output (its packed copies, if sparse) against the dense masked product."""
+    layer's output at the timed token count (so its timed route: the packed copies, if
+    sparse) against the dense masked product."""
     layer = layers[0]
-    x = torch.randn(2048, layer.in_features, device="cuda", dtype=DTYPE)
+    x = torch.randn(tokens, layer.in_features, device="cuda", dtype=DTYPE)
     with torch.no_grad(), torch.autocast("cuda", DTYPE, enabled=mixed):
         error = relative_error(layer(x), F.linear(x.float(), (layer.weight * layer.mask).float(),
                                                   layer.bias.float()))

@@ -12,12 +12,15 @@ to pick), bf16, these tables:
 2. ``adamw``: torch's ``AdamW(fused=True).step()`` alone on the parameters and gradients of
    the BERT-large encoder, dense and with every Linear a ``SemiStructuredLinear`` (run 9:
    3.13 against 2.16 ms of GPU time per step, same 21 launches), with the gradients'
-   layout, and on random tensors with and without zeros, to find what differs.
-3. ``llm_kernels``: the 8192 <-> 28672 Linear steps at 16k tokens, dense and under the engine
+   layout.
+3. ``adamw_values``: the same step on random BERT-large-shaped tensors, with and without
+   zeros in the gradients and in the weights, to find what differs.
+4. ``llm_kernels``: the 8192 <-> 28672 Linear steps at 16k tokens, dense and under the engine
    (run 10: 2.2-2.9 ms slower than its isolated products predict), every GPU kernel's ms
    and calls per step, and the forward alone for comparison.
-4. ``harness``: the engine's 8192 -> 28672 step timed by do_bench and by the wall clock, on a
-   fresh and on a deep-copied layer (run 12 against run 11's 2 ms).
+5. ``harness``: the engine's 8192 -> 28672 step timed by do_bench, then by the wall clock,
+   on a layer made by ``from_dense`` and on a deep copy of a trained one (run 12 against
+   run 11's 2 ms).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from _common import (
     linear_and_inputs,
     write_json,
 )
-from semi_structured_bert import DTYPE, bert_model, gpu_busy_ms, trainer_step
+from semi_structured_bert import DTYPE, bert_large_config, bert_model, gpu_busy_ms, layer_step
 from torch import nn
 
 from sparse_training.kernels.semi_structured.paths import wall_ms
@@ -87,11 +90,7 @@ def layer_rows(tokens: int = 4096) -> dict:
                                          False)}
         row = {}
         for variant, (layer, engine, fused) in variants.items():
-            def loss(layer=layer, x=x, grad=grad):
-                x.grad = None
-                layer(x).backward(grad)
-            row[variant] = profiled_step(trainer_step(nn.Sequential(layer), loss, engine,
-                                                      fused=fused))
+            row[variant] = profiled_step(layer_step(layer, x, grad, engine, fused=fused))
             r = row[variant]
             print(f"{name:16s} {variant:17s} wall {r['wall_ms']:.3f}  gpu {r['gpu_busy_ms']:.3f}"
                   f" ms  blocking {r['blocking_calls_per_step']}", flush=True)
@@ -103,10 +102,7 @@ def layer_rows(tokens: int = 4096) -> dict:
 
 def adamw_rows() -> dict:
     """torch's fused AdamW step alone on the dense and the 2:4 BERT-large encoder."""
-    from transformers import BertConfig
-
-    config = BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
-                        intermediate_size=4096)
+    config = bert_large_config()
     ids = torch.randint(0, config.vocab_size, (16, 384), device="cuda")
     rows = {}
     for variant in ("dense", "2:4"):
@@ -173,10 +169,7 @@ def llm_kernel_rows(in_f: int, out_f: int, tokens: int) -> dict:
     rows = {}
     for variant, (layer, engine) in {"dense": (dense, False),
                                      "2:4 engine": (sparse, True)}.items():
-        def loss(layer=layer):
-            x.grad = None
-            layer(x).backward(grad)
-        step = trainer_step(nn.Sequential(layer), loss, engine)
+        step = layer_step(layer, x, grad, engine)
         for _ in range(3):  # the first steps time the 2:4 paths
             step()
         kernels: dict = {}
@@ -195,10 +188,11 @@ def llm_kernel_rows(in_f: int, out_f: int, tokens: int) -> dict:
 
 def harness_rows(in_f: int = 8192, out_f: int = 28672, tokens: int = 16384) -> dict:
     """The engine's 2:4 step of one layer timed both ways the tables time it (run 12's
-    do_bench layer table read 2 ms more than run 11's back-to-back wall clock): do_bench
-    (``bench_ms``, an L2 flush before each call) and ``wall_ms``, on a layer fresh from
-    ``from_dense`` and on a deep copy of a layer that trained first (as the layer table's
-    engine column does), with the dense step as the control."""
+    do_bench layer table read 2 ms more than run 11's back-to-back wall clock): first
+    do_bench (``bench_ms``, an L2 flush before each call), then ``wall_ms`` on the same
+    layer (after do_bench's steps, with a new engine), for a layer made by ``from_dense``
+    and for a deep copy of a layer that trained first (as the layer table's engine column
+    does), with the dense step as the control."""
     import copy
 
     from semi_structured import step_ms
@@ -213,12 +207,7 @@ def harness_rows(in_f: int = 8192, out_f: int = 28672, tokens: int = 16384) -> d
     rows = {}
     for variant, (layer, engine) in layers.items():
         rows[variant] = {"do_bench_ms": step_ms(layer, x, grad, engine=engine)}
-        x_grad = x.detach().requires_grad_()
-
-        def loss(layer=layer, x_grad=x_grad):
-            x_grad.grad = None
-            layer(x_grad).backward(grad)
-        step = trainer_step(nn.Sequential(layer), loss, engine)
+        step = layer_step(layer, x, grad, engine)
         for _ in range(3):
             step()
         rows[variant]["wall_ms"] = wall_ms(step, 10)

@@ -141,8 +141,9 @@ def best_spans(windows: Windows, start_logits: list[Tensor], end_logits: list[Te
         q, offsets = windows.question_index[w], windows.offsets[w]
         context = questions[q].context  # logits are cut to the window: indices are in range
         start_scores, end_scores = starts.tolist(), ends.tolist()
+        top_ends = ends.topk(min(top, len(ends))).indices.tolist()
         for s in starts.topk(min(top, len(starts))).indices.tolist():
-            for e in ends.topk(min(top, len(ends))).indices.tolist():
+            for e in top_ends:
                 if offsets[s] is None or offsets[e] is None or not 0 <= e - s < max_answer_tokens:
                     continue
                 score = start_scores[s] + end_scores[e]

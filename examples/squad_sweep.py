@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import statistics
 import sys
 import time
@@ -116,7 +117,7 @@ def evaluate(model: SpanQA, data: Data, cfg: DictConfig) -> dict[str, float]:
         indices = list(range(first, min(first + 4 * cfg.batch_size, len(data.eval))))
         batch = {k: v.to(DEVICE) for k, v in squad_data.collate(data.eval, indices).items()
                  if not k.endswith("positions")}
-        with torch.autocast(DEVICE, torch.bfloat16, enabled=DEVICE == "cuda"):
+        with torch.autocast(DEVICE, torch.bfloat16, enabled=precision(cfg).startswith("bf16")):
             out = model(batch)
         for row, i in enumerate(indices):  # (T,) logits of each window, padding cut off
             length = len(data.eval.input_ids[i])
@@ -141,6 +142,13 @@ def sparsity_of(encoder: torch.nn.Module) -> float:
 
 # -----------------------------------------------------------------------------------------------
 # Training: the cached dense model, and one run
+
+
+def model_name(cfg: DictConfig) -> str:
+    """The pretrained model's folder name (``model_dir``, $SPARSE_TRAINING_BERT_DIR), or the
+    wheel's MiniLM."""
+    path = cfg.model_dir or os.environ.get("SPARSE_TRAINING_BERT_DIR")
+    return Path(path).name if path else "all-MiniLM-L6-v2"
 
 
 def precision(cfg: DictConfig) -> str:
@@ -277,7 +285,7 @@ def report(cfg: DictConfig, rows: list[dict[str, Any]], group: str, header: str)
             series.setdefault(line["family"], []).append((line["sparsity"], line["f1"]))
     dense_f1 = dense_line_f1(lines)
     png = reporting.plot_vs_sparsity(out / "f1_vs_sparsity.png", series, metric="F1",
-                                     title=f"SQuAD v1.1, {Path(str(cfg.model_dir or 'MiniLM-L6')).name}: F1 vs sparsity",
+                                     title=f"SQuAD v1.1, {model_name(cfg)}: F1 vs sparsity",
                                      dense=dense_f1)
     print("results: " + ", ".join(map(str, [out / "results.md", *written, png])))
     if cfg.logger == "wandb":

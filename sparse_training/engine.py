@@ -232,9 +232,9 @@ class SparsityEngine:
     def set_masks(self, new_masks: dict[str, Tensor], step: int | None, broadcast: bool,
                   reset_state: bool = True, check: bool = True) -> None:
         """Install masks (keyed by tensor name; of the whole tensors, sharded ones too):
-        zero the pruned weights and,
-        with ``reset_state``, every optimizer-state tensor wherever a position is not kept
-        in both the old and the new mask (pruned, or grown and so starting from zero).
+        zero the pruned weights and, with ``reset_state``, every optimizer-state tensor
+        wherever a position is not kept in both the old and the new mask (pruned, or grown
+        and so starting from zero).
         Under torch.distributed, rank 0's masks are broadcast (``broadcast``) and checksums
         compared (``check`` and ``config.check_masks``; of the new whole masks of sharded
         tensors)."""

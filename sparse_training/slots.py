@@ -323,9 +323,10 @@ def whole_counts(slots: Sequence[MaskedSlot | CompressedSlot], gradients: bool =
     if not slots:
         return [], 0
     sums = [slot.mask.sum() for slot in slots]
-    likes = [slot.param for slot in slots]
+    # a masked tensor's mask is sharded like its weight; a block grid is whole on every rank
+    likes = [slot.param if slot.sharded else slot.mask for slot in slots]
     if gradients:
         sums += [local(slot.param.grad).isfinite().logical_not_().sum() for slot in slots]
-        likes += likes
+        likes += [slot.param for slot in slots]
     counts = totals_like(sums, likes).tolist()
     return counts[:len(slots)], int(sum(counts[len(slots):]))

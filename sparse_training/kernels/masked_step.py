@@ -371,8 +371,9 @@ def fused_unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
     """Why ``fused_masked_step`` cannot run ``optimizer`` in kernels, or None if it can.
 
     None requires an exact ``torch.optim.AdamW``, ``Adam`` or ``SGD`` (no subclass),
-    no ``amsgrad``/``differentiable`` (nor a tensor ``lr`` with ``capturable``), float32, bfloat16 or float16
-    parameters on CUDA (or CPU under ``TRITON_INTERPRET=1``) and Triton installed.
+    no ``amsgrad``/``differentiable`` (nor a tensor ``lr`` with ``capturable``), float32,
+    bfloat16 or float16 parameters on CUDA (or CPU under ``TRITON_INTERPRET=1``) and
+    Triton installed.
 
     Args:
         optimizer: The user's optimizer.
