@@ -10,8 +10,9 @@ blocks. The kept blocks are exactly those the masked-dense engine would keep at 
 not which blocks it keeps. Everything else stays masked-dense (the engine), and
 :func:`compress_selected` says, per tensor, which path it takes and why.
 
-``compress="auto"`` compresses only where the block-sparse kernels beat a masked dense
-matmul (:func:`slower_reason`); ``True`` compresses every eligible tensor.
+``compress="auto"`` compresses only where the compressed layers beat a masked dense matmul
+(:func:`slower_reason`: weights of 16M entries or more); ``True`` compresses every eligible
+tensor.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ if TYPE_CHECKING:
     from sparse_training.config import SparsityConfig
 
 COMPRESS = ("auto", True, False)
-# measured on an H100 (docs/performance.md, block-sparse layer table): LLM-sized weights
-# train faster compressed up to density 0.5 at 128x128 blocks and 0.25 at 64x64; at
-# BERT-large sizes (4M weights) the kernel launches' host time makes every row slower
+# measured on an H100 (docs/performance.md): LLM-sized weights train faster compressed, with
+# blocks up to density 0.5 at 128x128 and 0.25 at 64x64, and 2:4 from 16k tokens; at
+# BERT-large sizes (4M weights) every compressed row is slower or no faster: the block
+# kernels' launches and cuSPARSELt's per-step repacking and host time cost more than the
+# products save
 AUTO_MIN_WEIGHTS = 16 * 2**20
 AUTO_MAX_DENSITY = {128: 0.5, 64: 0.25}
 
@@ -94,20 +97,27 @@ def slower_reason(shape: tuple[int, int], pattern: Pattern, density: float,
                   device: torch.device) -> str | None:
     """Why ``compress="auto"`` keeps this tensor masked-dense, or None to compress it.
 
-    2:4: wherever cuSPARSELt runs (the layer itself times each shape and keeps cuBLAS where
-    it is faster). Blocks: the kernels run on CUDA only (elsewhere the layer computes with a
-    dense copy); on an H100 a layer's forward + backward beat cuBLAS for weights of 16M
-    entries or more, at density <= 0.5 with 128x128 blocks and <= 0.25 with 64x64 blocks.
+    Under :data:`AUTO_MIN_WEIGHTS` entries (16M) nothing compresses: on an H100 the
+    compressed layers lose there (blocks: the kernels' launches; 2:4: repacking W and W^T
+    after every step costs more than cuSPARSELt's 1.2x products save, and eager calls are
+    host-bound). Above it, 2:4 compresses wherever cuSPARSELt runs (the layer then times
+    each token count and keeps cuBLAS where it is faster); blocks run on CUDA only
+    (elsewhere the layer computes with a dense copy), at density <= 0.5 with 128x128
+    blocks and <= 0.25 with 64x64 blocks.
     """
+    if pattern.is_nm and (problem := shape_problem(shape[0], shape[1])):
+        return f"auto: {problem}"
+    if shape[0] * shape[1] < AUTO_MIN_WEIGHTS:
+        why = ("cuSPARSELt's per-step repacking and host time outweigh its faster products"
+               if pattern.is_nm else "launch costs make the compressed layer slower")
+        return (f"auto: {shape[0]}x{shape[1]} is under {AUTO_MIN_WEIGHTS:,} weights, where "
+                f"{why}")
     if pattern.is_nm:
-        problem = cusparselt_problem(device) or shape_problem(shape[0], shape[1])
+        problem = cusparselt_problem(device)
         return None if problem is None else f"auto: {problem}"
     block = (pattern.block_rows, pattern.block_cols)
     if device.type != "cuda":
         return f"auto: on {device.type} the compressed layer multiplies a dense copy"
-    if shape[0] * shape[1] < AUTO_MIN_WEIGHTS:
-        return (f"auto: {shape[0]}x{shape[1]} is under {AUTO_MIN_WEIGHTS:,} weights, where "
-                f"launch costs make the compressed layer slower")
     max_density = AUTO_MAX_DENSITY.get(min(block))
     if max_density is None or density > max_density:
         return (f"auto: block {block[0]}x{block[1]} at density {density:.2f} is slower than "
