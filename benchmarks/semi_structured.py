@@ -34,7 +34,7 @@ import copy
 import torch
 import torch.nn.functional as F
 from _common import bench_ms, environment, gpu_ms, write_json
-from semi_structured_bert import DTYPE, bert_rows, layer_step, relative_error
+from semi_structured_bert import BERT_VARIANTS, DTYPE, bert_rows, layer_step, relative_error
 from torch import nn
 
 from sparse_training.kernels.semi_structured import PackedWeight
@@ -47,6 +47,10 @@ SHAPES = {  # name: (in, out), token counts
     "bert-base down 3072->768": ((3072, 768), (4096, 16384)),
     "bert-large up 1024->4096": ((1024, 4096), (4096, 16384)),
     "bert-large down 4096->1024": ((4096, 1024), (4096, 16384)),
+    # 16M weights, where compress="auto" starts compressing 2:4 (compression.AUTO_MIN_WEIGHTS)
+    "mid up 2048->8192": ((2048, 8192), (4096, 16384)),
+    "mid down 8192->2048": ((8192, 2048), (4096, 16384)),
+    "llm attention 4096->4096": ((4096, 4096), (4096, 16384)),
     "llm up 4096->14336": ((4096, 14336), (4096, 16384, 32768)),
     "llm down 14336->4096": ((14336, 4096), (4096, 16384)),
     "llm up 8192->28672": ((8192, 28672), (4096, 16384)),
@@ -204,6 +208,8 @@ def main() -> None:
                         choices=["eager", "cuda_graph"], help="BERT-large steps to time")
     parser.add_argument("--bert-precisions", nargs="+", default=["bf16", "bf16-mixed"],
                         choices=["bf16", "bf16-mixed"], help="BERT-large weights' precisions")
+    parser.add_argument("--bert-variants", nargs="+", default=list(BERT_VARIANTS),
+                        choices=BERT_VARIANTS, help="BERT-large variants timed besides dense")
     parser.add_argument("--predict", metavar="JSON",
                         help="print a run's measured against predicted engine steps (no GPU)")
     args = parser.parse_args()
@@ -216,7 +222,8 @@ def main() -> None:
         result.update(layers=layer_rows(args.only), compile=compile_check())
         print("torch.compile:", result["compile"], flush=True)
     if not args.layers_only:
-        result["bert"] = bert_rows(tuple(args.bert_modes), tuple(args.bert_precisions))
+        result["bert"] = bert_rows(tuple(args.bert_modes), tuple(args.bert_precisions),
+                                   tuple(args.bert_variants))
     write_json(f"semi_structured_{torch.cuda.get_device_name().replace(' ', '_')}{args.tag}.json",
                result)
 

@@ -8,7 +8,8 @@ autocast. Eager: dense, the layers masking dW themselves and the layers under th
 (its fused masked step, and its hook path) alternate timed blocks in one process. CUDA
 graph: the whole step captured per variant, AdamW ``capturable`` (dense, layers with
 ``timing="cuda_graph"`` masking dW themselves, the same under the engine's fused masked
-step, and forced sparse), timed one variant at a time.
+step, and forced sparse), timed one variant at a time. In both modes also the dense model
+masked 2:4 by the engine (masked-dense, what ``compress="auto"`` trains at this size).
 Each with its GPU busy time and its kernels (GPU ms and calls per step, all of them) from
 ``torch.profiler``.
 """
@@ -30,6 +31,11 @@ from sparse_training.patcher import replace_module
 from sparse_training.semi_structured import SemiStructuredLinear
 
 DTYPE = torch.bfloat16
+VARIANTS = {  # per mode, besides dense (bert_rows)
+    "eager": ("2:4", "2:4 engine", "2:4 engine hooks", "masked 2:4 engine"),
+    "cuda_graph": ("2:4", "2:4 engine", "2:4 forced", "masked 2:4 engine"),
+}
+BERT_VARIANTS = tuple(dict.fromkeys(VARIANTS["eager"] + VARIANTS["cuda_graph"]))
 
 
 def relative_error(result: torch.Tensor, reference: torch.Tensor) -> float:
@@ -157,8 +163,9 @@ def graphed(step) -> tuple:
 
 
 def bert_rows(modes: tuple[str, ...] = ("eager", "cuda_graph"),
-              precisions: tuple[str, ...] = ("bf16", "bf16-mixed"), batch: int = 16,
-              length: int = 384, block: int = 10, rounds: int = 4) -> dict:
+              precisions: tuple[str, ...] = ("bf16", "bf16-mixed"),
+              chosen: tuple[str, ...] = BERT_VARIANTS, batch: int = 16, length: int = 384,
+              block: int = 10, rounds: int = 4) -> dict:
     """Dense and 2:4 BERT-large steps in one process, ``rounds`` timed blocks of ``block``
     steps each, with the GPU busy time of each (the profiler, one more block); per
     precision: ``bf16`` weights, and ``bf16-mixed`` (float32 weights under bf16 autocast,
@@ -167,15 +174,17 @@ def bert_rows(modes: tuple[str, ...] = ("eager", "cuda_graph"),
     step, and hook path). CUDA graph (the whole step captured, AdamW ``capturable``), one
     variant at a time (:func:`bert_row`): dense against 2:4 layers with
     ``timing="cuda_graph"`` (masking dW themselves, and under the engine's fused masked
-    step), and with both products forced sparse (what the choice avoided)."""
+    step), and with both products forced sparse (what the choice avoided). In both modes
+    "masked 2:4 engine": the dense model's encoder Linears masked 2:4 by the engine
+    (masked-dense, its fused masked step), what ``compress="auto"`` trains at this size.
+    ``chosen``: the variants to time besides dense."""
     config = bert_large_config()
     ids = torch.randint(0, config.vocab_size, (batch, length), device="cuda")
     result = {"tokens": batch * length, "block_steps": block, "rounds": rounds}
     for precision in precisions:
         dtype = DTYPE if precision == "bf16" else torch.float32
         for mode in modes:
-            variants = (("dense", "2:4", "2:4 engine", "2:4 engine hooks") if mode == "eager"
-                        else ("dense", "2:4", "2:4 engine", "2:4 forced"))
+            variants = ("dense", *(v for v in VARIANTS[mode] if v in chosen))
             try:
                 result[f"{precision} {mode}"] = bert_row(config, ids, dtype, mode, variants,
                                                          block, rounds)
@@ -198,7 +207,7 @@ def bert_row(config, ids: torch.Tensor, dtype: torch.dtype, mode: str, variants:
     against; two whole-step graphs alive together segfaulted on replay on the H100)."""
     mixed = dtype != DTYPE
     row: dict = {"blocks_ms": {}, "gpu_busy_ms": {}, "top_kernels": {}}
-    steps, checks, layers_of = {}, {}, {}
+    steps, checks, layers_of, models = {}, {}, {}, {}
     for variant in variants:
         model = bert_model(config, variant.split()[0], dtype)
         layers = [m for m in model.modules() if isinstance(m, SemiStructuredLinear)]
@@ -220,14 +229,14 @@ def bert_row(config, ids: torch.Tensor, dtype: torch.dtype, mode: str, variants:
         if mode == "eager":
             for _ in range(3):  # the first steps time the 2:4 paths
                 step()
-            steps[variant], layers_of[variant] = step, layers
+            steps[variant], layers_of[variant], models[variant] = step, layers, model
         else:
             replay, graph = graphed(step)
             row["blocks_ms"].update(timed_blocks({variant: replay}, block, rounds))
             row["gpu_busy_ms"][variant] = gpu_busy_ms(replay, block,
                                                       row["top_kernels"].setdefault(variant, {}))
-            if layers:
-                checks[variant] = layer_checks(layers, mixed, ids.numel())
+            checks[variant] = (layer_checks(layers, mixed, ids.numel()) if layers
+                               else masked_checks(model))
             del model, layers, replay, graph, step, loss
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -236,8 +245,9 @@ def bert_row(config, ids: torch.Tensor, dtype: torch.dtype, mode: str, variants:
         row["gpu_busy_ms"] = {variant: gpu_busy_ms(step, block,
                                                    row["top_kernels"].setdefault(variant, {}))
                               for variant, step in steps.items()}
-        checks = {variant: layer_checks(layers, mixed, ids.numel())
-                  for variant, layers in layers_of.items() if layers}
+        checks = {variant: layer_checks(layers, mixed, ids.numel()) if layers
+                  else masked_checks(models[variant])
+                  for variant, layers in layers_of.items()}
     row.update({variant: statistics.median(ms) for variant, ms in row["blocks_ms"].items()})
     row["checks"] = checks
     for variant in variants[1:]:
@@ -266,3 +276,11 @@ def layer_checks(layers: list[SemiStructuredLinear], mixed: bool, tokens: int) -
                                                   layer.bias.float()))
     return {"pruned_weights_zero": all(not m.weight[~m.mask].any() for m in layers),
             "layer_error": error}
+
+
+def masked_checks(model: nn.Module) -> dict:
+    """After the timed steps: whether every encoder Linear weight keeps at most 2 of every
+    4 consecutive inputs (the engine's 2:4 masks hold; the dense variant reads False)."""
+    weights = [m.weight for m in model.encoder.modules() if isinstance(m, nn.Linear)]
+    return {"weights_2_4": all(bool(((w.reshape(-1, 4) != 0).sum(-1) <= 2).all())
+                               for w in weights)}

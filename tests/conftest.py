@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 # Triton kernels run in its interpreter on CPU; Lightning imports triton, so set it first.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -193,6 +194,33 @@ def make_loader(n: int = 128, conv: bool = False, batch_size: int = 16, seed: in
     x = torch.randn(n, 4, 4, 4, generator=g) if conv else torch.randn(n, 16, generator=g)
     y = torch.randint(0, 4 if not conv else 3, (n,), generator=g)
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+
+
+def two_process_problem(accelerator: str) -> str | None:
+    """Why 2 processes cannot train together here on ``accelerator`` (``"cpu"`` over
+    gloo, ``"gpu"`` over NCCL), naming the missing piece, or None."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return "torch was built without torch.distributed"
+    if accelerator == "cpu" and not dist.is_gloo_available():
+        return "torch.distributed has no gloo backend (2 CPU processes need it)"
+    if accelerator == "gpu" and torch.cuda.device_count() < 2:
+        return f"NCCL runs need 2 CUDA GPUs, {torch.cuda.device_count()} visible"
+    if accelerator == "gpu" and not dist.is_nccl_available():
+        return "torch.distributed has no NCCL backend"
+    return None
+
+
+class SaveAndStop(Callback):
+    """At the end of the first epoch: a checkpoint at ``path``, then the fit stops."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        trainer.save_checkpoint(self.path)
+        trainer.should_stop = True
 
 
 def make_trainer(callbacks, **kwargs) -> pl.Trainer:

@@ -1,23 +1,28 @@
-"""Two-process CPU DDP run (gloo) of RigL and SET, masked-dense and RigL on compressed
-layers; each rank writes its mask checksums and a checksum of its parameters.
+"""Two-process DDP runs of RigL and SET, masked-dense (hook and fused steps) and RigL on
+compressed layers; each rank writes its mask checksums and a checksum of its parameters.
+RigL also stops after the first epoch with a checkpoint and resumes from it.
 
-    python tests/ddp_regrowth.py OUT_DIR     # Lightning relaunches this script for rank 1
+    python tests/ddp_regrowth.py OUT_DIR [cpu|gpu]   # Lightning relaunches it for rank 1
 
-Used by tests/test_ddp.py. After training, rank 1 flips one mask bit and the cross-rank
-check must raise on every rank.
+On CPU the ranks talk over gloo, with ``gpu`` over NCCL on 2 GPUs. Used by
+tests/test_ddp.py. After training, rank 1 flips one mask bit and the cross-rank check must
+raise on every rank.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import Callback
 
+if sys.argv[2:3] == ["gpu"]:  # real kernels (conftest defaults to Triton's interpreter)
+    os.environ["TRITON_INTERPRET"] = "0"
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import BlockNet, TinyNet, make_loader  # noqa: E402
+from conftest import BlockNet, SaveAndStop, TinyNet, make_loader  # noqa: E402
 
 from sparse_training import SparsityCallback  # noqa: E402
 from sparse_training.ranks import check_across_ranks, mask_checksum  # noqa: E402
@@ -25,7 +30,8 @@ from sparse_training.ranks import check_across_ranks, mask_checksum  # noqa: E40
 
 class Recorder(Callback):
     """Per step: the step, the last regrowth step, every layer's mask checksum and count
-    (masked and compressed), and the sum of all parameters."""
+    (masked and compressed), the sum of all parameters, the mask buffers DDP broadcasts and
+    whether the fused masked step serves the optimizer."""
 
     def __init__(self, sparse: SparsityCallback) -> None:
         self.sparse, self.rows = sparse, []
@@ -41,7 +47,8 @@ class Recorder(Callback):
                           "counts": [int(slot.mask.sum()) for slot in slots],
                           "parameters": float(sum(p.double().sum()
                                                   for p in pl_module.parameters())),
-                          "masks_broadcast": masks_broadcast(trainer, slots)})
+                          "masks_broadcast": masks_broadcast(trainer, slots),
+                          "fused": bool(engine.fused_optimizers)})
 
 
 def masks_broadcast(trainer, slots) -> list[str]:
@@ -62,18 +69,27 @@ RUNS = {
     "rigl-compressed": (BlockNet, dict(pattern="block:16x16", sparsity=0.75, compress=True,
                                        regrow_fraction=1.0)),
 }
+RUNS["rigl fused"] = (TinyNet, {**RUNS["rigl"][1], "fused": True})  # the masked AdamW kernel
 
 
-def run(name: str, out: Path) -> None:
+def fit(name: str, accelerator: str, callbacks=(), ckpt_path: Path | None = None
+        ) -> tuple[pl.Trainer, SparsityCallback, Recorder]:
+    """Train run ``name`` for 2 epochs on 2 processes (from ``ckpt_path`` if given)."""
     pl.seed_everything(0)
     model, settings = RUNS[name]
     sparse = SparsityCallback(**{"regrow": "rigl", **settings}, schedule="constant",
                               frequency=2)
     recorder = Recorder(sparse)
-    trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=2,
+    trainer = pl.Trainer(strategy="ddp", accelerator=accelerator, devices=2, max_epochs=2,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[sparse, recorder])
-    trainer.fit(TinyNet(lr=3e-2) if model is TinyNet else model(), make_loader(n=128))
+                         enable_model_summary=False, callbacks=[sparse, recorder, *callbacks])
+    trainer.fit(TinyNet(lr=3e-2) if model is TinyNet else model(), make_loader(n=128),
+                ckpt_path=ckpt_path)
+    return trainer, sparse, recorder
+
+
+def run(name: str, out: Path, accelerator: str) -> None:
+    trainer, sparse, recorder = fit(name, accelerator)
     rank = trainer.global_rank
     slots = [*sparse.engine.slots, *sparse.engine.compressed]
     if rank == 1:  # a rank that went its own way must be caught
@@ -87,8 +103,19 @@ def run(name: str, out: Path) -> None:
         {"rows": recorder.rows, "mismatch_caught": mismatch_caught}))
 
 
+def stop_and_resume(name: str, out: Path, accelerator: str) -> None:
+    """Run ``name`` stopped after its first epoch with a checkpoint, then resumed from it."""
+    checkpoint = out / f"{name}.ckpt"
+    _, _, stopped = fit(name, accelerator, [SaveAndStop(checkpoint)])
+    trainer, _, resumed = fit(name, accelerator, ckpt_path=checkpoint)
+    (out / f"{name}-resumed_rank{trainer.global_rank}.json").write_text(json.dumps(
+        {"stopped": stopped.rows, "resumed": resumed.rows}))
+
+
 if __name__ == "__main__":
     out_dir = Path(sys.argv[1])
     out_dir.mkdir(parents=True, exist_ok=True)
+    accelerator_name = sys.argv[2] if len(sys.argv) > 2 else "cpu"
     for run_name in RUNS:
-        run(run_name, out_dir)
+        run(run_name, out_dir, accelerator_name)
+    stop_and_resume("rigl", out_dir, accelerator_name)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -26,8 +27,10 @@ import torch
 from pytorch_lightning.callbacks import Callback
 from torch import nn
 
+if sys.argv[2:3] == ["gpu"]:  # real kernels (conftest defaults to Triton's interpreter)
+    os.environ["TRITON_INTERPRET"] = "0"
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import make_loader  # noqa: E402
+from conftest import SaveAndStop, make_loader  # noqa: E402
 
 from sparse_training import SparsityCallback, SparsityConfig, SparsityEngine  # noqa: E402
 from sparse_training.block_sparse import BlockSparseLinear  # noqa: E402
@@ -128,17 +131,6 @@ class Recorder(Callback):
             "sharded": [slot.sharded for slot in engine.slots],
             "fused": bool(engine.fused_optimizers),
             "kinds": [plan.kind for plan in engine.plans if plan.selected]})
-
-
-class SaveAndStop(Callback):
-    """At the end of the first epoch: a checkpoint at ``path``, then the fit stops."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def on_train_epoch_end(self, trainer, pl_module):
-        trainer.save_checkpoint(self.path)
-        trainer.should_stop = True
 
 
 def fit(settings: dict, loader, callbacks=(), ckpt_path=None, accelerator="cpu",

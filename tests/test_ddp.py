@@ -1,5 +1,6 @@
-"""Exact masks under Lightning's DDP on CPU (gloo): RigL and SET, masked-dense and RigL
-compressed, compared at every step."""
+"""Exact masks under Lightning's DDP over 2 processes (gloo on CPU, NCCL on 2 GPUs):
+RigL and SET, masked-dense (hook and fused steps) and RigL compressed, compared at every
+step, and RigL resumed from a checkpoint taken after its first epoch."""
 
 import json
 import os
@@ -9,20 +10,27 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import two_process_problem  # noqa: E402
+
 SCRIPT = Path(__file__).with_name("ddp_regrowth.py")
 
 
-@pytest.fixture(scope="module")
-def ddp_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
+@pytest.fixture(scope="module", params=["cpu", "gpu"])
+def ddp_results(request, tmp_path_factory):
+    if reason := two_process_problem(request.param):
+        pytest.skip(f"{reason}: run `python tests/ddp_regrowth.py OUT {request.param}` where "
+                    f"it can run")
+    out = tmp_path_factory.mktemp(f"ddp-{request.param}")
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE")}
-    done = subprocess.run([sys.executable, str(SCRIPT), str(out)], env=env, timeout=600,
-                          capture_output=True, text=True)
+    done = subprocess.run([sys.executable, str(SCRIPT), str(out), request.param], env=env,
+                          timeout=900, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
     return out
 
 
-@pytest.mark.parametrize("run, masks_seen", [("rigl", 4), ("set", 4), ("rigl-compressed", 2)])
+@pytest.mark.parametrize("run, masks_seen", [("rigl", 4), ("set", 4), ("rigl fused", 4),
+                                             ("rigl-compressed", 2)])
 def test_every_rank_holds_the_same_masks_at_every_step(ddp_results, run, masks_seen):
     ranks = [json.loads((ddp_results / f"{run}_rank{r}.json").read_text()) for r in (0, 1)]
     rows0, rows1 = ranks[0]["rows"], ranks[1]["rows"]
@@ -36,3 +44,14 @@ def test_every_rank_holds_the_same_masks_at_every_step(ddp_results, run, masks_s
     assert ranks[0]["mismatch_caught"] and ranks[1]["mismatch_caught"]
     # DDP's per-forward buffer broadcast leaves the masks out (they would be 1 byte/weight)
     assert all(row["masks_broadcast"] == [] for row in rows0 + rows1)
+    assert all(row["fused"] == run.endswith("fused") for row in rows0[1:])  # the step's path
+
+
+def test_rigl_resumes_from_a_checkpoint_exactly(ddp_results):
+    """Stopped after the first epoch with a checkpoint and resumed in a new Trainer: the
+    same masks, regrowth steps and parameters as the run that never stopped, on each rank."""
+    for rank in (0, 1):
+        whole = json.loads((ddp_results / f"rigl_rank{rank}.json").read_text())["rows"]
+        parts = json.loads((ddp_results / f"rigl-resumed_rank{rank}.json").read_text())
+        assert parts["stopped"] == whole[:5]
+        assert parts["resumed"] == whole[4:]

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 from sparse_training import SparsityCallback
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import make_loader  # noqa: E402
+from conftest import make_loader, two_process_problem  # noqa: E402
 from fsdp_sharded import RUNS, WIDTHS, fit  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("fsdp_sharded.py")
@@ -42,22 +42,14 @@ ACCELERATORS = ["cpu", "gpu"]
 
 def missing(accelerator: str) -> str | None:
     """Why FSDP2 over 2 processes cannot run here, naming the missing piece, or None."""
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        return "torch was built without torch.distributed"
+    if problem := two_process_problem(accelerator):
+        return (problem if accelerator == "cpu" else
+                f"{problem}: run `python tests/fsdp_sharded.py OUT gpu` on a 2-GPU machine")
     try:
         from pytorch_lightning.strategies import ModelParallelStrategy  # noqa: F401
         from torch.distributed.fsdp import fully_shard  # noqa: F401
     except ImportError as error:
         return f"FSDP2 is missing: {error}"
-    if accelerator == "cpu" and not dist.is_gloo_available():
-        return "torch.distributed has no gloo backend (FSDP2 on CPU needs it)"
-    if accelerator == "gpu" and torch.cuda.device_count() < 2:
-        return (f"FSDP2 over NCCL needs 2 CUDA GPUs, {torch.cuda.device_count()} visible: "
-                f"run `python tests/fsdp_sharded.py OUT gpu` on a 2-GPU machine")
-    if accelerator == "gpu" and not dist.is_nccl_available():
-        return "torch.distributed has no NCCL backend"
     return None
 
 
