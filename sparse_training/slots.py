@@ -206,15 +206,17 @@ class CompressedSlot:
 
     @property
     def mask(self) -> Tensor:
-        """Bool ``(block_rows, block_cols)`` grid, True where a block is kept."""
-        return self.layer.block_mask
+        """The layer's mask buffer: the bool ``(block_rows, block_cols)`` grid, True where a
+        block is kept, or a 2:4 layer's bool mask of the weight's shape."""
+        return self.layer.block_mask if self.movable else self.layer.mask
 
     @property
     def dense_shape(self) -> torch.Size:
         return torch.Size((self.layer.out_features, self.layer.in_features))
 
     def full_mask(self) -> Tensor:
-        """The block grid (replicated, whether or not the values are sharded)."""
+        """The layer's mask (replicated, whether or not a block layer's values are
+        sharded; a 2:4 layer with sharded weights is refused)."""
         return self.mask
 
     @property

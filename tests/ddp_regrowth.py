@@ -42,7 +42,8 @@ class Recorder(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         engine = self.sparse.engine
         slots = [*engine.slots, *engine.compressed]
-        self.rows.append({"step": trainer.global_step, "last_regrow": engine.updater.last_regrow,
+        regrow = getattr(engine.updater, "last_regrow", None)  # None: no regrowth updater
+        self.rows.append({"step": trainer.global_step, "last_regrow": regrow,
                           "checksums": [int(mask_checksum(slot.mask)) for slot in slots],
                           "counts": [int(slot.mask.sum()) for slot in slots],
                           "parameters": float(sum(p.double().sum()
@@ -70,6 +71,8 @@ RUNS = {
                                        regrow_fraction=1.0)),
 }
 RUNS["rigl fused"] = (TinyNet, {**RUNS["rigl"][1], "fused": True})  # the masked AdamW kernel
+# SemiStructuredLinear layers swapped in at setup, their 2:4 masks fixed
+RUNS["2:4-compressed"] = (BlockNet, dict(pattern="2:4:2d", compress=True, regrow=None))
 
 
 def fit(name: str, accelerator: str, callbacks=(), ckpt_path: Path | None = None
@@ -100,7 +103,8 @@ def run(name: str, out: Path, accelerator: str) -> None:
     except RuntimeError as error:
         mismatch_caught = "masks differ across ranks" in str(error)
     (out / f"{name}_rank{rank}.json").write_text(json.dumps(
-        {"rows": recorder.rows, "mismatch_caught": mismatch_caught}))
+        {"rows": recorder.rows, "mismatch_caught": mismatch_caught,
+         "compressed": [type(slot.layer).__name__ for slot in sparse.engine.compressed]}))
 
 
 def stop_and_resume(name: str, out: Path, accelerator: str) -> None:

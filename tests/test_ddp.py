@@ -47,6 +47,22 @@ def test_every_rank_holds_the_same_masks_at_every_step(ddp_results, run, masks_s
     assert all(row["fused"] == run.endswith("fused") for row in rows0[1:])  # the step's path
 
 
+def test_compressed_2_4_layers_train_identically_on_every_rank(ddp_results):
+    """SemiStructuredLinear layers (compress=True, 2:4:2d) under DDP: the same fixed masks
+    and parameters on both ranks at every step, the masks kept out of DDP's per-forward
+    buffer broadcast."""
+    ranks = [json.loads((ddp_results / f"2:4-compressed_rank{r}.json").read_text())
+             for r in (0, 1)]
+    rows = ranks[0]["rows"]
+    assert ranks[0]["compressed"] == ["SemiStructuredLinear"] * 3
+    assert len(rows) == 1 + 8 and rows == ranks[1]["rows"]
+    assert len({tuple(row["checksums"]) for row in rows}) == 1  # fixed masks
+    assert rows[0]["counts"] == [64 * 16 // 2, 64 * 64 // 2, 4 * 64 // 2]
+    assert len({row["parameters"] for row in rows}) == len(rows)  # the weights train
+    assert all(row["masks_broadcast"] == [] for row in rows)
+    assert ranks[0]["mismatch_caught"] and ranks[1]["mismatch_caught"]
+
+
 def test_rigl_resumes_from_a_checkpoint_exactly(ddp_results):
     """Stopped after the first epoch with a checkpoint and resumed in a new Trainer: the
     same masks, regrowth steps and parameters as the run that never stopped, on each rank."""
