@@ -34,10 +34,26 @@ class Recorder(Callback):
     whether the fused masked step serves the optimizer."""
 
     def __init__(self, sparse: SparsityCallback) -> None:
-        self.sparse, self.rows = sparse, []
+        self.sparse, self.rows, self.mismatch_caught = sparse, [], None
 
     def on_train_start(self, trainer, pl_module):  # the masks before the first step
         self.on_train_batch_end(trainer, pl_module, None, None, 0)
+
+    def on_train_end(self, trainer, pl_module):
+        """Whether a rank that went its own way (rank 1 flips one mask bit) is caught, on
+        every rank; here, not after the fit, which moves a GPU model to the CPU, where
+        NCCL cannot reduce. The bit is flipped back."""
+        slots = [*self.sparse.engine.slots, *self.sparse.engine.compressed]
+        flipped = slots[0].mask.view(-1)[:1]
+        if trainer.global_rank == 1:
+            flipped ^= True
+        try:
+            check_across_ranks(slots, step=-1, broadcast=False, check=True)
+            self.mismatch_caught = False
+        except RuntimeError as error:
+            self.mismatch_caught = "masks differ across ranks" in str(error)
+        if trainer.global_rank == 1:
+            flipped ^= True
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         engine = self.sparse.engine
@@ -62,10 +78,11 @@ def masks_broadcast(trainer, slots) -> list[str]:
 
 
 RUNS = {
+    # fused=False: the hook path ("auto" takes the fused step on GPUs; "rigl fused" below)
     "rigl": (TinyNet, dict(pattern="unstructured", sparsity=0.9, distribution="erk",
-                           score="random")),
+                           score="random", fused=False)),
     "set": (TinyNet, dict(pattern="unstructured", sparsity=0.9, distribution="erk",
-                          score="random", regrow="set")),
+                          score="random", regrow="set", fused=False)),
     # each rank records the dense gradient of its own shard: averaged, as DDP averages
     "rigl-compressed": (BlockNet, dict(pattern="block:16x16", sparsity=0.75, compress=True,
                                        regrow_fraction=1.0)),
@@ -93,17 +110,8 @@ def fit(name: str, accelerator: str, callbacks=(), ckpt_path: Path | None = None
 
 def run(name: str, out: Path, accelerator: str) -> None:
     trainer, sparse, recorder = fit(name, accelerator)
-    rank = trainer.global_rank
-    slots = [*sparse.engine.slots, *sparse.engine.compressed]
-    if rank == 1:  # a rank that went its own way must be caught
-        slots[0].mask.view(-1)[0] ^= True
-    try:
-        check_across_ranks(slots, step=-1, broadcast=False, check=True)
-        mismatch_caught = False
-    except RuntimeError as error:
-        mismatch_caught = "masks differ across ranks" in str(error)
-    (out / f"{name}_rank{rank}.json").write_text(json.dumps(
-        {"rows": recorder.rows, "mismatch_caught": mismatch_caught,
+    (out / f"{name}_rank{trainer.global_rank}.json").write_text(json.dumps(
+        {"rows": recorder.rows, "mismatch_caught": recorder.mismatch_caught,
          "compressed": [type(slot.layer).__name__ for slot in sparse.engine.compressed]}))
 
 

@@ -50,7 +50,9 @@ RUNS = {
     "rigl": dict(pattern="unstructured", sparsity=0.9, distribution="erk", score="random",
                  regrow="rigl", schedule="constant", frequency=2, regrow_end=6),
 }
-# the fused masked step on the local shards (Triton's interpreter on CPU)
+# the hook path above ("auto" takes the fused step on GPUs), and the fused masked step on
+# the local shards (Triton's interpreter on CPU)
+RUNS = {name: {**settings, "fused": False} for name, settings in RUNS.items()}
 RUNS |= {f"{name} fused": {**RUNS[name], "fused": True} for name in ("2:4", "rigl")}
 # compressed BlockSparseLinear layers (swapped in at setup), their values sharded by
 # fully_shard along the kept blocks: 2 of 4 blocks and 4 of 8, split evenly over the ranks
