@@ -41,6 +41,7 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
+from _common import busy_ms, device_activity
 from bert_step import DENY, QuestionAnswering, RepeatedBatch, make_batch
 from pytorch_lightning.callbacks import Callback
 from torch.utils.data import DataLoader
@@ -64,27 +65,67 @@ VARIANTS: dict[str, Callable[[str], dict | None]] = {  # block "RxC" -> callback
 
 class StepTimer(Callback):
     """Times steps ``warmup`` to ``warmup + steps - 1`` from batch start to batch start (so
-    every hook of a step counts once; put it first), then records what the row reports."""
+    every hook of a step counts once; put it first), records what the row reports, then
+    profiles the next ``profiled`` steps on the GPU (:func:`profile_row`)."""
 
-    def __init__(self, warmup: int, steps: int) -> None:
-        self.warmup, self.steps, self.row = warmup, steps, {}
+    def __init__(self, warmup: int, steps: int, profiled: int) -> None:
+        self.warmup, self.steps, self.profiled, self.row = warmup, steps, profiled, {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step not in (self.warmup, self.warmup + self.steps):
+        end, step = self.warmup + self.steps, trainer.global_step
+        if step not in (self.warmup, end, end + self.profiled):
             return
         cuda = pl_module.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
         now = time.perf_counter()
-        if trainer.global_step == self.warmup:
+        if step == self.warmup:
             self.began = now
-            return
-        ms = (now - self.began) * 1e3 / self.steps
-        ranks = trainer.strategy.all_gather(torch.tensor(ms, device=pl_module.device))
-        self.row = {"ms_per_step": ms, "rank_ms_per_step": ranks.flatten().tolist(),
-                    "gradient_bytes": sum(p.numel() * p.element_size()
-                                          for p in pl_module.parameters() if p.requires_grad),
-                    "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+        elif step == end:
+            ms = (now - self.began) * 1e3 / self.steps
+            ranks = trainer.strategy.all_gather(torch.tensor(ms, device=pl_module.device))
+            self.row = {"ms_per_step": ms, "rank_ms_per_step": ranks.flatten().tolist(),
+                        "gradient_bytes": sum(p.numel() * p.element_size()
+                                              for p in pl_module.parameters() if p.requires_grad),
+                        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30
+                        if cuda else None}
+            if cuda and self.profiled:
+                self.profiler = torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CUDA])
+                self.profiler.__enter__()
+                self.began = time.perf_counter()
+        elif cuda and self.profiled:
+            self.profiler.__exit__(None, None, None)
+            self.row["profile"] = profile_row(self.profiler.events(), self.profiled,
+                                              (now - self.began) * 1e3 / self.profiled)
+
+
+def profile_row(events, steps: int, wall_ms: float) -> dict:
+    """Per profiled step: wall ms (profiler on), GPU busy ms (union of kernels and copies),
+    the same without NCCL's kernels (compute), NCCL kernel ms, the communication not
+    hidden behind compute (busy - compute), and the 8 kernels with the most time."""
+    device = device_activity(events)
+    nccl = [e for e in device if "nccl" in e.name.lower()]
+    kernels: dict[str, float] = {}
+    for event in device:
+        kernels[event.name[:80]] = (kernels.get(event.name[:80], 0.0)
+                                    + event.time_range.elapsed_us() / 1e3 / steps)
+    busy, compute = busy_ms(device) / steps, busy_ms([e for e in device if e not in nccl]) / steps
+    return {"wall_ms": wall_ms, "gpu_busy_ms": busy, "compute_busy_ms": compute,
+            "nccl_ms": sum(e.time_range.elapsed_us() for e in nccl) / 1e3 / steps,
+            "exposed_nccl_ms": busy - compute,
+            "top_kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:8]),
+            "sparse_routes": sparse_routes()}
+
+
+def sparse_routes() -> dict[str, int]:
+    """How many timed 2:4 shapes went to cuSPARSELt (forward, dX) and how many stayed
+    on cuBLAS, in this process."""
+    from sparse_training.kernels.semi_structured import paths
+
+    choices = paths.cached_choices().values()
+    return {"forward sparse": sum(c.forward for c in choices),
+            "dX sparse": sum(c.input_grad for c in choices), "shapes": len(choices)}
 
 
 def run_child(args: argparse.Namespace) -> dict | None:
@@ -95,8 +136,8 @@ def run_child(args: argparse.Namespace) -> dict | None:
     torch.manual_seed(0)
     settings = VARIANTS[args.child](args.block)
     sparse = SparsityCallback(**settings) if settings is not None else None
-    timer = StepTimer(args.warmup, args.steps)
-    total = args.warmup + args.steps + 1  # the last step only closes the timed window
+    timer = StepTimer(args.warmup, args.steps, args.profiled)
+    total = args.warmup + args.steps + args.profiled + 1  # the last step closes a window
     trainer = pl.Trainer(accelerator=args.accelerator, devices=args.devices,
                          strategy="ddp" if args.devices > 1 else "auto",
                          precision=args.precision, max_steps=total, logger=False,
@@ -124,7 +165,8 @@ def run(name: str, devices: int, args: argparse.Namespace) -> dict:
     else:
         env.update({k: v for k, v in NO_MULTICAST.items() if k not in env})
     command = [sys.executable, __file__, "--child", name, "--devices", str(devices)]
-    for key in ("warmup", "steps", "batch", "seq", "block", "accelerator", "precision"):
+    for key in ("warmup", "steps", "profiled", "batch", "seq", "block", "accelerator",
+                "precision"):
         command += [f"--{key}", str(getattr(args, key))]
     command += ["--tiny"] if args.tiny else []
     done = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -167,6 +209,20 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
                      f"{cell(efficiency, '{:.1%}')} | {cell(speed[1], '{:.2f}x')} | "
                      f"{cell(speed[2], '{:.2f}x')} | {cell(grad, '{:.1f}')} | "
                      f"{peak if gpu else '-'} |")
+    profiled = [r for r in rows if "profile" in r]
+    if profiled:
+        lines += ["", f"Profiled ({args.profiled} steps after the timed ones, rank 0), ms per "
+                  f"step: GPU busy, compute (busy without NCCL), NCCL kernels, NCCL not "
+                  f"hidden behind compute", "",
+                  "| variant | GPUs | wall | GPU busy | compute | NCCL | exposed NCCL | "
+                  "2:4 shapes sparse (fwd / dX of timed) |", "|---|---|---|---|---|---|---|---|"]
+        for r in profiled:
+            f, routes = r["profile"], r["profile"]["sparse_routes"]
+            lines.append(f"| {r['variant']} | {r['devices']} | {f['wall_ms']:.2f} | "
+                         f"{f['gpu_busy_ms']:.2f} | {f['compute_busy_ms']:.2f} | "
+                         f"{f['nccl_ms']:.2f} | {f['exposed_nccl_ms']:.2f} | "
+                         f"{routes['forward sparse']} / {routes['dX sparse']} of "
+                         f"{routes['shapes']} |")
     table = "\n".join(lines)
     print(table)
     environment = {"device": device, "torch": torch.__version__, "lightning": pl.__version__,
@@ -188,6 +244,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=40, help="timed steps")
     parser.add_argument("--batch", type=int, help="per device; default 32 (--tiny: 2)")
     parser.add_argument("--seq", type=int, help="default 384 (--tiny: 32)")
+    parser.add_argument("--profiled", type=int, default=5,
+                        help="steps profiled on the GPU after the timed ones (0: none)")
     parser.add_argument("--block", default="64x64", help="RxC of the block-sparse variant")
     parser.add_argument("--accelerator", choices=("gpu", "cpu"), default="gpu")
     parser.add_argument("--precision", default="bf16-mixed")
