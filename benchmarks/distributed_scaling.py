@@ -9,8 +9,9 @@ bert_step.py's model and batch: HF ``BertForQuestionAnswering(BertConfig())`` (r
 runs the same 32 x 384 batch, so the global batch doubles on 2 GPUs; scaling efficiency =
 samples/s on 2 / (2 x samples/s on 1). Variants: dense; 2:4 masked-dense (the engine's fused
 masked step, what ``compress="auto"`` trains at this size); 2:4 compressed and 90%
-block-sparse compressed (``compress=True``). 2:4 compressed layers (``SemiStructuredLinear``) keep
-a dense-shaped weight, so DDP all-reduces as much gradient as dense; block-sparse ones
+block-sparse compressed (``compress=True``). 2:4 compressed layers
+(``SemiStructuredLinear``) keep a dense-shaped weight, so DDP all-reduces as much gradient
+as dense; block-sparse ones
 (``BlockSparseLinear``) hold only the kept blocks as parameters, so the all-reduce shrinks.
 Block 64x64: in the op table behind docs/performance.md (``block_sparse_ops_..._tma_auto
 .json``, H100) BERT-base's three shapes at ~10% density take 0.51 / 0.43 / 0.44 of dense GPU

@@ -11,8 +11,8 @@ not which blocks it keeps. Everything else stays masked-dense (the engine), and
 :func:`compress_selected` says, per tensor, which path it takes and why.
 
 ``compress="auto"`` compresses only where the compressed layers beat a masked dense matmul
-(:func:`slower_reason`: weights of 16M entries or more); ``True`` compresses every eligible
-tensor.
+(:func:`slower_reason`: blocks from 16M weights, 2:4 from 32M); ``True`` compresses every
+eligible tensor.
 """
 
 from __future__ import annotations
@@ -37,11 +37,14 @@ if TYPE_CHECKING:
 
 COMPRESS = ("auto", True, False)
 # measured on an H100 (docs/performance.md): LLM-sized weights train faster compressed, with
-# blocks up to density 0.5 at 128x128 and 0.25 at 64x64, and 2:4 from 16k tokens; at
-# BERT-large sizes (4M weights) every compressed row is slower or no faster: the block
-# kernels' launches and cuSPARSELt's per-step repacking and host time cost more than the
-# products save
+# blocks up to density 0.5 at 128x128 and 0.25 at 64x64 from 16M weights; at BERT-large
+# sizes (4M weights) the block kernels' launches cost more than they save. 2:4: the layer
+# picked cuSPARSELt for 4096x14336 (59M) and larger from 16k tokens, and cuBLAS for every
+# shape of 16.8M weights or fewer (2048x8192, 4096x4096, BERT's), where cuSPARSELt's
+# per-step repacking and host time cost more than its products save; the boundary between
+# 16.8M and 59M is not measured
 AUTO_MIN_WEIGHTS = 16 * 2**20
+AUTO_MIN_WEIGHTS_2_4 = 32 * 2**20
 AUTO_MAX_DENSITY = {128: 0.5, 64: 0.25}
 
 
@@ -97,21 +100,21 @@ def slower_reason(shape: tuple[int, int], pattern: Pattern, density: float,
                   device: torch.device) -> str | None:
     """Why ``compress="auto"`` keeps this tensor masked-dense, or None to compress it.
 
-    Under :data:`AUTO_MIN_WEIGHTS` entries (16M) nothing compresses: on an H100 the
-    compressed layers lose there (blocks: the kernels' launches; 2:4: repacking W and W^T
-    after every step costs more than cuSPARSELt's 1.2x products save, and eager calls are
-    host-bound). Above it, 2:4 compresses wherever cuSPARSELt runs (the layer then times
-    each token count and keeps cuBLAS where it is faster); blocks run on CUDA only
-    (elsewhere the layer computes with a dense copy), at density <= 0.5 with 128x128
-    blocks and <= 0.25 with 64x64 blocks.
+    Small weights stay masked-dense: on an H100 the compressed layers lose there (blocks
+    under :data:`AUTO_MIN_WEIGHTS`, 16M entries: the kernels' launches; 2:4 under
+    :data:`AUTO_MIN_WEIGHTS_2_4`, 32M: repacking W and W^T after every step costs more
+    than cuSPARSELt's faster products save, and eager calls are host-bound). Above it, 2:4
+    compresses wherever cuSPARSELt runs (the layer then times each token count and keeps
+    cuBLAS where it is faster); blocks run on CUDA only (elsewhere the layer computes with
+    a dense copy), at density <= 0.5 with 128x128 blocks and <= 0.25 with 64x64 blocks.
     """
     if pattern.is_nm and (problem := shape_problem(shape[0], shape[1])):
         return f"auto: {problem}"
-    if shape[0] * shape[1] < AUTO_MIN_WEIGHTS:
+    minimum = AUTO_MIN_WEIGHTS_2_4 if pattern.is_nm else AUTO_MIN_WEIGHTS
+    if shape[0] * shape[1] < minimum:
         why = ("cuSPARSELt's per-step repacking and host time outweigh its faster products"
                if pattern.is_nm else "launch costs make the compressed layer slower")
-        return (f"auto: {shape[0]}x{shape[1]} is under {AUTO_MIN_WEIGHTS:,} weights, where "
-                f"{why}")
+        return f"auto: {shape[0]}x{shape[1]} is under {minimum:,} weights, where {why}"
     if pattern.is_nm:
         problem = cusparselt_problem(device)
         return None if problem is None else f"auto: {problem}"
