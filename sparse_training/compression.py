@@ -40,9 +40,9 @@ COMPRESS = ("auto", True, False)
 # blocks up to density 0.5 at 128x128 and 0.25 at 64x64 from 16M weights; at BERT-large
 # sizes (4M weights) the block kernels' launches cost more than they save. 2:4: the layer
 # picked cuSPARSELt for 4096x14336 (59M) and larger from 16k tokens, and cuBLAS for every
-# shape of 16.8M weights or fewer (2048x8192, 4096x4096, BERT's), where cuSPARSELt's
-# per-step repacking and host time cost more than its products save; the boundary between
-# 16.8M and 59M is not measured
+# shape of 16.8M weights or fewer (2048x8192, 4096x4096, BERT's) in eager steps, where
+# cuSPARSELt's host time per call costs more than its products save (under a CUDA graph
+# its forward saves more than the repacking costs there); 16.8M-59M is not measured
 AUTO_MIN_WEIGHTS = 16 * 2**20
 AUTO_MIN_WEIGHTS_2_4 = 32 * 2**20
 AUTO_MAX_DENSITY = {128: 0.5, 64: 0.25}
@@ -102,8 +102,8 @@ def slower_reason(shape: tuple[int, int], pattern: Pattern, density: float,
 
     Small weights stay masked-dense: on an H100 the compressed layers lose there (blocks
     under :data:`AUTO_MIN_WEIGHTS`, 16M entries: the kernels' launches; 2:4 under
-    :data:`AUTO_MIN_WEIGHTS_2_4`, 32M: repacking W and W^T after every step costs more
-    than cuSPARSELt's faster products save, and eager calls are host-bound). Above it, 2:4
+    :data:`AUTO_MIN_WEIGHTS_2_4`, 32M: in eager steps cuSPARSELt's host time per call
+    costs more than its faster products save). Above it, 2:4
     compresses wherever cuSPARSELt runs (the layer then times each token count and keeps
     cuBLAS where it is faster); blocks run on CUDA only (elsewhere the layer computes with
     a dense copy), at density <= 0.5 with 128x128 blocks and <= 0.25 with 64x64 blocks.
@@ -112,7 +112,7 @@ def slower_reason(shape: tuple[int, int], pattern: Pattern, density: float,
         return f"auto: {problem}"
     minimum = AUTO_MIN_WEIGHTS_2_4 if pattern.is_nm else AUTO_MIN_WEIGHTS
     if shape[0] * shape[1] < minimum:
-        why = ("cuSPARSELt's per-step repacking and host time outweigh its faster products"
+        why = ("cuSPARSELt's host time per eager call outweighs its faster products"
                if pattern.is_nm else "launch costs make the compressed layer slower")
         return f"auto: {shape[0]}x{shape[1]} is under {minimum:,} weights, where {why}"
     if pattern.is_nm:

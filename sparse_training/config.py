@@ -150,10 +150,11 @@ class SparsityConfig:
         fused: the masked optimizer step in fused Triton kernels: "auto" uses them on
             CUDA for ``torch.optim.AdamW``, ``Adam`` and ``SGD``, True requires them (an
             error where they cannot serve), False never uses them.
-        compress: train selected ``nn.Linear`` weights as compressed ``BlockSparseLinear``
-            layers from setup (:mod:`sparse_training.compression`): True wherever a block
-            pattern's kept count is fixed from the first step (an error otherwise),
-            "auto" only where the kernels are faster than masked-dense, False never.
+        compress: train selected ``nn.Linear`` weights as compressed layers from setup
+            (:mod:`sparse_training.compression`; ``BlockSparseLinear`` for block patterns,
+            ``SemiStructuredLinear`` for 2:4): True wherever the kept count is fixed from
+            the first step (an error otherwise), "auto" only where measured faster than
+            masked-dense (blocks from 16M weights, 2:4 from 32M), False never.
 
     Raises:
         ValueError: for any bad value, naming it and the valid forms.

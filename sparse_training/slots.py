@@ -161,8 +161,10 @@ class MaskedSlot:
 
 
 class CompressedSlot:
-    """A :class:`~sparse_training.block_sparse.BlockSparseLinear`: its kept blocks move,
-    their count never changes.
+    """A compressed layer: a :class:`~sparse_training.block_sparse.BlockSparseLinear`, whose
+    kept blocks move and whose count never changes, or a 2:4
+    :class:`~sparse_training.semi_structured.SemiStructuredLinear` (fixed mask;
+    :attr:`masked_dense`).
 
     Drop and grow rank blocks by the sums of ``|w|`` and of ``|score|`` over each block's
     entries, as a masked block pattern does (:func:`~sparse_training.regrowth.drop_and_grow`

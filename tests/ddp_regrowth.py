@@ -1,6 +1,7 @@
-"""Two-process DDP runs of RigL and SET, masked-dense (hook and fused steps) and RigL on
-compressed layers; each rank writes its mask checksums and a checksum of its parameters.
-RigL also stops after the first epoch with a checkpoint and resumes from it.
+"""Two-process DDP runs of RigL (hook and fused steps) and SET masked-dense, RigL on
+compressed block layers and fixed 2:4 compressed (``SemiStructuredLinear``) layers; each
+rank writes its mask checksums and a checksum of its parameters. RigL also stops after
+the first epoch with a checkpoint and resumes from it.
 
     python tests/ddp_regrowth.py OUT_DIR [cpu|gpu]   # Lightning relaunches it for rank 1
 

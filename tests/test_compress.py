@@ -93,7 +93,7 @@ def test_auto_keeps_masked_dense_where_the_kernels_would_be_slower(lightning_log
     ("block:64x64", (1024, 4096), "1024x4096 is under 16,777,216 weights, where launch"),
     ("2:4", (14336, 4096), "cuSPARSELt runs on CUDA, not cpu"),
     ("2:4:2d", (4096, 4096), "4096x4096 is under 33,554,432 weights, where cuSPARSELt's "
-                             "per-step repacking"),
+                             "host time per eager call"),
     ("2:4", (4096, 4100), "in_features 4100 not a multiple of 16"),
 ])
 def test_auto_reasons_name_the_size_the_device_and_the_shape(pattern, shape, reason):

@@ -1,6 +1,7 @@
 """Exact masks under Lightning's DDP over 2 processes (gloo on CPU, NCCL on 2 GPUs):
-RigL and SET, masked-dense (hook and fused steps) and RigL compressed, compared at every
-step, and RigL resumed from a checkpoint taken after its first epoch."""
+RigL (hook and fused steps) and SET masked-dense, RigL on compressed block layers and
+2:4 compressed layers, compared at every step, and RigL resumed from a checkpoint taken
+after its first epoch."""
 
 import json
 import os
