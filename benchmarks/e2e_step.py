@@ -1,0 +1,250 @@
+"""Whole training steps of real models through ``pl.Trainer``, the way a user trains.
+
+    python3 benchmarks/e2e_step.py --model bert-base            # GPU: one table, JSON in $OUT
+    python3 benchmarks/e2e_step.py --model llama --layers 4
+    python3 benchmarks/e2e_step.py --model tiny --steps 2 --warmup 1   # CPU: checks the script
+
+Models: HF ``BertForQuestionAnswering(BertConfig())`` (bert-base, random init, 32 x 384
+tokens) or a Llama-3-8B-shaped ``LlamaForCausalLM`` from a config (hidden 4096,
+intermediate 14336, 32 heads, 8 KV heads, vocab 32000, ``--layers`` decoder layers, 4 x 2048
+tokens); embeddings, the QA head and the LM head denied. Every variant is a
+``LightningModule`` around the HF model with the user's ``torch.optim.AdamW`` (``fused=True``
+for the dense baseline, torch's default elsewhere), ``pl.Trainer(accelerator="gpu",
+precision="bf16-mixed")`` and ``SparsityCallback`` with its public options; ``+compile``
+variants compile the HF model in the module's ``__init__`` (``torch.compile(model, mode)``).
+
+Each variant runs in its own process (its own peak memory; a crash costs one row). Columns:
+median ms per step after ``--warmup`` steps (the GPU synchronized at each step end), the
+ratio to the dense fused step, peak GiB (``max_memory_allocated``), the training paths the
+callback chose (compressed / masked-dense tensors and the compressed layer types found in
+the model after the fit), the first and last loss, and the error if the run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+DENY = {"bert-base": ["embeddings", "qa_outputs"], "tiny": ["embeddings", "qa_outputs"],
+        "llama": ["embed_tokens", "lm_head"]}
+BLOCK = {"bert-base": 64, "llama": 128, "tiny": 16}
+# name -> callback settings (None: dense); "+compile[:mode]" suffixes add torch.compile
+BASE_VARIANTS: dict[str, dict | None] = {
+    "dense fused": None,
+    "block B 90% auto": dict(pattern="block:BxB", sparsity=0.9, compress="auto"),
+    "block B 90% compressed": dict(pattern="block:BxB", sparsity=0.9, compress=True),
+    "block B 75% compressed": dict(pattern="block:BxB", sparsity=0.75, compress=True),
+    "block B 50% compressed": dict(pattern="block:BxB", sparsity=0.5, compress=True),
+    "block B 90% masked-dense": dict(pattern="block:BxB", sparsity=0.9, compress=False),
+    "2:4 auto": dict(pattern="2:4", compress="auto"),
+    "2:4 compressed": dict(pattern="2:4", compress=True),
+    "2:4 masked-dense": dict(pattern="2:4", compress=False),
+}
+COMPILE_MODES = {"compile": "default", "compile:mat": "max-autotune-no-cudagraphs",
+                 "compile:ro": "reduce-overhead"}
+
+
+def settings_of(variant: str, model: str) -> tuple[dict | None, str | None, bool]:
+    """(callback settings, compile mode, fused AdamW) of a variant name."""
+    base, _, suffix = variant.partition(" +")
+    if base not in BASE_VARIANTS:
+        raise SystemExit(f"unknown variant {variant!r}; bases: {list(BASE_VARIANTS)}, "
+                         f"suffixes: {[' +' + s for s in COMPILE_MODES]}")
+    if suffix and suffix not in COMPILE_MODES:
+        raise SystemExit(f"unknown suffix {suffix!r} of {variant!r}; valid: {list(COMPILE_MODES)}")
+    settings = BASE_VARIANTS[base]
+    if settings is not None:
+        block = str(BLOCK[model])
+        settings = {k: v.replace("BxB", f"{block}x{block}") if isinstance(v, str) else v
+                    for k, v in settings.items()}
+        settings["deny"] = DENY[model]
+    return settings, COMPILE_MODES.get(suffix), settings is None
+
+
+def build(model_name: str, layers: int):
+    """(HF model, one batch) on the CPU, seeded."""
+    import torch
+    from transformers import (
+        BertConfig,
+        BertForQuestionAnswering,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    if model_name == "llama":
+        config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                             num_key_value_heads=8, num_hidden_layers=layers, vocab_size=32000,
+                             max_position_embeddings=4096)
+        ids = torch.randint(0, config.vocab_size, (4, 2048), generator=g)
+        return LlamaForCausalLM(config), {"input_ids": ids, "labels": ids}
+    if model_name == "bert-base":
+        config, (batch, seq) = BertConfig(), (32, 384)
+    else:
+        config, (batch, seq) = BertConfig(hidden_size=64, num_hidden_layers=2,
+                                          num_attention_heads=2, intermediate_size=128), (4, 32)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g)
+    return BertForQuestionAnswering(config), {
+        "input_ids": ids, "attention_mask": torch.ones(batch, seq, dtype=torch.long),
+        "start_positions": torch.randint(0, seq, (batch,), generator=g),
+        "end_positions": torch.randint(0, seq, (batch,), generator=g)}
+
+
+def run_child(args: argparse.Namespace) -> dict:
+    """One variant in this process: fit ``warmup + steps`` steps, time the last ``steps``."""
+    import pytorch_lightning as pl
+    import torch
+    from pytorch_lightning.callbacks import Callback
+    from torch.utils.data import DataLoader
+
+    from sparse_training import BlockSparseLinear, SemiStructuredLinear, SparsityCallback
+
+    settings, compile_mode, fused = settings_of(args.child, args.model)
+    gpu = torch.cuda.is_available()
+    hf_model, batch = build(args.model, args.layers)
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = (hf_model if compile_mode is None
+                          else torch.compile(hf_model, mode=compile_mode))
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            loss = self.model(**batch).loss
+            self.losses.append(loss.detach())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-5, fused=fused and gpu)
+
+    class StepTimes(Callback):
+        def __init__(self):
+            self.ms: list[float] = []
+            self.last = None
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if gpu:
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            if self.last is not None and trainer.global_step > args.warmup:
+                self.ms.append((now - self.last) * 1e3)
+            self.last = now
+
+    module, timer = Module(), StepTimes()
+    callbacks: list = [timer]
+    sparse = None
+    if settings is not None:
+        sparse = SparsityCallback(**settings)
+        callbacks.append(sparse)
+    total = args.warmup + args.steps + 1
+    trainer = pl.Trainer(accelerator="gpu" if gpu else "cpu", devices=1,
+                         precision="bf16-mixed", max_steps=total, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=callbacks)
+    loader = DataLoader([batch] * total, batch_size=None)
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.fit(module, loader)
+    kinds: dict[str, int] = {}
+    for m in module.modules():
+        if isinstance(m, (BlockSparseLinear, SemiStructuredLinear)):
+            kinds[type(m).__name__] = kinds.get(type(m).__name__, 0) + 1
+    engine = sparse.engine if sparse is not None else None
+    losses = [float(x) for x in module.losses]
+    return {
+        "variant": args.child, "ms": statistics.median(timer.ms) if timer.ms else None,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
+        "compressed_layers": kinds,
+        "masked_dense_tensors": len(engine.slots) if engine is not None else 0,
+        "sparsity": engine.sparsity if engine is not None else 0.0,
+        "loss_first": losses[0], "loss_last": losses[-1],
+        "finite": all(map(lambda v: v == v and abs(v) != float("inf"), losses)),
+        "step_ms": timer.ms,
+    }
+
+
+def variants_for(args: argparse.Namespace) -> list[str]:
+    if args.variants:
+        return args.variants
+    return list(BASE_VARIANTS)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["bert-base", "llama", "tiny"], default="bert-base")
+    parser.add_argument("--layers", type=int, default=4, help="Llama decoder layers")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--variants", nargs="*", help="names (default: every base variant)")
+    parser.add_argument("--tag", default="")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        try:
+            row = run_child(args)
+        except Exception as err:  # noqa: BLE001 - a failed run is a row of the table
+            row = {"variant": args.child, "error": f"{type(err).__name__}: {err}"[:400],
+                   "traceback": traceback.format_exc()[-3000:]}
+        Path(args.result).write_text(json.dumps(row))
+        return
+    rows = []
+    out = Path(os.environ.get("OUT", "benchmarks/results"))
+    out.mkdir(parents=True, exist_ok=True)
+    for variant in variants_for(args):
+        settings_of(variant, args.model)  # a bad name stops before any run
+        result = out / "_row.json"
+        result.unlink(missing_ok=True)
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, __file__, "--child", variant, "--result",
+                               str(result), "--model", args.model, "--layers", str(args.layers),
+                               "--steps", str(args.steps), "--warmup", str(args.warmup)],
+                              capture_output=True, text=True)
+        row = (json.loads(result.read_text()) if result.exists() else
+               {"variant": variant, "error": f"process died ({proc.returncode}): "
+                                             f"{proc.stderr.strip()[-400:]}"})
+        row["wall_s"] = time.perf_counter() - start
+        rows.append(row)
+        print(f"{variant}: {row.get('ms') or row.get('error')}", flush=True)
+    result.unlink(missing_ok=True)
+    report(args, rows, out)
+
+
+def report(args: argparse.Namespace, rows: list[dict], out: Path) -> None:
+    import torch
+
+    base = next((r.get("ms") for r in rows if r["variant"] == "dense fused"), None)
+    print(f"\n{args.model}{f' ({args.layers} layers)' if args.model == 'llama' else ''}, "
+          f"bf16-mixed, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
+    print(f"{'variant':34s} {'ms/step':>8s} {'vs dense':>8s} {'peak GiB':>8s} "
+          f"{'compressed':>22s} {'masked':>6s} {'loss first->last':>17s}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['variant']:34s} FAILED: {r['error'][:200]}")
+            continue
+        ratio = f"{base / r['ms']:.2f}x" if base and r["ms"] else "-"
+        kinds = ", ".join(f"{n} {k.replace('Linear', '')}" for k, n in
+                          r["compressed_layers"].items()) or "none"
+        peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+        print(f"{r['variant']:34s} {r['ms']:8.1f} {ratio:>8s} {peak:>8s} {kinds:>22s} "
+              f"{r['masked_dense_tensors']:6d} {r['loss_first']:8.3f}->{r['loss_last']:.3f}")
+    payload = {"model": args.model, "layers": args.layers, "steps": args.steps,
+               "warmup": args.warmup, "torch": torch.__version__,
+               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               "rows": rows}
+    name = f"e2e_step_{args.model}{args.tag}.json"
+    (out / name).write_text(json.dumps(payload, indent=1))
+    print(f"wrote {out / name}")
+
+
+if __name__ == "__main__":
+    main()

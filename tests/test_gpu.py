@@ -1,0 +1,282 @@
+"""GPU-only checks: compiled Triton kernels, cuSPARSELt and ``torch.compile`` on CUDA, and
+the compressed path through ``pl.Trainer`` the way a user trains (bf16-mixed, the user's
+``AdamW``). Marked ``gpu``; skipped with the reason where no CUDA GPU is visible or the
+Triton interpreter is on. On a GPU machine::
+
+    TRITON_INTERPRET=0 python -m pytest -m gpu -q
+
+Each check compares against a float64 reference built here (explicit loops over the kept
+blocks, not the package's conversions) or against the same model trained eagerly.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from sparse_training import BlockSparseLinear, SemiStructuredLinear, SparsityCallback
+from sparse_training.kernels._triton import interpret_mode
+from sparse_training.kernels.block_sparse import BlockTopology, block_sparse_linear
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(interpret_mode(), reason="compiled kernels: run with TRITON_INTERPRET=0"),
+]
+
+COMPILE_MODES = ["default", "max-autotune-no-cudagraphs", "reduce-overhead"]
+
+
+def dense_reference(values: torch.Tensor, block_mask: torch.Tensor, shape: tuple[int, int]
+                    ) -> torch.Tensor:
+    """The float64 dense weight of ``values`` under ``block_mask``: explicit block loops,
+    padded tails cropped (never read)."""
+    (r, c), (out_features, in_features) = values.shape[1:], shape
+    weight = torch.zeros(out_features, in_features, dtype=torch.float64)
+    for kept, (i, j) in enumerate(block_mask.nonzero().tolist()):
+        rows, cols = min(r, out_features - i * r), min(c, in_features - j * c)
+        weight[i * r:i * r + rows, j * c:j * c + cols] = values[kept, :rows, :cols].double()
+    return weight
+
+
+def strided(t: torch.Tensor, how: str) -> torch.Tensor:
+    """The same values as ``t`` in a non-contiguous layout."""
+    if how == "transposed" and t.dim() >= 2:
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if how == "every_other":
+        wide = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+        wide[..., ::2] = t
+        return wide[..., ::2]
+    return t
+
+
+@pytest.mark.parametrize("dtype, block, shape, tokens", [
+    (torch.float32, (64, 64), (128, 128), 128),
+    (torch.float16, (16, 16), (72, 40), 33),
+    (torch.bfloat16, (128, 128), (300, 200), 257),
+    (torch.bfloat16, (32, 64), (96, 130), 1000),
+])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "every_other"])
+def test_block_sparse_op_any_strides_and_poisoned_tails(dtype, block, shape, tokens, layout):
+    """Outputs and every gradient equal the float64 reference for strided x, values and
+    bias, with NaN in the padded tails of values (never read) and an empty block row."""
+    torch.manual_seed(0)
+    out_features, in_features = shape
+    grid = (-(-out_features // block[0]), -(-in_features // block[1]))
+    block_mask = torch.rand(grid) < 0.5
+    block_mask[0] = False  # an empty block row: its outputs are the bias
+    block_mask[-1, -1] = True  # a tail block in both dimensions
+    topology = BlockTopology.from_block_mask(block_mask.cuda(), out_features, in_features, block)
+    values = torch.randn(int(block_mask.sum()), *block, dtype=dtype)
+    rows_in = torch.arange(block[0])[:, None] + block_mask.nonzero()[:, 0, None, None] * block[0]
+    cols_in = torch.arange(block[1])[None, :] + block_mask.nonzero()[:, 1, None, None] * block[1]
+    tail = (rows_in >= out_features) | (cols_in >= in_features)
+    values[tail] = float("nan")
+    x = torch.randn(3, tokens, in_features, dtype=dtype)
+    bias = torch.randn(out_features, dtype=dtype)
+    grad = torch.randn(3, tokens, out_features, dtype=dtype)
+
+    x_gpu = strided(x.cuda(), layout).requires_grad_()
+    values_gpu = strided(values.cuda(), layout).requires_grad_()
+    bias_gpu = strided(bias.cuda(), layout).requires_grad_()
+    y = block_sparse_linear(x_gpu, values_gpu, topology, bias_gpu)
+    y.backward(grad.cuda())
+
+    weight = dense_reference(values, block_mask, shape).requires_grad_()
+    x64, bias64 = x.double().requires_grad_(), bias.double().requires_grad_()
+    y64 = x64 @ weight.T + bias64
+    y64.backward(grad.double())
+    tol = 2e-2 if dtype != torch.float32 else 2e-3  # bf16/fp16 operands, fp32 (tf32) sums
+    for got, want in [(y, y64), (x_gpu.grad, x64.grad), (bias_gpu.grad, bias64.grad)]:
+        got = got.double().cpu()
+        assert torch.isfinite(got).all()
+        assert (got - want).norm() <= tol * want.norm(), (got - want).abs().max()
+    assert torch.equal(y[..., :block[0]].double().cpu(),
+                       bias.double().expand(3, tokens, -1)[..., :block[0]].to(y.dtype).double())
+    grad_values = values_gpu.grad.double().cpu()
+    assert not grad_values[tail].any()  # tails get no gradient
+    (r, c) = block
+    for p, (i, j) in enumerate(block_mask.nonzero().tolist()):
+        rows, cols = min(r, out_features - i * r), min(c, in_features - j * c)
+        want = weight.grad[i * r:i * r + rows, j * c:j * c + cols]
+        got = grad_values[p, :rows, :cols]
+        assert (got - want).norm() <= tol * want.norm() + 1e-6
+
+
+@pytest.mark.parametrize("mode", COMPILE_MODES)
+def test_compiled_block_sparse_layer_matches_eager(mode):
+    """A model of BlockSparseLinear layers (tails in both dimensions) under torch.compile
+    gives eager's outputs and gradients, including a non-contiguous input."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(200, 136), nn.GELU(), nn.Linear(136, 72)).cuda()
+    eager = nn.Sequential(BlockSparseLinear.from_dense(dense[0], (64, 64), density=0.5),
+                          nn.GELU(),
+                          BlockSparseLinear.from_dense(dense[2], (32, 32), density=0.5)).cuda()
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, mode=mode)
+    for step in range(3):
+        x = torch.randn(64, 2, 200, device="cuda").transpose(0, 1)  # non-contiguous
+        with torch.autocast("cuda", torch.bfloat16):
+            want = eager(x)
+            got = compiled(x)
+        want.float().square().mean().backward()
+        got.float().square().mean().backward()
+        assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2), step
+        for a, b in zip(eager.parameters(), compiled_model.parameters(), strict=True):
+            assert torch.allclose(a.grad, b.grad, rtol=5e-2, atol=1e-3), step
+            a.grad = b.grad = None
+
+
+@pytest.mark.parametrize("mode", COMPILE_MODES)
+def test_compiled_semi_structured_layer_matches_eager(mode):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = SemiStructuredLinear.from_dense(nn.Linear(256, 128)).cuda()
+    twin = copy.deepcopy(layer)
+    compiled = torch.compile(twin, mode=mode)
+    for step in range(3):
+        x = torch.randn(96, 256, device="cuda")
+        with torch.autocast("cuda", torch.bfloat16):
+            want, got = layer(x), compiled(x)
+        want.float().sum().backward()
+        got.float().sum().backward()
+        assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2), step
+        assert torch.allclose(twin.weight.grad, layer.weight.grad, rtol=5e-2, atol=1e-2)
+        assert not twin.weight.grad[~twin.mask].any()
+        layer.weight.grad = twin.weight.grad = None
+
+
+@pytest.mark.parametrize("shape", [(128, 256), (256, 128), (64, 64), (1024, 1024),
+                                   (4096, 1024)])
+@pytest.mark.parametrize("tokens", [8, 16, 128, 136, 1000, 2048])
+def test_semi_structured_never_crashes(shape, tokens):
+    """Whatever route the layer picks for small and odd token counts and small shapes,
+    the call returns the masked product (a crash in cuSPARSELt kills the CUDA context, and
+    every later test in this process would fail with it)."""
+    torch.manual_seed(0)
+    out_features, in_features = shape
+    layer = SemiStructuredLinear(in_features, out_features, device="cuda",
+                                 dtype=torch.float16)
+    x = torch.randn(tokens, in_features, device="cuda", dtype=torch.float16)
+    y = layer(x)
+    want = x.double() @ (layer.weight.double() * layer.mask).T + layer.bias.double()
+    assert (y.double() - want).norm() <= 1e-2 * want.norm()
+    torch.cuda.synchronize()
+
+
+class TinyQA(pl.LightningModule):
+    """A small HF BERT question-answering model, compiled in ``__init__`` where asked (as
+    users write it), with the user's AdamW built from ``self.parameters()``."""
+
+    def __init__(self, compile_mode: str | None = None, hidden: int = 256) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertForQuestionAnswering
+
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        config = BertConfig(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=4 * hidden, vocab_size=512,
+                            max_position_embeddings=128, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0)
+        self.model = BertForQuestionAnswering(config)
+        if compile_mode is not None:
+            self.model = torch.compile(self.model, mode=compile_mode)
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def qa_loader(batches: int = 6, batch: int = 8, seq: int = 64) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    n = batches * batch
+    ids = torch.randint(0, 512, (n, seq), generator=g)
+    start, end = torch.randint(0, seq, (n,), generator=g), torch.randint(0, seq, (n,), generator=g)
+    keys = ("input_ids", "start_positions", "end_positions")
+    data = TensorDataset(ids, start, end)
+    return DataLoader(data, batch_size=batch, collate_fn=lambda items: dict(zip(
+        keys, (torch.stack(t) for t in zip(*items, strict=True)), strict=True)))
+
+
+def gpu_trainer(callbacks, **kwargs) -> pl.Trainer:
+    defaults = dict(accelerator="gpu", devices=1, precision="bf16-mixed", max_epochs=1,
+                    logger=False, enable_progress_bar=False, enable_model_summary=False,
+                    enable_checkpointing=False)
+    return pl.Trainer(callbacks=callbacks, **{**defaults, **kwargs})
+
+
+SETTINGS = {
+    "block 64x64 90%": dict(pattern="block:64x64", sparsity=0.9),
+    "block 32x32 50%": dict(pattern="block:32x32", sparsity=0.5),
+    "2:4": dict(pattern="2:4"),
+}
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+@pytest.mark.parametrize("compile_mode", [None, *COMPILE_MODES])
+def test_trainer_compressed_bert_trains_and_matches_eager(name, compile_mode, tmp_path):
+    """compress=True on HF BERT through pl.Trainer (bf16-mixed), eager and compiled: the
+    swapped layers are there, the losses are finite and a compiled run follows the eager
+    one; its checkpoint loads with the plain, strict load_from_checkpoint."""
+    torch._dynamo.reset()
+    runs = {}
+    for mode in dict.fromkeys([None, compile_mode]):
+        model = TinyQA(mode)
+        sparse = SparsityCallback(**SETTINGS[name], compress=True,
+                                  deny=["embeddings", "qa_outputs"])
+        trainer = gpu_trainer([sparse])
+        trainer.fit(model, qa_loader())
+        layers = [m for m in model.modules() if isinstance(m, (BlockSparseLinear,
+                                                             SemiStructuredLinear))]
+        assert len(layers) == 12, name  # 6 Linears per encoder layer, 2 layers
+        assert all(torch.isfinite(torch.tensor(model.losses)))
+        runs[mode] = model.losses
+        path = tmp_path / f"{mode}.ckpt"
+        trainer.save_checkpoint(path)
+    eager, compiled = runs[None], runs[compile_mode]
+    assert max(abs(a - b) for a, b in zip(eager, compiled, strict=True)) < 0.05 * max(eager)
+    plain = TinyQA.load_from_checkpoint(path)  # strict: the model class as written
+    assert not any(isinstance(m, (BlockSparseLinear, SemiStructuredLinear))
+                   for m in plain.modules())
+    dense = dict(plain.model.named_parameters())
+    for name_, layer in model.model.named_modules():
+        if isinstance(layer, (BlockSparseLinear, SemiStructuredLinear)):
+            want = (layer.to_dense().weight if isinstance(layer, BlockSparseLinear)
+                    else layer.weight * layer.mask)
+            assert torch.equal(dense[f"{name_}.weight"].cuda(), want.detach())
+
+
+def test_auto_compresses_large_blocks_on_a_gpu_trainer(lightning_log):
+    """compress='auto' decides for the Trainer's GPU (the model is still on the CPU at
+    setup): a 4096x4096 weight at 90% 128x128 blocks trains compressed."""
+
+    class Wide(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 8))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    model = Wide()
+    data = TensorDataset(torch.randn(64, 4096), torch.randint(0, 8, (64,)))
+    sparse = SparsityCallback(pattern="block:128x128", sparsity=0.9, compress="auto",
+                              deny=["net.2"])
+    gpu_trainer([sparse]).fit(model, DataLoader(data, batch_size=16))
+    assert isinstance(model.net[0], BlockSparseLinear)
+    assert "compressed" in lightning_log.text
