@@ -7,7 +7,9 @@ error when calling cusparseLtMatmulSearch" and then "an illegal instruction", wh
 the CUDA context. This probes, for each case, what the 2:4 layer's sparse route calls: pack
 (``torch._cslt_compress``), the algorithm search, and the product, checked against a dense
 product. Cases run in a child process that stops at the first failure; the parent records
-it and starts a new child at the next case, so one crash costs one case.
+it and starts a new child at the next case, so one crash costs one case; a child that
+makes no progress for ``--stall`` seconds is killed and its case recorded as hung. Rows are
+printed and the JSON rewritten as they come.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import selectors
 import subprocess
 import sys
 from pathlib import Path
@@ -64,35 +67,46 @@ def child(start: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", type=int, default=None)
+    parser.add_argument("--stall", type=float, default=30.0)
     args = parser.parse_args()
     if args.child is not None:
         child(args.child)
         return
+    out = Path(os.environ.get("OUT", "benchmarks/results"))
+    out.mkdir(parents=True, exist_ok=True)
     rows, start, total = {}, 0, len(cases())
     while start < total:
-        proc = subprocess.run([sys.executable, __file__, "--child", str(start)],
-                              capture_output=True, text=True, timeout=600)
-        for line in proc.stdout.splitlines():
+        proc = subprocess.Popen([sys.executable, __file__, "--child", str(start)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        selector = selectors.DefaultSelector()
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        while selector.select(timeout=args.stall):
+            line = proc.stdout.readline()
+            if not line:
+                break
             if line.startswith("{"):
                 row = json.loads(line)
                 rows[row["index"]] = row
+                print(line.strip(), flush=True)
+        hung = proc.poll() is None
+        proc.kill()
+        proc.wait()
         done = max(rows, default=start - 1)
-        if done < start:  # died before finishing its first case
-            out_f, in_f, tokens, dtype = cases()[start]
-            rows[start] = {"index": start, "out": out_f, "in": in_f, "tokens": tokens,
-                           "dtype": dtype, "ok": False,
-                           "failure": f"process died: {proc.stderr.strip()[-200:]}"}
-            done = start
+        if done < start or (rows[done]["ok"] and done < total - 1):  # the next case broke
+            done = max(done + 1, start)
+            out_f, in_f, tokens, dtype = cases()[done]
+            why = "hung" if hung else f"process died: {proc.stderr.read().strip()[-200:]}"
+            rows[done] = {"index": done, "out": out_f, "in": in_f, "tokens": tokens,
+                          "dtype": dtype, "ok": False, "failure": why}
+            print(json.dumps(rows[done]), flush=True)
         start = done + 1
+        (out / "cusparselt_envelope.json").write_text(json.dumps(
+            {"cases": list(rows.values())}, indent=1))
     failures = [r for r in rows.values() if not r["ok"]]
     print(f"{len(rows)} cases, {len(failures)} failed")
     for r in failures:
         print(f"  {r['dtype']:9s} {r['out']:5d}x{r['in']:<5d} {r['tokens']:5d} tokens: "
               f"{r.get('failure') or r.get('error')}")
-    out = Path(os.environ.get("OUT", "benchmarks/results"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cusparselt_envelope.json").write_text(json.dumps(
-        {"cases": list(rows.values())}, indent=1))
 
 
 if __name__ == "__main__":
