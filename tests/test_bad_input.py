@@ -201,8 +201,8 @@ SETUP = [  # (callbacks' settings, model, trainer settings, message)
     ([dict(pattern="2:32", allow=[r"net\.0"])], TinyNet, {},
      r"tensor 'net.0.weight' \(shape \(32, 16\)\) was asked for by name but cannot take "
      r"pattern '2:32': 16 input features are not a multiple of M = 32"),
-    ([dict(pattern="block:3x3", sparsity=0.5, overrides={r"net\.2": {"sparsity": 0.5}})],
-     TinyNet, {}, "'net.2.weight' .* cannot take pattern 'block:3x3': 32 rows are not"),
+    ([dict(pattern="vector:3+1:4", overrides={r"net\.2": {"pattern": "vector:3+1:4"}})],
+     TinyNet, {}, r"'net.2.weight' .* cannot take pattern 'vector:3\+1:4': 32 rows are not"),
     ([dict(**GMP, end=0.5)], TinyNet, dict(max_epochs=-1, max_steps=-1, max_time="00:00:00:05"),
      "0.75 is a fraction of training, but the training length is unknown|training length is "
      "unknown"),
