@@ -173,6 +173,8 @@ def _setting(regex: str | None, overrides: Mapping[str, LayerOverride], pattern:
         return pattern.spec, _final_sparsity(pattern, sparsity) if uniform else distribution
     override = overrides[regex]
     layer_pattern = override.pattern or pattern
+    if override.sparsity == 0.0:  # kept dense, whatever the pattern
+        return layer_pattern.spec, 0.0
     target = sparsity if override.sparsity is None else override.sparsity
     return layer_pattern.spec, _final_sparsity(layer_pattern, target)
 
@@ -190,18 +192,19 @@ def _tensor_override(tensor: WeightTensor, overrides: Mapping[str, LayerOverride
     by_name = {name: _first_match(list(overrides), [name]) for name in tensor.names}
     settings = {name: _setting(regex, overrides, pattern, sparsity, distribution)
                 for name, regex in by_name.items()}
+    def said(name: str) -> str:
+        regex, (spec, target) = by_name[name], settings[name]
+        where = "the model-wide setting" if regex is None else f"overrides[{regex!r}]"
+        return f"{name!r} takes {where}: pattern {spec!r}, sparsity {target}"
+
     first, *others = tensor.names
     for other in others:
         if settings[other] != settings[first]:
-            def said(name: str) -> str:
-                regex, (spec, target) = by_name[name], settings[name]
-                where = "the model-wide setting" if regex is None else f"overrides[{regex!r}]"
-                return f"{name!r} takes {where}: pattern {spec!r}, sparsity {target}"
+            every = "|".join(tensor.names)
             raise ValueError(
                 f"tied tensor (one Parameter, one mask) gets two settings: {said(first)}; "
                 f"{said(other)}. Give its names one setting: an override whose regex matches "
-                f"every name (e.g. {'|'.join(re.escape(n) for n in tensor.names)!r}), or "
-                f"deny the tensor")
+                f"every name (e.g. {every!r}), or deny the tensor")
     used = {regex for regex in by_name.values() if regex is not None}
     return _first_match(list(overrides), tensor.names), used
 
@@ -220,9 +223,9 @@ def _check_regexes_reach(kind: str, regexes: Sequence[str], tensors: Sequence[We
                    if any(re.search(regex, n) for n in t.names)]
         if all(r is not None for _, r in matched):
             shown = "; ".join(f"{t.name!r} ({r.reason})" for t, r in matched[:4])
-            raise ValueError(f"{kind} regex {regex!r} matches only tensors skipped before "
-                             f"{kind} applies: {shown}{'; ...' if len(matched) > 4 else ''}. "
-                             f"Widen layer_types, narrow deny/allow, or remove the regex")
+            raise ValueError(f"{kind} regex {regex!r} matches only tensors that earlier rules "
+                             f"skip: {shown}{'; ...' if len(matched) > 4 else ''}. Widen "
+                             f"layer_types, narrow deny/allow, or remove the regex")
         if used is not None and regex not in used:
             taken = next(t for t, r in matched if r is None)
             earlier = _first_match(list(regexes), taken.names)
