@@ -22,7 +22,8 @@ dimensions, tied ones once), in this order:
 Regexes are searched (``re.search``) in the qualified tensor names, e.g.
 ``bert.encoder.layer.0.attention.self.query.weight``; every regex must match some
 weight-like tensor, every ``allow`` and ``overrides`` regex one that rules 1-3 leave
-eligible, and every ``overrides`` regex one that no earlier override takes. The result is a
+eligible (or a compressed layer's), and every ``overrides`` regex one that no earlier
+override takes. The result is a
 list of :class:`TensorPlan`, the setup table's rows.
 """
 
@@ -210,29 +211,29 @@ def _tensor_override(tensor: WeightTensor, overrides: Mapping[str, LayerOverride
 
 
 def _check_regexes_reach(kind: str, regexes: Sequence[str], tensors: Sequence[WeightTensor],
-                         rows: Sequence[TensorPlan | None], used: set[str] | None = None
-                         ) -> None:
+                         rows: Sequence[TensorPlan | None], reached: set[int],
+                         used: set[str] | None = None) -> None:
     """Every ``allow``/``overrides`` regex must match a tensor that rules 1-3 leave eligible
-    (rows None), and (``used`` given) every override regex must set one.
+    or that is compressed (``reached``), and (``used`` given) every override regex matching
+    an eligible tensor must set one.
 
     Raises:
         ValueError: naming the regex and why the tensors it matches are not reached.
     """
     for regex in regexes:
-        matched = [(t, r) for t, r in zip(tensors, rows, strict=True)
-                   if any(re.search(regex, n) for n in t.names)]
-        if all(r is not None for _, r in matched):
-            shown = "; ".join(f"{t.name!r} ({r.reason})" for t, r in matched[:4])
+        matched = [i for i, t in enumerate(tensors) if any(re.search(regex, n) for n in t.names)]
+        if not reached.intersection(matched):
+            shown = "; ".join(f"{tensors[i].name!r} ({rows[i].reason})" for i in matched[:4])
             raise ValueError(f"{kind} regex {regex!r} matches only tensors that earlier rules "
                              f"skip: {shown}{'; ...' if len(matched) > 4 else ''}. Widen "
                              f"layer_types, narrow deny/allow, or remove the regex")
-        if used is not None and regex not in used:
-            taken = next(t for t, r in matched if r is None)
-            earlier = _first_match(list(regexes), taken.names)
+        eligible = [tensors[i] for i in matched if rows[i] is None]
+        if used is not None and eligible and regex not in used:
+            earlier = _first_match(list(regexes), eligible[0].names)
             raise ValueError(f"overrides regex {regex!r} never applies: every eligible tensor "
-                             f"it matches (e.g. {taken.name!r}) takes the earlier override "
-                             f"{earlier!r} (the first matching regex wins); put {regex!r} "
-                             f"first or narrow {earlier!r}")
+                             f"it matches (e.g. {eligible[0].name!r}) takes the earlier "
+                             f"override {earlier!r} (the first matching regex wins); put "
+                             f"{regex!r} first or narrow {earlier!r}")
 
 
 def plan_tensors(
@@ -271,8 +272,10 @@ def plan_tensors(
 
     rows: list[TensorPlan | None] = []
     eligible: list[int] = []
+    compressed: set[int] = set()  # reached by allow and overrides (at compression)
     for tensor in tensors:
         if any(isinstance(module, COMPRESSED_LAYERS) for module, _ in tensor.owners):
+            compressed.add(len(rows))
             rows.append(row(tensor, False, f"compressed: {tensor.kind} holds its own "
                                            f"sparsity"))
         elif not any(isinstance(module, layer_types) for module, _ in tensor.owners):
@@ -284,10 +287,11 @@ def plan_tensors(
         else:
             eligible.append(len(rows))
             rows.append(None)
-    _check_regexes_reach("allow", allow, tensors, rows)
+    reached = compressed.union(eligible)
+    _check_regexes_reach("allow", allow, tensors, rows, reached)
     settings = {i: _tensor_override(tensors[i], overrides, pattern, sparsity, distribution)
                 for i in eligible}
-    _check_regexes_reach("overrides", list(overrides), tensors, rows,
+    _check_regexes_reach("overrides", list(overrides), tensors, rows, reached,
                          set().union(*(used for _, used in settings.values())))
 
     blocks = list(dict.fromkeys(block_of(tensors[i].name) for i in eligible))

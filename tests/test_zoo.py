@@ -328,6 +328,10 @@ def test_overhanging_blocks_compress_to_the_blocks_masked_dense_keeps():
         assert isinstance(layer, BlockSparseLinear), slot.name
         assert torch.equal(layer.to_dense().weight != 0, slot.mask), slot.name
         assert layer.nnz == OVERHUNG_KEPT[slot.name]
+    # the engine the callback builds next takes the compressed layers (the override that
+    # named the head now matches its compressed values)
+    after = SparsityEngine(compressed, SparsityConfig(**OVERHUNG, compress=True))
+    assert [s.name for s in after.compressed] == ["body.hidden.values", "body.head.values"]
 
 
 @pytest.mark.parametrize("regrow", [None, "set"])
