@@ -193,6 +193,7 @@ def _tensor_override(tensor: WeightTensor, overrides: Mapping[str, LayerOverride
     by_name = {name: _first_match(list(overrides), [name]) for name in tensor.names}
     settings = {name: _setting(regex, overrides, pattern, sparsity, distribution)
                 for name, regex in by_name.items()}
+
     def said(name: str) -> str:
         regex, (spec, target) = by_name[name], settings[name]
         where = "the model-wide setting" if regex is None else f"overrides[{regex!r}]"
