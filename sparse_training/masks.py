@@ -5,9 +5,12 @@ mask shaped like ``weight``; True means kept. The score defaults to ``|weight|``
 pruning) and is summed over each block. Ties are broken by ``torch.topk``, so every mask
 keeps exactly the promised count, whatever the values. NaN scores rank lowest.
 
-Weights are read through their 2-D view ``(rows, in_features)`` (:func:`as_matrix`): a
-Linear weight as it is, a Conv weight ``(out, in, *kernel)`` in NVIDIA ASP's ``(r, s, k, c)``
-order, ``(prod(kernel) * out, in)``, so N:M groups run along input channels as in ASP.
+Weights are read through their 2-D view ``(rows, in_features)`` (:func:`as_matrix`), input
+(reduction) dimension last: a Linear weight as it is, a Conv weight ``(out, in, *kernel)``
+in NVIDIA ASP's ``(r, s, k, c)`` order, ``(prod(kernel) * out, in)``, so N:M groups run along
+input channels as in ASP. A weight stored input-first (HF ``Conv1D``'s ``(in, out)``,
+``nn.ConvTranspose*d``'s ``(in, out, *kernel)``) is read with ``input_dim=0``
+(:func:`sparse_training.tensors.input_dim_of`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Sequence
 from functools import cache
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from sparse_training.patterns import Pattern, parse_pattern
@@ -25,29 +29,45 @@ from sparse_training.patterns import Pattern, parse_pattern
 NM_KERNEL_MAX_M = 32  # the Triton N:M kernel holds one group in registers
 
 
-def as_matrix(tensor: Tensor) -> Tensor:
+def check_input_dim(input_dim: int) -> int:
+    """``input_dim`` if it is 0 or 1 (the stored position of a weight's input dimension).
+
+    Raises:
+        ValueError: anything else, naming it.
+    """
+    if isinstance(input_dim, bool) or not isinstance(input_dim, numbers.Integral) or (
+            input_dim not in (0, 1)):
+        raise ValueError(f"input_dim must be 0 (weights stored (in, out, ...)) or 1 "
+                         f"((out, in, ...)), got {input_dim!r}")
+    return int(input_dim)
+
+
+def as_matrix(tensor: Tensor, input_dim: int = 1) -> Tensor:
     """The 2-D view ``(rows, in_features)`` of a weight, input dimension last.
 
-    A Linear-like ``(out, in)`` weight as it is; a Conv weight ``(out, in, *kernel)`` as
-    ``(*kernel, out, in)`` flattened to ``(prod(kernel) * out, in)``: NVIDIA ASP's
-    ``(r, s, k, c)`` order, so consecutive rows are consecutive output channels at one
-    kernel tap and a transposable MxM tile is N:M along output channels too.
+    ``input_dim`` is where the weight stores its input (reduction) dimension: 1 for
+    ``(out, in, *kernel)`` weights (Linear, Conv, RNN, embeddings), 0 for ``(in, out,
+    *kernel)`` ones (HF ``Conv1D``, ``ConvTranspose``). The view is ``(*kernel, out, in)``
+    flattened to ``(prod(kernel) * out, in)``: NVIDIA ASP's ``(r, s, k, c)`` order, so
+    consecutive rows are consecutive output channels at one kernel tap and a transposable
+    MxM tile is N:M along output channels too. A 1-D tensor is one row.
     """
     if tensor.dim() == 1:
         return tensor.unsqueeze(0)
-    if tensor.dim() == 2:
-        return tensor
-    moved = tensor.permute(*range(2, tensor.dim()), 0, 1)  # (*kernel, out, in)
-    return moved.reshape(-1, tensor.shape[1])
+    input_dim = check_input_dim(input_dim)
+    moved = tensor.permute(*range(2, tensor.dim()), 1 - input_dim, input_dim)
+    return moved.reshape(-1, tensor.shape[input_dim])
 
 
-def from_matrix(matrix: Tensor, shape: torch.Size) -> Tensor:
+def from_matrix(matrix: Tensor, shape: torch.Size, input_dim: int = 1) -> Tensor:
     """Inverse of :func:`as_matrix` for a weight of ``shape``."""
-    if len(shape) <= 2:
+    if len(shape) <= 1:
         return matrix.reshape(shape)
-    out, inp, *kernel = shape
+    input_dim = check_input_dim(input_dim)
     dims = len(shape)
-    return matrix.reshape(*kernel, out, inp).permute(dims - 2, dims - 1, *range(dims - 2))
+    stored = (shape[1 - input_dim], shape[input_dim])  # (out, in)
+    lead = (dims - 2, dims - 1) if input_dim == 1 else (dims - 1, dims - 2)
+    return matrix.reshape(*shape[2:], *stored).permute(*lead, *range(dims - 2))
 
 
 def kept_count(total: int, sparsity: float) -> int:
@@ -55,9 +75,17 @@ def kept_count(total: int, sparsity: float) -> int:
     return total - int(sparsity * total + 0.5)
 
 
-def score_stack(weights: Sequence[Tensor], scores: Sequence[Tensor] | None = None) -> Tensor:
+def block_grid(rows: int, cols: int, pattern: Pattern) -> tuple[int, int]:
+    """Block rows and block columns covering a ``(rows, cols)`` view, overhanging blocks
+    included: ``(ceil(rows / R), ceil(cols / C))``."""
+    return -(-rows // pattern.block_rows), -(-cols // pattern.block_cols)
+
+
+def score_stack(weights: Sequence[Tensor], scores: Sequence[Tensor] | None = None,
+                input_dim: int = 1) -> Tensor:
     """The scores of same-shape weights as one float32 ``(B, rows, in_features)`` stack of
-    their 2-D views: ``|w|``, or the given scores; NaN ranks lowest.
+    their 2-D views (:func:`as_matrix` with ``input_dim``): ``|w|``, or the given scores;
+    NaN ranks lowest.
 
     Raises:
         ValueError: a score whose shape is not its weight's.
@@ -67,25 +95,31 @@ def score_stack(weights: Sequence[Tensor], scores: Sequence[Tensor] | None = Non
             if score.shape != w.shape:
                 raise ValueError(f"score shape {tuple(score.shape)} != weight shape "
                                  f"{tuple(w.shape)}")
-    stack = torch.stack([as_matrix(t.detach()) for t in (weights if scores is None
-                                                          else scores)]).float()
+    stack = torch.stack([as_matrix(t.detach(), input_dim)
+                         for t in (weights if scores is None else scores)]).float()
     return torch.nan_to_num(stack.abs() if scores is None else stack, nan=float("-inf"))
 
 
 def pool_blocks(scores: Tensor, rows: int, cols: int) -> Tensor:
-    """Sum of scores over each ``rows x cols`` block of the last two dims:
-    (..., R, C) -> (..., R/rows, C/cols)."""
+    """Sum of scores over each ``rows x cols`` block of the last two dims, the last block
+    row and column clipped to the entries inside: (..., R, C) -> (..., ceil(R/rows),
+    ceil(C/cols))."""
     if rows == cols == 1:
         return scores
     *lead, r, c = scores.shape
-    return scores.reshape(*lead, r // rows, rows, c // cols, cols).sum(dim=(-3, -1))
+    grid_rows, grid_cols = -(-r // rows), -(-c // cols)
+    if (grid_rows * rows, grid_cols * cols) != (r, c):  # overhanging blocks: pad with zeros
+        scores = F.pad(scores, (0, grid_cols * cols - c, 0, grid_rows * rows - r))
+    return scores.reshape(*lead, grid_rows, rows, grid_cols, cols).sum(dim=(-3, -1))
 
 
-def expand_blocks(block_mask: Tensor, rows: int, cols: int) -> Tensor:
-    """Inverse of :func:`pool_blocks` for masks: each block's value over its elements."""
+def expand_blocks(block_mask: Tensor, rows: int, cols: int, size: Sequence[int]) -> Tensor:
+    """Inverse of :func:`pool_blocks` for masks: each block's value over its entries,
+    clipped to the matrix ``size`` ``(R, C)``."""
     if rows == cols == 1:
         return block_mask
-    return block_mask.repeat_interleave(rows, -2).repeat_interleave(cols, -1)
+    expanded = block_mask.repeat_interleave(rows, -2).repeat_interleave(cols, -1)
+    return expanded[..., : size[0], : size[1]]
 
 
 def topk_mask(scores: Tensor, kept: int) -> Tensor:
@@ -160,19 +194,22 @@ def transposable_groups_mask(scores: Tensor, n: int, m: int) -> Tensor:
 
 def pattern_mask(
     weight: Tensor, pattern: str | Pattern, sparsity: float | None = None,
-    score: Tensor | None = None,
+    score: Tensor | None = None, input_dim: int = 1,
 ) -> Tensor:
     """Mask of ``weight`` with ``pattern`` at ``sparsity`` (fraction of zeros).
 
     For N:M patterns ``sparsity`` picks the stage of a gradual ramp,
     N' = round(M (1 - sparsity)) clamped to [N, M]; None means the pattern's own N.
-    For other patterns it is required: round(sparsity * blocks) blocks are pruned.
+    For other patterns it is required: of the ``B = ceil(rows/R) ceil(cols/C)`` blocks
+    (overhanging ones included, each kept or pruned whole), ``round(sparsity * B)`` are
+    pruned, the smallest sums of the score over their entries inside the weight.
 
     Args:
         weight: a Linear or Conv weight, any float dtype, any device.
         pattern: a pattern string or :class:`Pattern`.
         sparsity: target fraction of zeros in [0, 1).
         score: importance per weight (larger is kept), default ``|weight|``.
+        input_dim: where ``weight`` stores its input dimension (:func:`as_matrix`).
 
     Raises:
         ValueError: if the weight's 2-D view cannot take the pattern, or sparsity is
@@ -183,32 +220,35 @@ def pattern_mask(
         >>> pattern_mask(w, "2:4")
         tensor([[False,  True,  True, False]])
     """
-    return pattern_masks([weight], pattern, sparsity, None if score is None else [score])[0]
+    return pattern_masks([weight], pattern, sparsity, None if score is None else [score],
+                         [input_dim])[0]
 
 
 def pattern_masks(
     weights: Sequence[Tensor], pattern: str | Pattern, sparsity: float | None = None,
-    scores: Sequence[Tensor] | None = None,
+    scores: Sequence[Tensor] | None = None, input_dims: Sequence[int] | None = None,
 ) -> list[Tensor]:
-    """:func:`pattern_mask` of each weight, same-shape weights ranked together: one stack and
-    one top-k call per shape instead of one per tensor (72 BERT-base weights, 3 shapes)."""
+    """:func:`pattern_mask` of each weight (``input_dims``: each one's, default 1),
+    same-shape weights ranked together: one stack and one top-k call per shape instead of
+    one per tensor (72 BERT-base weights, 3 shapes)."""
     pattern = parse_pattern(pattern)
     if sparsity is not None:
         check_sparsity(sparsity)
     elif not pattern.is_nm:
         raise ValueError(f"pattern {pattern.spec!r} needs a sparsity")
+    input_dims = _input_dims(weights, input_dims)
     by_shape: dict[tuple, list[int]] = {}
-    for i, w in enumerate(weights):
-        if (problem := pattern.shape_error(*as_matrix(w).shape)) is not None:
+    for i, (w, input_dim) in enumerate(zip(weights, input_dims, strict=True)):
+        if (problem := pattern.shape_error(*as_matrix(w, input_dim).shape)) is not None:
             raise ValueError(f"weight of shape {tuple(w.shape)} cannot take pattern "
                              f"{pattern.spec!r}: {problem}")
-        by_shape.setdefault((w.shape, w.device), []).append(i)
+        by_shape.setdefault((w.shape, w.device, input_dim), []).append(i)
     masks: list[Tensor] = [None] * len(weights)  # type: ignore[list-item]
     rows, cols = pattern.block_rows, pattern.block_cols
-    for indices in by_shape.values():
+    for (shape, _, input_dim), indices in by_shape.items():
         stack = score_stack([weights[i] for i in indices],
-                            None if scores is None else [scores[i] for i in indices])
-        blocks = pool_blocks(stack, rows, cols)  # (B, R/rows, C/cols)
+                            None if scores is None else [scores[i] for i in indices], input_dim)
+        blocks = pool_blocks(stack, rows, cols)  # (B, ceil(R/rows), ceil(C/cols))
         if pattern.is_nm:
             n = pattern.n if sparsity is None else pattern.kept_per_group(sparsity)
             select = transposable_groups_mask if pattern.transposable else nm_groups_mask
@@ -217,19 +257,21 @@ def pattern_masks(
             per_tensor = blocks[0].numel()
             block_mask = topk_rows(blocks.reshape(len(indices), per_tensor),
                                    kept_count(per_tensor, sparsity)).view(blocks.shape)
-        for i, mask in zip(indices, expand_blocks(block_mask, rows, cols), strict=True):
-            masks[i] = from_matrix(mask, weights[i].shape)
+        expanded = expand_blocks(block_mask, rows, cols, stack.shape[-2:])
+        for i, mask in zip(indices, expanded, strict=True):
+            masks[i] = from_matrix(mask, shape, input_dim)
     return masks
 
 
 def global_masks(
     weights: Sequence[Tensor], pattern: str | Pattern, sparsity: float,
-    scores: Sequence[Tensor | None] | None = None,
+    scores: Sequence[Tensor | None] | None = None, input_dims: Sequence[int] | None = None,
 ) -> list[Tensor]:
     """One magnitude threshold across all ``weights``: the globally largest blocks are kept.
 
     Exactly ``total - round(sparsity * total)`` blocks survive over all layers together
     (Han et al. 2015 prune by one global threshold); each layer's share follows its scores.
+    Blocks may overhang a weight's edge, as in :func:`pattern_mask`.
 
     Raises:
         ValueError: for N:M patterns (their count is fixed per group, not global).
@@ -239,21 +281,36 @@ def global_masks(
         raise ValueError(f"the global distribution needs an unstructured or block pattern, "
                          f"got {pattern.spec!r}")
     scores = scores or [None] * len(weights)
-    pooled = []
-    for w, s in zip(weights, scores, strict=True):
-        matrix = score_stack([w], None if s is None else [s])[0]
-        if (problem := pattern.shape_error(*matrix.shape)) is not None:
-            raise ValueError(f"weight of shape {tuple(w.shape)} cannot take pattern "
-                             f"{pattern.spec!r}: {problem}")
+    input_dims = _input_dims(weights, input_dims)
+    pooled, matrices = [], []
+    for w, s, input_dim in zip(weights, scores, input_dims, strict=True):
+        matrix = score_stack([w], None if s is None else [s], input_dim)[0]
+        matrices.append(matrix.shape)
         pooled.append(pool_blocks(matrix, pattern.block_rows, pattern.block_cols))
     flat = torch.cat([p.reshape(-1) for p in pooled])
     kept = topk_mask(flat, kept_count(flat.numel(), check_sparsity(sparsity)))
     masks = []
-    for w, p, block_mask in zip(weights, pooled, kept.split([p.numel() for p in pooled]),
-                                strict=True):
-        mask = expand_blocks(block_mask.view(p.shape), pattern.block_rows, pattern.block_cols)
-        masks.append(from_matrix(mask, w.shape))
+    for w, p, size, input_dim, block_mask in zip(
+            weights, pooled, matrices, input_dims, kept.split([p.numel() for p in pooled]),
+            strict=True):
+        mask = expand_blocks(block_mask.view(p.shape), pattern.block_rows, pattern.block_cols,
+                             size)
+        masks.append(from_matrix(mask, w.shape, input_dim))
     return masks
+
+
+def _input_dims(weights: Sequence[Tensor], input_dims: Sequence[int] | None) -> list[int]:
+    """Each weight's input dimension (default 1), checked.
+
+    Raises:
+        ValueError: not one 0 or 1 per weight.
+    """
+    if input_dims is None:
+        return [1] * len(weights)
+    if len(input_dims) != len(weights):
+        raise ValueError(f"input_dims must give one entry per weight ({len(weights)}), got "
+                         f"{len(input_dims)}")
+    return [check_input_dim(d) for d in input_dims]
 
 
 def check_sparsity(sparsity: float, name: str = "sparsity") -> float:

@@ -12,7 +12,8 @@ spec                        meaning
                             sparse; some libraries write the pruned count first)
 ``"N:M:2d"``                transposable N:M: every MxM tile keeps N per row and N
                             per column, so the transposed weight is N:M too
-``"block:RxC"``             whole blocks of R rows by C columns kept or pruned
+``"block:RxC"``             whole blocks of R rows by C columns kept or pruned (any
+                            weight shape: the last block row and column may overhang)
 ``"vector:V"``              V consecutive rows of one column (``block:Vx1``)
 ``"block:RxC+N:M"``         N of every M consecutive blocks along the input
                             dimension kept (nmSPARSE's block-wise N:M)
@@ -95,14 +96,21 @@ class Pattern:
         return min(self.m, max(self.n, int(self.m * (1.0 - sparsity) + 0.5)))
 
     def shape_error(self, rows: int, cols: int) -> str | None:
-        """Why a ``(rows, cols)`` weight view cannot take this pattern, or None."""
+        """Why a ``(rows, cols)`` weight view cannot take this pattern, or None.
+
+        Block patterns without N:M take any shape: the last block row and column may hang
+        over the edge (a clipped block is kept or pruned whole, as in ``BlockSparseLinear``).
+        N:M patterns need whole groups: rows a multiple of the block's rows (and of M when
+        transposable), input features a multiple of M x block columns.
+        """
+        if not self.is_nm:
+            return None
         problems = []
         if rows % self.block_rows:
             problems.append(f"{rows} rows are not a multiple of the block's {self.block_rows}")
-        group_cols = self.block_cols * (self.m or 1)
+        group_cols = self.block_cols * self.m
         if cols % group_cols:
-            what = "M x block columns" if self.m and self.block_cols > 1 else (
-                "M" if self.m else "the block's columns")
+            what = "M x block columns" if self.block_cols > 1 else "M"
             problems.append(f"{cols} input features are not a multiple of {what} = {group_cols}")
         if self.transposable and rows % self.m:
             problems.append(f"{rows} rows are not a multiple of M = {self.m} (transposable tiles)")

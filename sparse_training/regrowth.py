@@ -48,38 +48,46 @@ def random_scores(shape: torch.Size, seed: int, step: int, layer: int,
 
 def drop_and_grow(masks: Sequence[Tensor], weights: Sequence[Tensor],
                   grow_scores: Sequence[Tensor], pattern: Pattern, fraction: float,
-                  kept: Sequence[int] | None = None) -> list[Tensor]:
+                  kept: Sequence[int] | None = None, input_dims: Sequence[int] | None = None,
+                  ) -> list[Tensor]:
     """Swap ``fraction`` of each group's active blocks: drop the smallest |w|, grow the
     largest |grow score| among the rest; every group keeps exactly its count.
 
-    The blocks are the pattern's blocks (whole blocks move together); the groups are its N:M
-    groups, or the whole tensor for unstructured and block patterns. A block dropped and
-    grown back in the same update stays active, so it keeps its value. Tensors of one shape
-    and one count are ranked together (one stack and two top-k calls per shape).
+    The blocks are the pattern's blocks (whole blocks move together, overhanging ones
+    included); the groups are its N:M groups, or the whole tensor for unstructured and
+    block patterns. A block dropped and grown back in the same update stays active, so it
+    keeps its value. Tensors of one shape and one count are ranked together (one stack and
+    two top-k calls per shape).
 
     Args:
         masks, weights, grow_scores: one entry per tensor.
         kept: each ``mask.sum()`` if the caller has them (counting here is a device sync).
+        input_dims: where each tensor stores its input dimension (default 1,
+            :func:`~sparse_training.masks.as_matrix`).
 
     Returns:
         The new bool masks, shaped like the weights.
     """
     kept = list(kept) if kept is not None else [int(m.sum()) for m in masks]
-    by_shape: dict[tuple, list[int]] = {}
-    for i, mask in enumerate(masks):
-        by_shape.setdefault((mask.shape, mask.device, kept[i]), []).append(i)
+    input_dims = input_dims or [1] * len(masks)
     rows, cols = pattern.block_rows, pattern.block_cols
+    by_shape: dict[tuple, list[int]] = {}
+    for i, (mask, dim) in enumerate(zip(masks, input_dims, strict=True)):
+        by_shape.setdefault((mask.shape, mask.device, dim, _kept_blocks(mask, kept[i], pattern,
+                                                                        dim)), []).append(i)
     new: list[Tensor] = [None] * len(masks)  # type: ignore[list-item]
-    for (_, _, count), indices in by_shape.items():
-        magnitude = pool_blocks(score_stack([weights[i] for i in indices]), rows, cols)
-        growth = pool_blocks(score_stack([grow_scores[i] for i in indices]), rows, cols)  # |g|
-        active = pool_blocks(torch.stack([as_matrix(masks[i]) for i in indices]).float(),
-                             rows, cols) > 0  # (B, R/rows, C/cols)
+    for (_, _, dim, count), indices in by_shape.items():
+        magnitude = pool_blocks(score_stack([weights[i] for i in indices], input_dim=dim),
+                                rows, cols)
+        growth = pool_blocks(score_stack([grow_scores[i] for i in indices], input_dim=dim),
+                             rows, cols)  # |g|
+        matrices = torch.stack([as_matrix(masks[i], dim) for i in indices])
+        active = pool_blocks(matrices.float(), rows, cols) > 0  # (B, blocks down, across)
         # groups: N:M groups of M blocks, or each tensor's blocks as one group
         size = pattern.m if pattern.is_nm else active[0].numel()
         active_g, magnitude_g, growth_g = (t.reshape(-1, size) for t in (active, magnitude,
                                                                            growth))
-        per_group = count // (rows * cols * (active_g.shape[0] // len(indices)))
+        per_group = count // (active_g.shape[0] // len(indices))
         swaps = int(fraction * per_group + 0.5)
         if swaps == 0:
             for i in indices:
@@ -92,10 +100,23 @@ def drop_and_grow(masks: Sequence[Tensor], weights: Sequence[Tensor],
         grow = torch.where(still, -torch.inf, growth_g)
         grown = torch.zeros_like(active_g).scatter_(
             1, grow.topk(swaps, dim=1, sorted=False).indices, True)
-        new_blocks = expand_blocks((still | grown).reshape(active.shape), rows, cols)
+        new_blocks = expand_blocks((still | grown).reshape(active.shape), rows, cols,
+                                   matrices.shape[-2:])
         for i, mask in zip(indices, new_blocks, strict=True):
-            new[i] = from_matrix(mask, masks[i].shape)
+            new[i] = from_matrix(mask, masks[i].shape, dim)
     return new
+
+
+def _kept_blocks(mask: Tensor, kept: int, pattern: Pattern, input_dim: int) -> int:
+    """Kept blocks of ``mask`` (``kept`` entries): ``kept / (R C)`` when the blocks tile the
+    weight, else counted on the block grid (overhanging blocks hold fewer entries; one
+    device sync, for such tensors only)."""
+    rows, cols = as_matrix(mask, input_dim).shape
+    if rows % pattern.block_rows == 0 and cols % pattern.block_cols == 0:
+        return kept // (pattern.block_rows * pattern.block_cols)
+    blocks = pool_blocks(as_matrix(mask, input_dim).float(), pattern.block_rows,
+                         pattern.block_cols)
+    return int((blocks > 0).sum())
 
 
 def sr_ste_gradient(grad: Tensor, dense_weight: Tensor, mask: Tensor, decay: float) -> None:

@@ -8,17 +8,23 @@ dimensions, tied ones once), in this order:
 2. ``deny``: a regex found in any of the tensor's names keeps it dense;
 3. ``allow``: when given, only tensors with a name matching one of them;
 4. ``overrides``: the first regex matching a name sets the pattern and/or sparsity
-   (explicit per-tensor settings win over the next two rules);
+   (explicit per-tensor settings win over the next two rules); the names of a tied tensor
+   must agree on one setting;
 5. ``dense_ratio``: the first fraction of the eligible *blocks* stays dense, a block
    being the repeated unit that owns the tensor (the name up to its first numeric part:
    ``encoder.layer.0`` for BERT, ``net.2`` in a ``Sequential``);
-6. **shape**: a tensor whose 2-D view cannot take its pattern, or an N:M tensor with fewer
-   outputs than M (a task head, such as a 2-output QA head), stays dense; a tensor named
-   by ``allow`` or ``overrides`` raises instead.
+6. **shape**: a tensor whose 2-D view cannot take its N:M pattern (block patterns take
+   any shape, the last blocks overhanging), or whose target keeps none of its blocks,
+   stays dense, and so does a task head: fewer outputs than M under N:M (a 2-output QA
+   head), fewer rows than the block under a block pattern. A tensor named by ``allow`` or
+   ``overrides`` raises instead for the first two, and is pruned for the third.
 
 Regexes are searched (``re.search``) in the qualified tensor names, e.g.
 ``bert.encoder.layer.0.attention.self.query.weight``; every regex must match some
-weight-like tensor. The result is a list of :class:`TensorPlan`, the setup table's rows.
+weight-like tensor, every ``allow`` and ``overrides`` regex one that rules 1-3 leave
+eligible (or a compressed layer's), and every ``overrides`` regex one that no earlier
+override takes. The result is a
+list of :class:`TensorPlan`, the setup table's rows.
 """
 
 from __future__ import annotations
@@ -26,13 +32,13 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from torch import nn
 
 from sparse_training.distributions import PER_LAYER
-from sparse_training.masks import as_matrix
+from sparse_training.masks import as_matrix, block_grid, kept_count
 from sparse_training.patcher import COMPRESSED_LAYERS
 from sparse_training.patterns import Pattern
 from sparse_training.tensors import WeightTensor, find_weight_tensors
@@ -64,6 +70,8 @@ class TensorPlan:
         reason: why it is selected or skipped.
         pattern: the tensor's pattern (selected tensors).
         sparsity: final target; None under the global distribution.
+        input_dim: where the tensor stores its input dimension (1: ``(out, in, ...)``, 0:
+            ``(in, out, ...)``, HF ``Conv1D``), which its masks group along.
     """
 
     names: tuple[str, ...]
@@ -73,6 +81,7 @@ class TensorPlan:
     reason: str
     pattern: Pattern | None = None
     sparsity: float | None = None
+    input_dim: int = 1
 
     @property
     def name(self) -> str:
@@ -111,15 +120,121 @@ def _final_sparsity(pattern: Pattern, sparsity: float | None) -> float | None:
 
 
 def _shape_problem(tensor: WeightTensor, pattern: Pattern) -> str | None:
-    return pattern.shape_error(*as_matrix(tensor.param).shape)
+    return pattern.shape_error(*as_matrix(tensor.param, tensor.input_dim).shape)
 
 
 def _head_problem(tensor: WeightTensor, pattern: Pattern) -> str | None:
-    outputs = tensor.param.shape[0]
-    if pattern.is_nm and outputs < pattern.m:
-        return (f"{outputs} outputs < M = {pattern.m}: a task head? name it in allow or "
-                f"overrides to prune it")
+    """Why an unnamed tensor looks like a task head too small for the pattern, or None."""
+    if pattern.is_nm:
+        outputs = tensor.param.shape[1 - tensor.input_dim]
+        if outputs < pattern.m:
+            return (f"{outputs} outputs < M = {pattern.m}: a task head? name it in allow or "
+                    f"overrides to prune it")
+        return None
+    rows = as_matrix(tensor.param, tensor.input_dim).shape[0]
+    if rows < pattern.block_rows:
+        return (f"{rows} rows < the block's {pattern.block_rows}: a task head? name it in "
+                f"allow or overrides to prune it")
     return None
+
+
+def _empty_problem(plan: TensorPlan) -> str | None:
+    """Why a selected tensor's final target keeps none of its blocks, or None."""
+    pattern, target = plan.pattern, plan.sparsity
+    if pattern.is_nm or target is None:
+        return None
+    matrix = (math.prod(plan.shape) // plan.shape[plan.input_dim], plan.shape[plan.input_dim])
+    blocks = math.prod(block_grid(*matrix, pattern))
+    if kept_count(blocks, target) > 0:
+        return None
+    unit = "weights" if pattern.block_rows * pattern.block_cols == 1 else "blocks"
+    return (f"pattern {pattern.spec!r} at sparsity {target:g} keeps none of its {blocks} "
+            f"{unit} (round({target:g} x {blocks}) = {blocks} pruned): the tensor would be "
+            f"all zeros")
+
+
+def _layout_problem(tensor: WeightTensor, pattern: Pattern) -> str | None:
+    """Why a tensor tied across layouts cannot take a structured pattern, or None."""
+    if len(set(tensor.input_dims)) == 1 or (
+            not pattern.is_nm and pattern.block_rows * pattern.block_cols == 1):
+        return None
+    owners = ", ".join(f"{name!r} ({type(module).__name__}, input dim {dim})" for name,
+                       (module, _), dim in zip(tensor.names, tensor.owners, tensor.input_dims,
+                                               strict=True))
+    return (f"tensor {tensor.name!r} is tied across layouts: {owners}; pattern "
+            f"{pattern.spec!r} groups along one input dimension: use 'unstructured' for it "
+            f"(an override), untie the weights, or deny the tensor")
+
+
+def _setting(regex: str | None, overrides: Mapping[str, LayerOverride], pattern: Pattern,
+             sparsity: float | None, distribution: str) -> tuple[str, float | str | None]:
+    """The (pattern, final target) a name gets from override ``regex`` (None: model-wide)."""
+    if regex is None:
+        uniform = pattern.is_nm or distribution == "uniform"
+        return pattern.spec, _final_sparsity(pattern, sparsity) if uniform else distribution
+    override = overrides[regex]
+    layer_pattern = override.pattern or pattern
+    if override.sparsity == 0.0:  # kept dense, whatever the pattern
+        return layer_pattern.spec, 0.0
+    target = sparsity if override.sparsity is None else override.sparsity
+    return layer_pattern.spec, _final_sparsity(layer_pattern, target)
+
+
+def _tensor_override(tensor: WeightTensor, overrides: Mapping[str, LayerOverride],
+                     pattern: Pattern, sparsity: float | None, distribution: str
+                     ) -> tuple[str | None, set[str]]:
+    """The override regex that sets ``tensor`` (the first matching any name, None if none)
+    and every regex matching one of its names first.
+
+    Raises:
+        ValueError: the names of a tied tensor get different settings (one mask covers
+            them all), naming both names and both settings.
+    """
+    by_name = {name: _first_match(list(overrides), [name]) for name in tensor.names}
+    settings = {name: _setting(regex, overrides, pattern, sparsity, distribution)
+                for name, regex in by_name.items()}
+
+    def said(name: str) -> str:
+        regex, (spec, target) = by_name[name], settings[name]
+        where = "the model-wide setting" if regex is None else f"overrides[{regex!r}]"
+        return f"{name!r} takes {where}: pattern {spec!r}, sparsity {target}"
+
+    first, *others = tensor.names
+    for other in others:
+        if settings[other] != settings[first]:
+            every = "|".join(tensor.names)
+            raise ValueError(
+                f"tied tensor (one Parameter, one mask) gets two settings: {said(first)}; "
+                f"{said(other)}. Give its names one setting: an override whose regex matches "
+                f"every name (e.g. {every!r}), or deny the tensor")
+    used = {regex for regex in by_name.values() if regex is not None}
+    return _first_match(list(overrides), tensor.names), used
+
+
+def _check_regexes_reach(kind: str, regexes: Sequence[str], tensors: Sequence[WeightTensor],
+                         rows: Sequence[TensorPlan | None], reached: set[int],
+                         used: set[str] | None = None) -> None:
+    """Every ``allow``/``overrides`` regex must match a tensor that rules 1-3 leave eligible
+    or that is compressed (``reached``), and (``used`` given) every override regex matching
+    an eligible tensor must set one.
+
+    Raises:
+        ValueError: naming the regex and why the tensors it matches are not reached.
+    """
+    for regex in regexes:
+        matched = [i for i, t in enumerate(tensors) if any(re.search(regex, n) for n in t.names)]
+        if not reached.intersection(matched):
+            shown = "; ".join(f"{tensors[i].name!r} ({rows[i].reason})" for i in matched[:4])
+            raise ValueError(f"{kind} regex {regex!r} matches only tensors that earlier rules "
+                             f"skip: {shown}{'; ...' if len(matched) > 4 else ''}. Widen "
+                             f"layer_types, narrow deny/allow, or remove the regex")
+        eligible = [tensors[i] for i in matched if rows[i] is None]
+        if used is not None and eligible and regex not in used:
+            earlier = _first_match(list(regexes), eligible[0].names)
+            raise ValueError(f"overrides regex {regex!r} never applies: every eligible tensor "
+                             f"it matches (e.g. {eligible[0].name!r}) takes the earlier "
+                             f"override {earlier!r} (the first matching regex wins); put "
+                             f"{regex!r} first or narrow {earlier!r}")
 
 
 def plan_tensors(
@@ -138,8 +253,10 @@ def plan_tensors(
 
     Raises:
         ValueError: an ``allow``, ``deny`` or ``overrides`` regex that matches no weight
-            tensor, or a tensor named by ``allow``/``overrides`` that cannot take its
-            pattern.
+            tensor, an ``allow``/``overrides`` regex that reaches no eligible one or (an
+            override) is taken over by an earlier one, tied names given different
+            settings, or a tensor named by ``allow``/``overrides`` that cannot take its
+            pattern or would keep no block; all before anything changes.
     """
     overrides = dict(overrides or {})
     all_names = [n for t in tensors for n in t.names]
@@ -152,12 +269,14 @@ def plan_tensors(
         if len(tensor.names) > 1:
             reason += f" (tied: {', '.join(tensor.names[1:])})"
         return TensorPlan(tensor.names, tensor.kind, tuple(tensor.param.shape), selected,
-                          reason, layer_pattern, target)
+                          reason, layer_pattern, target, tensor.input_dim)
 
     rows: list[TensorPlan | None] = []
     eligible: list[int] = []
+    compressed: set[int] = set()  # reached by allow and overrides (at compression)
     for tensor in tensors:
         if any(isinstance(module, COMPRESSED_LAYERS) for module, _ in tensor.owners):
+            compressed.add(len(rows))
             rows.append(row(tensor, False, f"compressed: {tensor.kind} holds its own "
                                            f"sparsity"))
         elif not any(isinstance(module, layer_types) for module, _ in tensor.owners):
@@ -169,30 +288,40 @@ def plan_tensors(
         else:
             eligible.append(len(rows))
             rows.append(None)
+    reached = compressed.union(eligible)
+    _check_regexes_reach("allow", allow, tensors, rows, reached)
+    settings = {i: _tensor_override(tensors[i], overrides, pattern, sparsity, distribution)
+                for i in eligible}
+    _check_regexes_reach("overrides", list(overrides), tensors, rows, reached,
+                         set().union(*(used for _, used in settings.values())))
 
     blocks = list(dict.fromkeys(block_of(tensors[i].name) for i in eligible))
     dense_blocks = set(blocks[: math.floor(dense_ratio * len(blocks) + 0.5)])
     following: list[int] = []  # selected tensors that take the model-wide target
+    named: set[int] = set()
     for index in eligible:
         tensor = tensors[index]
-        override_regex = _first_match(list(overrides), tensor.names)
+        override_regex = settings[index][0]
         override = overrides.get(override_regex, LayerOverride())
         layer_pattern = override.pattern or pattern
-        named = override_regex is not None or _first_match(allow, tensor.names) is not None
+        if override_regex is not None or _first_match(allow, tensor.names) is not None:
+            named.add(index)
         if override_regex is None and block_of(tensor.name) in dense_blocks:
             rows[index] = row(tensor, False, f"dense_ratio {dense_ratio}: block "
                               f"{block_of(tensor.name)!r} is one of the first "
                               f"{len(dense_blocks)} of {len(blocks)} blocks")
         elif override.sparsity == 0.0:
             rows[index] = row(tensor, False, f"override {override_regex!r}: sparsity 0")
-        elif (problem := _shape_problem(tensor, layer_pattern)) and named:
+        elif problem := _layout_problem(tensor, layer_pattern):
+            raise ValueError(problem)
+        elif (problem := _shape_problem(tensor, layer_pattern)) and index in named:
             raise ValueError(f"tensor {tensor.name!r} (shape {tuple(tensor.param.shape)}) was "
                              f"asked for by name but cannot take pattern "
                              f"{layer_pattern.spec!r}: {problem}")
         elif problem:
             rows[index] = row(tensor, False, f"shape cannot take {layer_pattern.spec!r}: "
                                              f"{problem}")
-        elif not named and (problem := _head_problem(tensor, layer_pattern)):
+        elif index not in named and (problem := _head_problem(tensor, layer_pattern)):
             rows[index] = row(tensor, False, problem)
         elif override_regex is not None:
             target = sparsity if override.sparsity is None else override.sparsity
@@ -209,10 +338,15 @@ def plan_tensors(
         else:  # "global": one threshold at every update, no fixed per-tensor value
             targets = [None] * len(following)
         for index, target in zip(following, targets, strict=True):
-            old = rows[index]
-            rows[index] = TensorPlan(old.names, old.kind, old.shape, True,
-                                     old.reason.replace("selected", f"selected ({distribution})",
-                                                        1), old.pattern, target)
+            rows[index] = replace(rows[index], sparsity=target, reason=rows[index].reason.replace(
+                "selected", f"selected ({distribution})", 1))
+    for index in eligible:
+        if rows[index].selected and (problem := _empty_problem(rows[index])):
+            if index in named:
+                raise ValueError(f"tensor {rows[index].name!r} (shape {rows[index].shape}) "
+                                 f"was asked for by name but {problem}; lower its sparsity "
+                                 f"or use smaller blocks")
+            rows[index] = row(tensors[index], False, problem)
     return rows
 
 

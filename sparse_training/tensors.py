@@ -13,6 +13,11 @@ A *weight-like tensor* is a parameter of two or more dimensions, whatever its na
   weight norm). :func:`zeros_problem` checks that zeros of the original stay zeros of
   the forward weight: true for spectral norm, for weight norm unless a whole row is zero
   (it divides by the row's norm), not in general.
+
+Each tensor also records where its owners store the input (reduction) dimension
+(:func:`input_dim_of`): dim 1 for ``(out, in, ...)`` weights, dim 0 for HF ``Conv1D``'s
+``(in, out)`` and ``nn.ConvTranspose*d``'s ``(in, out / groups, *kernel)``; N:M groups and
+block columns run along it (:func:`sparse_training.masks.as_matrix`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,11 @@ from torch.nn.utils import parametrize
 
 from sparse_training.sharding import FSDPModule
 
+# module classes that store their weight input-first, ``(in, out)``, by qualified name (the
+# core imports no model library): Hugging Face's Conv1D (GPT-2, GPT, CTRL), y = x W + b
+INPUT_FIRST_CLASSES = frozenset({"transformers.pytorch_utils.Conv1D",
+                                 "transformers.modeling_utils.Conv1D"})
+
 
 @dataclass(frozen=True, eq=False)
 class WeightTensor:
@@ -40,12 +50,15 @@ class WeightTensor:
         store: the (module, attribute) holding the stored parameter (the original of a
             parametrized weight); the mask buffer is registered beside it.
         parametrized: whether the forward weight is computed from ``store``.
+        input_dims: each owner's :func:`input_dim_of` (they differ only for a tensor tied
+            across layouts, which selection refuses for structured patterns).
     """
 
     names: tuple[str, ...]
     owners: tuple[tuple[nn.Module, str], ...]
     store: tuple[nn.Module, str]
     parametrized: bool
+    input_dims: tuple[int, ...]
 
     @property
     def name(self) -> str:
@@ -56,6 +69,12 @@ class WeightTensor:
         """The stored parameter: what the optimizer updates and the mask covers."""
         module, attr = self.store
         return module._parameters[attr]
+
+    @property
+    def input_dim(self) -> int:
+        """Where the first owner stores the input dimension: 1 ``(out, in, ...)``, 0
+        ``(in, out, ...)``."""
+        return self.input_dims[0]
 
     @property
     def kind(self) -> str:
@@ -72,6 +91,20 @@ class WeightTensor:
             return getattr(module, attr)
         with torch.no_grad(), _eval(module.parametrizations[attr]):
             return getattr(module, attr)
+
+
+def input_dim_of(module: nn.Module) -> int:
+    """Where ``module`` stores the input (reduction) dimension of its weights.
+
+    0 for input-first layouts: HF ``Conv1D`` (``(in, out)``, ``y = x W + b``) and
+    ``nn.ConvTranspose*d`` (``(in, out / groups, *kernel)``); 1 for everything else:
+    ``(out, in, ...)`` as in Linear, Conv, RNN and attention weights, and embeddings
+    ``(num, dim)`` (a tied LM head reads them as ``(vocab, hidden)``).
+    """
+    if isinstance(module, nn.modules.conv._ConvTransposeNd):
+        return 0
+    classes = {f"{c.__module__}.{c.__qualname__}" for c in type(module).__mro__}
+    return 0 if classes & INPUT_FIRST_CLASSES else 1
 
 
 def original_class(cls: type) -> type:
@@ -128,7 +161,8 @@ def find_weight_tensors(model: nn.Module) -> list[WeightTensor]:
     """Every weight-like tensor of ``model``, in module order, ties merged by identity.
 
     Raises:
-        ValueError: a parametrized weight whose stored originals are ambiguous.
+        ValueError: a parametrized weight whose stored originals are ambiguous, or a
+            parameter not initialized yet (a lazy module before its first forward).
     """
     names: dict[int, list[str]] = {}
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -136,6 +170,7 @@ def find_weight_tensors(model: nn.Module) -> list[WeightTensor]:
     for module_name, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, parametrize.ParametrizationList):
             continue  # its originals are listed under their forward names
+        _check_initialized(module_name, module)
         entries = [(_join(module_name, attr), attr, (module, attr), False)
                    for attr, p in module._parameters.items() if p is not None and p.dim() >= 2]
         entries += [(name, attr, (module.parametrizations[attr], original), True)
@@ -145,7 +180,20 @@ def find_weight_tensors(model: nn.Module) -> list[WeightTensor]:
             names.setdefault(key, []).append(name)
             owners.setdefault(key, []).append((module, attr))
             stores.setdefault(key, (store, is_parametrized))
-    return [WeightTensor(tuple(names[k]), tuple(owners[k]), *stores[k]) for k in names]
+    return [WeightTensor(tuple(names[k]), tuple(owners[k]), *stores[k],
+                         tuple(input_dim_of(module) for module, _ in owners[k])) for k in names]
+
+
+def _check_initialized(module_name: str, module: nn.Module) -> None:
+    """Raise ValueError naming the first parameter of ``module`` that a lazy module has not
+    initialized yet: its shape, so whether it is a weight, is unknown until a forward."""
+    for attr, param in module._parameters.items():
+        if isinstance(param, nn.parameter.UninitializedParameter):
+            raise ValueError(
+                f"parameter {_join(module_name, attr)!r} of {type(module).__name__} is not "
+                f"initialized yet (a lazy module): its shape is unknown until the first "
+                f"forward; run one forward pass with a real batch before fit (e.g. in "
+                f"__init__ or configure_model), or give the layer its input size")
 
 
 @torch.no_grad()

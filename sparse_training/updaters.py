@@ -112,14 +112,16 @@ class ScheduledMasks:
         if pooled:
             masks = global_masks([s.full_param() for s in pooled], self.config.parsed_pattern,
                                  self.config.sparsity * fraction,
-                                 [self.score(engine, s, step) for s in pooled])
+                                 [self.score(engine, s, step) for s in pooled],
+                                 [s.plan.input_dim for s in pooled])
             new_masks.update({s.name: m for s, m in zip(pooled, masks, strict=True)})
         fixed = [s for s in engine.slots if s.plan.sparsity is not None]
         for (pattern, target), indices in _by_target(fixed).items():  # one ranking per shape
             group = [fixed[i] for i in indices]
             scores = [self.score(engine, s, step) for s in group]
             masks = pattern_masks([s.full_param() for s in group], pattern, target * fraction,
-                                  None if scores[0] is None else scores)
+                                  None if scores[0] is None else scores,
+                                  [s.plan.input_dim for s in group])
             new_masks.update({s.name: m for s, m in zip(group, masks, strict=True)})
         engine.set_masks(new_masks, step, broadcast=created)
         self.target = engine.masked_final_sparsity * fraction
@@ -229,7 +231,8 @@ class DropAndGrow(ScheduledMasks):
             group = [slots[masked[i]] for i in indices]
             masks = drop_and_grow([s.full_mask() for s in group], [s.full_param() for s in group],
                                   [self.grow_score(engine, s, step) for s in group], pattern,
-                                  fraction, [kept[masked[i]] for i in indices])
+                                  fraction, [kept[masked[i]] for i in indices],
+                                  [s.plan.input_dim for s in group])
             new_masks.update({s.name: m for s, m in zip(group, masks, strict=True)})
         if new_masks:
             engine.set_masks(new_masks, step, broadcast=False)
@@ -306,7 +309,8 @@ class SparseRefinedSTE(ScheduledMasks):
         masks = {}
         for (pattern, target), indices in _by_target(engine.slots).items():
             group = [engine.slots[i] for i in indices]
-            found = pattern_masks([s.param for s in group], pattern, target * fraction)
+            found = pattern_masks([s.param for s in group], pattern, target * fraction,
+                                  input_dims=[s.plan.input_dim for s in group])
             masks.update({s.name: m for s, m in zip(group, found, strict=True)})
         check = created or (step - self.schedule.start) % self.schedule.frequency == 0
         engine.set_masks(masks, step, broadcast=created, reset_state=False, check=check)

@@ -109,7 +109,7 @@ class MaskAudit(Callback):
         self.updates += 1
         fraction = engine.updater.schedule.fraction(trainer.global_step)
         for slot in engine.slots:
-            pattern, mask = slot.plan.pattern, as_matrix(slot.mask)
+            pattern, mask = slot.plan.pattern, as_matrix(slot.mask, slot.plan.input_dim)
             if pattern.is_nm:
                 kept = pattern.kept_per_group(slot.plan.sparsity * fraction)
                 blocks = pool_blocks(mask.float(), pattern.block_rows, pattern.block_cols)

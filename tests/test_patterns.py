@@ -41,6 +41,16 @@ def test_kept_per_group_ramps_to_n():
 def test_shape_error_messages():
     assert parse_pattern("2:4").shape_error(8, 6) == (
         "6 input features are not a multiple of M = 4")
-    assert parse_pattern("block:4x4").shape_error(6, 8) == (
+    assert parse_pattern("block:2x2+2:4").shape_error(6, 12) == (
+        "12 input features are not a multiple of M x block columns = 8")
+    assert parse_pattern("vector:4+1:4").shape_error(6, 8) == (
         "6 rows are not a multiple of the block's 4")
+    assert parse_pattern("2:4:2d").shape_error(6, 8) == (
+        "6 rows are not a multiple of M = 4 (transposable tiles)")
     assert parse_pattern("unstructured").shape_error(7, 3) is None
+
+
+@pytest.mark.parametrize("spec", ["block:4x4", "block:16x16", "vector:8", "unstructured"])
+@pytest.mark.parametrize("shape", [(6, 8), (3, 64), (10, 30), (1, 1), (17, 5)])
+def test_block_patterns_take_any_shape_their_last_blocks_overhanging(spec, shape):
+    assert parse_pattern(spec).shape_error(*shape) is None

@@ -43,6 +43,44 @@ def test_drop_and_grow_keeps_exact_counts(data, spec, fraction):
         assert ((blocks == 0) | (blocks == pattern.block_rows * pattern.block_cols)).all()
 
 
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 12), cols=st.integers(1, 12), block=st.integers(2, 5),
+       fraction=st.floats(0.01, 1.0), seed=st.integers(0, 2**31))
+def test_drop_and_grow_moves_whole_overhanging_blocks(rows, cols, block, fraction, seed):
+    """Blocks the weight's edge clips move whole; the block count stays; the swap count is
+    the share of kept blocks (not of kept entries, which clipped blocks hold fewer of)."""
+    from sparse_training import pattern_mask
+
+    pattern = parse_pattern(f"block:{block}x{block}")
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, cols, generator=g, dtype=torch.float64)
+    mask = pattern_mask(weight, pattern, 0.5)
+    # growth prefers every pruned block to a dropped one: exactly the swap count moves
+    grad = (torch.rand(rows, cols, generator=g, dtype=torch.float64) + 1).masked_fill(mask, 0)
+    (new,) = drop_and_grow([mask], [weight.masked_fill(~mask, 0)], [grad], pattern, fraction)
+    blocks = [(slice(i, i + block), slice(j, j + block)) for i in range(0, rows, block)
+              for j in range(0, cols, block)]
+    assert all(new[b].all() or not new[b].any() for b in blocks)
+    kept_before = sum(bool(mask[b].all()) for b in blocks)
+    kept_after = [b for b in blocks if new[b].all()]
+    assert len(kept_after) == kept_before
+    moved = sum(not mask[b].all() for b in kept_after)
+    assert moved == int(fraction * kept_before + 0.5)
+
+
+def test_drop_and_grow_input_first_groups_along_dim_0():
+    pattern = parse_pattern("2:4")
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(16, 6, generator=g)  # (in, out)
+    from sparse_training import pattern_mask
+
+    mask = pattern_mask(weight, pattern, input_dim=0)
+    grad = torch.randn(16, 6, generator=g)
+    (new,) = drop_and_grow([mask], [weight.masked_fill(~mask, 0)], [grad], pattern, 1.0,
+                           input_dims=[0])
+    assert (new.T.reshape(6, 4, 4).sum(-1) == 2).all() and not torch.equal(new, mask)
+
+
 def test_rigl_drops_smallest_and_grows_largest_gradient():
     mask = torch.tensor([[True, True, True, True, False, False, False, False]])
     weight = torch.tensor([[4.0, -3.0, 0.1, 2.0, 0, 0, 0, 0]])

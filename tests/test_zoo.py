@@ -12,7 +12,8 @@ from torch import nn
 from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 from torch.utils.data import DataLoader, TensorDataset
 
-from sparse_training import SparsityCallback
+from sparse_training import BlockSparseLinear, SparsityCallback, SparsityConfig, SparsityEngine
+from sparse_training.compression import compress_selected
 
 VOCAB, CLASSES = 32, 4
 
@@ -82,6 +83,22 @@ class Bert(nn.Module):
         return self.head(self.bert(input_ids=tokens).last_hidden_state[:, 0])
 
 
+class GPT2(nn.Module):
+    """HF GPT-2 from a config: its attention and MLP are ``Conv1D`` (weights stored (in,
+    out), y = x W + b), its LM head is tied to the token embedding."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        self.gpt2 = GPT2LMHeadModel(GPT2Config(
+            n_layer=1, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=16, bos_token_id=0,
+            eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+    def forward(self, tokens):
+        return self.gpt2(input_ids=tokens).logits[:, -1]
+
+
 class Normed(nn.Module):
     """Linear layers under weight norm (w = g v / ||v||, the mask on v) or spectral norm."""
 
@@ -132,6 +149,7 @@ MODELS = {
     "cnn-batchnorm": lambda: Zoo(ConvBN(), "images"),
     "lstm": lambda: Zoo(Recurrent(), "tokens"),
     "hf-bert": lambda: Zoo(Bert(), "tokens"),
+    "hf-gpt2": lambda: Zoo(GPT2(), "tokens"),
     "weight-norm": lambda: Zoo(Normed(weight_norm), "vector"),
     "spectral-norm": lambda: Zoo(Normed(spectral_norm), "vector"),
     "tied-lm": lambda: Zoo(TiedLM(), "tokens"),
@@ -144,7 +162,9 @@ PATTERNS = {
     "rigl": dict(pattern="unstructured", sparsity=0.8, schedule="constant", score="random",
                  regrow="rigl", frequency=2, regrow_end=1.0),
 }
-DENY = {"hf-bert": ["pooler"]}  # unused by the loss: no gradient
+CONV1D_TYPES = ["Linear", "transformers.pytorch_utils.Conv1D"]
+SETTINGS = {"hf-bert": dict(deny=["pooler"]),  # unused by the loss: no gradient
+            "hf-gpt2": dict(layer_types=CONV1D_TYPES)}
 
 
 def loader(kind: str) -> DataLoader:
@@ -161,7 +181,7 @@ def loader(kind: str) -> DataLoader:
 def test_reported_sparsity_is_the_forward_weights_sparsity(model_name, pattern):
     model = MODELS[model_name]()
     sparse = SparsityCallback(**PATTERNS[pattern], log_layers=True,
-                              deny=DENY.get(model_name))
+                              **SETTINGS.get(model_name, {}))
     audit = MaskAudit(sparse)
     if model_name == "weight-norm" and pattern != "2:4":
         # a pruned whole row would make weight norm divide by zero: refused, named
@@ -211,3 +231,119 @@ def test_a_compiled_inner_module():
     make_trainer([sparse, audit], max_epochs=2, log_every_n_steps=1).fit(model, loader("tokens"))
     assert sparse.engine.slots[0].name == "body._orig_mod.encoder.layers.0.self_attn.in_proj_weight"
     assert audit.updates >= 3 and sparse.engine.sparsity == pytest.approx(0.8, abs=0.01)
+
+
+def _groups(mask: torch.Tensor, reduction_dim: int, m: int) -> torch.Tensor:
+    """Kept entries in each group of m consecutive entries along the reduction dimension."""
+    return mask.movedim(reduction_dim, -1).reshape(-1, m).sum(-1)
+
+
+class GroupAudit(pl.Callback):
+    """After every step: each selected tensor keeps exactly 2 of every 4 consecutive weights
+    along the dimension its layer reduces over (Conv1D's first, the others' second), its
+    pruned weights are zero, and its mask is the one set at step 0."""
+
+    def __init__(self, sparse: SparsityCallback) -> None:
+        self.sparse, self.first, self.steps = sparse, {}, 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps += 1
+        for slot in self.sparse.engine.slots:
+            reduction = 0 if slot.plan.kind == "Conv1D" else 1
+            assert (_groups(slot.mask, reduction, 4) == 2).all(), slot.name
+            assert not slot.forward_weight()[~slot.mask].any(), slot.name
+            first = self.first.setdefault(slot.name, slot.mask.clone())
+            assert torch.equal(first, slot.mask), slot.name
+
+
+def test_gpt2_conv1d_keeps_2_of_4_along_its_inputs_while_training():
+    """GPT-2's Conv1D weights are stored (in, out): 2:4 groups run along dim 0, the inputs
+    the forward's ``x @ W`` reduces over (before issue 22 they ran along the outputs)."""
+    model = Zoo(GPT2(), "tokens")
+    sparse = SparsityCallback("2:4", layer_types=CONV1D_TYPES)
+    audit = GroupAudit(sparse)
+    make_trainer([sparse, audit], max_steps=3).fit(model, loader("tokens"))
+    kinds = {s.name: s.plan.kind for s in sparse.engine.slots}
+    assert sorted(kinds.values()) == ["Conv1D"] * 4 + ["Embedding"]  # wte, tied to lm_head
+    assert audit.steps == 3
+    c_attn = model.body.gpt2.transformer.h[0].attn.c_attn.weight  # (64 in, 192 out)
+    assert c_attn.shape == (64, 192)
+    assert ((c_attn != 0).T.reshape(192, 16, 4).sum(-1) <= 2).all()
+
+
+class Overhung(nn.Module):
+    """Linear layers whose weights 16x16 blocks overhang: 40x30 and 4x40 (a head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 30)
+        self.hidden = nn.Linear(30, 40)
+        self.head = nn.Linear(40, CLASSES)
+
+    def forward(self, tokens):
+        return self.head(torch.relu(self.hidden(self.embed(tokens).mean(1))))
+
+
+def _clipped(mask: torch.Tensor) -> list[torch.Tensor]:
+    rows, cols = mask.shape
+    return [mask[i:i + 16, j:j + 16] for i in range(0, rows, 16) for j in range(0, cols, 16)]
+
+
+class BlockAudit(pl.Callback):
+    """After every step: whole clipped 16x16 blocks, the set count, pruned weights zero."""
+
+    def __init__(self, sparse: SparsityCallback, kept: dict[str, int]) -> None:
+        self.sparse, self.kept, self.steps, self.moves = sparse, kept, 0, 0
+        self.last: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps += 1
+        for slot in self.sparse.engine.slots:
+            blocks = _clipped(slot.mask)
+            assert all(b.all() or not b.any() for b in blocks), slot.name
+            assert sum(bool(b.all()) for b in blocks) == self.kept[slot.name], slot.name
+            assert not slot.param[~slot.mask].any(), slot.name
+            last = self.last.get(slot.name)
+            self.moves += last is not None and not torch.equal(last, slot.mask)
+            self.last[slot.name] = slot.mask.clone()
+
+
+OVERHUNG = dict(pattern="block:16x16", sparsity=0.5, overrides={"head": {"sparsity": 0.5}})
+OVERHUNG_KEPT = {"body.hidden.weight": 3, "body.head.weight": 1}  # 6 - 3 and 3 - round(1.5)
+
+
+def test_overhanging_blocks_compress_to_the_blocks_masked_dense_keeps():
+    """block:16x16 on a 40x30 weight (3 x 2 blocks, the last row and column clipped) and,
+    named, a 4x40 head (1 x 3): compress=True swaps in BlockSparseLinear layers holding
+    exactly the blocks the masked-dense engine keeps."""
+    torch.manual_seed(0)
+    masked, compressed = Zoo(Overhung(), "tokens"), Zoo(Overhung(), "tokens")
+    compressed.load_state_dict(masked.state_dict())
+    engine = SparsityEngine(masked, SparsityConfig(**OVERHUNG))
+    engine.prune()
+    rows = compress_selected(compressed, SparsityConfig(**OVERHUNG, compress=True))
+    assert [r.path for r in rows] == ["compressed", "compressed"]
+    for slot in engine.slots:
+        layer = compressed.get_submodule(slot.name.removesuffix(".weight"))
+        assert isinstance(layer, BlockSparseLinear), slot.name
+        assert torch.equal(layer.to_dense().weight != 0, slot.mask), slot.name
+        assert layer.nnz == OVERHUNG_KEPT[slot.name]
+    # the engine the callback builds next takes the compressed layers (the override that
+    # named the head now matches its compressed values)
+    after = SparsityEngine(compressed, SparsityConfig(**OVERHUNG, compress=True))
+    assert [s.name for s in after.compressed] == ["body.hidden.values", "body.head.values"]
+
+
+@pytest.mark.parametrize("regrow", [None, "set"])
+def test_overhanging_blocks_stay_whole_while_training(regrow):
+    """Masked-dense training (and SET moving blocks every 2 steps) on weights the blocks
+    overhang: whole clipped blocks and the same count at every step."""
+    settings = dict(OVERHUNG, schedule="constant", regrow=regrow, frequency=2,
+                    regrow_end=1.0, regrow_fraction=0.5)
+    sparse = SparsityCallback(**settings)
+    audit = BlockAudit(sparse, OVERHUNG_KEPT)
+    torch.manual_seed(0)
+    model = Zoo(Overhung(), "tokens")
+    make_trainer([sparse, audit], max_steps=6).fit(model, loader("tokens"))
+    assert audit.steps == 6
+    assert (audit.moves > 0) == (regrow is not None)  # SET swapped blocks at step 2
