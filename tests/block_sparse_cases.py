@@ -94,12 +94,13 @@ def strided(t: Tensor, how: str) -> Tensor:
     of a wider buffer: row stride > width, base off 16-byte alignment)."""
     if how == "transposed":
         return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    junk = float("nan") if t.dtype.is_floating_point else -1  # between the entries: unread
     if how == "every_other":
-        buffer = torch.full((2 * t.shape[0], *t.shape[1:]), float("nan"), dtype=t.dtype)
+        buffer = torch.full((2 * t.shape[0], *t.shape[1:]), junk, dtype=t.dtype)
         buffer[::2] = t
         return buffer[::2]
     if how == "offset_rows":
-        buffer = torch.full((t.shape[0], t.shape[1] + 7), float("nan"), dtype=t.dtype)
+        buffer = torch.full((t.shape[0], t.shape[1] + 7), junk, dtype=t.dtype)
         buffer[:, 3:3 + t.shape[1]] = t
         return buffer[:, 3:3 + t.shape[1]]
     raise AssertionError(how)

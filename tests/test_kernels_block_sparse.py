@@ -15,6 +15,7 @@ from block_sparse_cases import (
     block_mask_of,
     dense_weight,
     make_case,
+    strided,
     tail_mask,
 )
 
@@ -137,7 +138,7 @@ def test_direct_launch_of_the_tuned_kernel_matches_the_autotuner_path(
                                                     torch.float32)
     x2, g2 = x.reshape(-1, in_f), grad.reshape(-1, out_f)
 
-    def products():
+    def products(x2=x2, values=values, bias=bias, g2=g2):
         return (bsk.launch_forward(x2, values, topology, bias),
                 bsk.launch_input_grad(g2, values, topology),
                 bsk.launch_weight_grad(g2, x2, topology, values.dtype))
@@ -162,6 +163,16 @@ def test_direct_launch_of_the_tuned_kernel_matches_the_autotuner_path(
     metadata, enter, exit_ = compiled[1].hooks
     assert compiled[1].launches == 2 and metadata[0] == "metadata" and exit_ is None
     assert enter is triton.knobs.runtime.launch_enter_hook
+
+    # strided operands: another row stride and alignment are other cache keys (tuned, then
+    # direct); values and bias are copied contiguous: the same results, bit for bit
+    operands = dict(x2=strided(x2, "offset_rows"), values=strided(values, "transposed"),
+                    bias=strided(bias, "every_other"), g2=strided(g2, "transposed"))
+    cached = [len(k._launches) for k in tuned.values()]
+    for got in (products(**operands), products(**operands)):
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+    assert all(len(k._launches) > n for k, n in zip(tuned.values(), cached, strict=True))
 
 
 def test_topology_views_describe_the_same_blocks():
