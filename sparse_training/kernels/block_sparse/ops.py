@@ -182,8 +182,9 @@ def block_sparse_linear(x: Tensor, values: Tensor, topology: BlockTopology,
         what = f"shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
         raise ValueError(f"input must be a tensor of shape (..., {topology.in_features}), "
                          f"got {what}")
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
+    device_type = x.device.type  # meta, for one, has no autocast
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
         x, values = x.to(dtype), values.to(dtype) if isinstance(values, Tensor) else values
         bias = bias.to(dtype) if isinstance(bias, Tensor) else bias
     flat = x.reshape(-1, x.shape[-1])

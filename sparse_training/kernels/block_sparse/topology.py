@@ -166,10 +166,6 @@ def check_operands(topology: BlockTopology, *, values: Tensor | None = None,
         if t is None:
             continue
         _check_shape(name, t, topology, kernel)
-        if kernel and t.dtype not in KERNEL_DTYPES:
-            raise ValueError(f"{name} dtype {t.dtype}: the Triton kernels run float32, float16 "
-                             f"and bfloat16 (block_sparse_linear runs float64 through the "
-                             f"pure-torch reference); cast it with .to(...)")
         if not t.dtype.is_floating_point:
             raise ValueError(f"{name} dtype {t.dtype} is not a floating dtype: cast it with "
                              f".to(torch.float32) (or bfloat16, float16, float64)")
@@ -183,6 +179,10 @@ def check_operands(topology: BlockTopology, *, values: Tensor | None = None,
             raise ValueError(f"{name} dtype {t.dtype} != {first[0]} dtype {first[1]}: give "
                              f"the operands one dtype (cast with .to(...), or run under "
                              f"torch.autocast)")
+        if kernel and t.dtype not in KERNEL_DTYPES:
+            raise ValueError(f"{name} dtype {t.dtype}: the Triton kernels run float32, float16 "
+                             f"and bfloat16 (block_sparse_linear runs float64 through the "
+                             f"pure-torch reference); cast it with .to(...)")
     if x is not None and grad_out is not None and x.shape[:-1] != grad_out.shape[:-1]:
         raise ValueError(f"grad_out shape {tuple(grad_out.shape)} does not match input shape "
                          f"{tuple(x.shape)}: one row of grad_out per row of the input")
