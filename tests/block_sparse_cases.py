@@ -85,7 +85,8 @@ def assert_close(got: Tensor, want: Tensor, dtype: torch.dtype) -> None:
     """Max error within the dtype's tolerance of the output scale (NaN fails)."""
     scale = want.abs().max().clamp_min(1.0)
     err = (got.double() - want).abs().max()
-    assert err <= TOLERANCE[dtype] * scale, f"max error {err:.3g} > {TOLERANCE[dtype]} x {scale:.3g}"
+    assert err <= TOLERANCE[dtype] * scale, \
+        f"max error {err:.3g} > {TOLERANCE[dtype]} x {scale:.3g}"
 
 
 def strided(t: Tensor, how: str) -> Tensor:

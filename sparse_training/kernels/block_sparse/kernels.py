@@ -13,10 +13,11 @@ Two kernels serve the three products (stk's dsd / sdd split):
 
 Loads are masked at the token and feature tails, so any token count and feature size
 works; where the reduction width is not a multiple of the block (``K_TAIL``), the block
-entries past it (padding of ``values``) are masked too, so they are never used, NaN there
-included. The launchers take operands of any strides: the kernels read ``x`` and ``dY``
-by row stride with unit feature stride, and ``values``, ``bias`` and the index tensors
-contiguous, so an operand is copied (``.contiguous()``) only where it is not so already. The tile sizes are tuned per shape bucket over :func:`block_sparse_configs`; once
+entries past it (padding of ``values``) are masked too, so no output depends on them, NaN
+there included. The launchers take operands of any strides: the kernels read ``x`` and
+``dY`` by row stride with unit feature stride, and ``values``, ``bias`` and the index
+tensors contiguous, so an operand is copied (``.contiguous()``) only where it is not so
+already. The tile sizes are tuned per shape bucket over :func:`block_sparse_configs`; once
 tuned, the GPU launches the compiled kernel directly (:class:`~.launch.TunedKernel`).
 ``UPCAST``: Triton 3.9's interpreter multiplies 16-bit floats wrong in ``tl.dot``, so under
 ``TRITON_INTERPRET=1`` the operands are upcast to fp32 first (the GPU build never is).

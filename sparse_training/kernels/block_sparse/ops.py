@@ -28,7 +28,6 @@ else:  # the references serve every device
     kernels = None
 
 
-
 def _topology(values: Tensor, out_features: int, in_features: int,
               index_tensors: list[Tensor]) -> BlockTopology:
     """The topology the custom ops' arguments describe (the block from ``values``).
@@ -185,8 +184,8 @@ def block_sparse_linear(x: Tensor, values: Tensor, topology: BlockTopology,
     device_type = x.device.type  # meta, for one, has no autocast
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
-        x, values = x.to(dtype), values.to(dtype) if isinstance(values, Tensor) else values
-        bias = bias.to(dtype) if isinstance(bias, Tensor) else bias
+        x, values, bias = (t.to(dtype) if isinstance(t, Tensor) else t  # others: refused
+                           for t in (x, values, bias))                  # by the checks
     flat = x.reshape(-1, x.shape[-1])
     if torch.compiler.is_compiling():
         index_tensors = [getattr(topology, name) for name in INDEX_FIELDS]

@@ -83,10 +83,10 @@ class BlockTopology:
                 got = (f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, Tensor)
                        else type(t).__name__)
                 raise ValueError(
-                    f"BlockTopology.{name} must be an int32 (or int64) tensor of shape ({length},) on "
-                    f"{device} for a ({self.out_features}, {self.in_features}) weight in "
-                    f"{tuple(self.block)} blocks with {nnz} kept, got {got}: build "
-                    f"topologies with BlockTopology.from_block_mask")
+                    f"BlockTopology.{name} must be an int32 (or int64) tensor of shape "
+                    f"({length},) on {device} for a ({self.out_features}, "
+                    f"{self.in_features}) weight in {tuple(self.block)} blocks with {nnz} "
+                    f"kept, got {got}: build topologies with BlockTopology.from_block_mask")
 
     @classmethod
     def from_block_mask(cls, block_mask: Tensor, out_features: int, in_features: int,
@@ -204,7 +204,7 @@ def _check_shape(name: str, t: Tensor, topology: BlockTopology, kernel: bool) ->
         if t.shape != want:
             raise ValueError(f"{name} shape {tuple(t.shape)} != {label} = {want} of the "
                              f"topology")
-    elif t.dim() != 2 if kernel else t.dim() == 0:
+    elif (t.dim() != 2) if kernel else (t.dim() == 0):
         raise ValueError(f"{name} must have shape {label}, got {tuple(t.shape)}")
     elif t.shape[-1] != want[0]:
         role = "takes" if name == "input" else "gives"
