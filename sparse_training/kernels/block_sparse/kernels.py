@@ -12,7 +12,12 @@ Two kernels serve the three products (stk's dsd / sdd split):
   is deterministic (no atomics).
 
 Loads are masked at the token and feature tails, so any token count and feature size
-works. The tile sizes are tuned per shape bucket over :func:`block_sparse_configs`; once
+works; where the reduction width is not a multiple of the block (``K_TAIL``), the block
+entries past it (padding of ``values``) are masked too, so no output depends on them, NaN
+there included. The launchers take operands of any strides: the kernels read ``x`` and
+``dY`` by row stride with unit feature stride, and ``values``, ``bias`` and the index
+tensors contiguous, so an operand is copied (``.contiguous()``) only where it is not so
+already. The tile sizes are tuned per shape bucket over :func:`block_sparse_configs`; once
 tuned, the GPU launches the compiled kernel directly (:class:`~.launch.TunedKernel`).
 ``UPCAST``: Triton 3.9's interpreter multiplies 16-bit floats wrong in ``tl.dot``, so under
 ``TRITON_INTERPRET=1`` the operands are upcast to fp32 first (the GPU build never is).
@@ -27,7 +32,11 @@ from torch import Tensor
 
 from sparse_training.kernels._triton import interpret_mode, tl, triton
 from sparse_training.kernels.block_sparse.launch import TunedKernel
-from sparse_training.kernels.block_sparse.topology import BlockTopology
+from sparse_training.kernels.block_sparse.topology import (
+    KERNEL_DTYPES,
+    BlockTopology,
+    check_operands,
+)
 
 _INTERPRET = interpret_mode()  # fixed at import, as Triton fixes its kernels' mode
 
@@ -81,13 +90,15 @@ def _token_bucket(tokens: int) -> int:
 @triton.autotune(configs=block_sparse_configs("dsd"), key=["m_bucket", "KB", "NB", "USE_TMA"],
                  prune_configs_by={"early_config_prune": _fits_block})
 @triton.heuristics({"EVEN": lambda args: args["M"] % args["BLOCK_M"] == 0
-                    and args["a_width"] % args["KB"] == 0})
+                    and args["a_width"] % args["KB"] == 0,
+                    "K_TAIL": lambda args: args["a_width"] % args["KB"] != 0})
 @triton.jit
 def _dense_sparse_kernel(a_ptr, v_ptr, out_ptr, bias_ptr, offsets_ptr, indices_ptr, ids_ptr,
                          M, a_width, out_width, segments, value_rows, m_bucket,
                          stride_am, stride_om,
                          KB: tl.constexpr, NB: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BK: tl.constexpr, EVEN: tl.constexpr, GROUP_M: tl.constexpr,
+                         BK: tl.constexpr, EVEN: tl.constexpr, K_TAIL: tl.constexpr,
+                         GROUP_M: tl.constexpr,
                          TRANS_B: tl.constexpr, USE_TMA: tl.constexpr,
                          HAS_BIAS: tl.constexpr, HAS_IDS: tl.constexpr,
                          PRECISION: tl.constexpr, UPCAST: tl.constexpr):
@@ -124,21 +135,27 @@ def _dense_sparse_kernel(a_ptr, v_ptr, out_ptr, bias_ptr, offsets_ptr, indices_p
         k_offset = (step % (KB // BK)) * BK
         k_block = tl.load(indices_ptr + p)
         block_id = tl.load(ids_ptr + p) if HAS_IDS else p
+        cols = k_block * KB + k_offset + rk  # reduction index: a's columns, b's rows
         if USE_TMA:
             a = a_desc.load([m_tile * BLOCK_M, k_block * KB + k_offset])
             if TRANS_B:
                 b = v_desc.load([block_id * NB, k_offset]).T
             else:
                 b = v_desc.load([block_id * KB + k_offset, 0])
+            if K_TAIL:  # the block's padding past the reduction width: zeros, not 0 * NaN
+                b = tl.where(cols[:, None] < a_width, b, 0.0)
         else:
-            cols = k_block * KB + k_offset + rk
             if EVEN:
                 a = tl.load(a_rows + cols[None, :])
             else:
                 a = tl.load(a_rows + cols[None, :],
                             mask=(rm[:, None] < M) & (cols[None, :] < a_width), other=0.0)
-            b = tl.load(v_ptr + block_id.to(tl.int64) * (KB * NB)
-                        + (k_offset + rk)[:, None] * v_stride_k + rn[None, :] * v_stride_n)
+            b_ptrs = (v_ptr + block_id.to(tl.int64) * (KB * NB)
+                      + (k_offset + rk)[:, None] * v_stride_k + rn[None, :] * v_stride_n)
+            if K_TAIL:
+                b = tl.load(b_ptrs, mask=cols[:, None] < a_width, other=0.0)
+            else:
+                b = tl.load(b_ptrs)
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
@@ -207,26 +224,47 @@ def _tma_allocator(size: int, alignment: int, stream) -> Tensor:
     return torch.empty(size, dtype=torch.int8, device="cpu" if _INTERPRET else "cuda")
 
 
-def _tma_ready(block: tuple[int, int], *tensors: Tensor) -> bool:
-    """Whether tensor descriptors serve: 128 x 128 blocks, a Hopper or newer GPU (or the
-    interpreter), and 16-byte aligned bases and row strides (``stride(-2)``).
+def _tma_aligned(*tensors: Tensor) -> bool:
+    """Whether tensor descriptors can address ``tensors``: 16-byte aligned bases and row
+    strides (``stride(-2)``), and rows that do not overlap."""
+    bits = 0
+    for t in tensors:
+        if t.stride(-2) < t.shape[-1]:
+            return False
+        bits |= t.data_ptr() | t.stride(-2) * t.element_size()
+    return bits % 16 == 0
+
+
+def _use_tma(requested: bool | None, block: tuple[int, int], *tensors: Tensor) -> bool:
+    """Whether this launch uses tensor descriptors: as ``requested``, or (None) where they
+    serve: 128 x 128 blocks, a Hopper or newer GPU (or the interpreter) and
+    :func:`_tma_aligned` operands.
 
     On an H100 (``benchmarks/results/block_sparse_ops_*_run3_no_tma.json`` vs
     ``..._run4_tma_on.json``) descriptors made 128 x 128 blocks 10-30% faster on LLM
     shapes (up to 25% slower on BERT-large at 10%, a few microseconds) and 64 x 64 blocks
     up to 51% slower.
+
+    Raises:
+        ValueError: ``requested`` True for operands descriptors cannot address.
     """
-    if min(block) < 128:
-        return False
-    if not _INTERPRET and _major_capability(tensors[0].device.index) < 9:
-        return False
-    bits = 0
-    for t in tensors:
-        bits |= t.data_ptr() | t.stride(-2) * t.element_size()
-    if bits % 16:
-        return False
-    triton.set_allocator(_tma_allocator)  # per call: Triton keeps it per thread (the
-    return True                           # backward runs on autograd's own thread)
+    if requested is None:
+        requested = (min(block) >= 128
+                     and (_INTERPRET or _major_capability(tensors[0].device.index) >= 9)
+                     and _tma_aligned(*tensors))
+    elif requested and not _tma_aligned(*tensors):
+        raise ValueError("use_tma=True needs 16-byte aligned operands (base addresses and row "
+                         "strides) with rows that do not overlap; leave use_tma=None to "
+                         "choose per call")
+    if requested:  # per call: Triton keeps the allocator per thread (the backward runs
+        triton.set_allocator(_tma_allocator)  # on autograd's own thread)
+    return requested
+
+
+def _as_rows(t: Tensor) -> Tensor:
+    """A 2-D operand as the kernels read it: unit stride along the features, any row
+    stride; a contiguous copy only where ``t`` is not so (transposed, expanded views)."""
+    return t if t.stride(1) == 1 and t.stride(0) >= t.shape[1] else t.contiguous()
 
 
 _DENSE_SPARSE = TunedKernel(
@@ -240,15 +278,17 @@ _SAMPLED_DENSE_DENSE = TunedKernel(
 def _dense_sparse(a: Tensor, values: Tensor, bias: Tensor | None, offsets: Tensor,
                   indices: Tensor, block_ids: Tensor | None, out_width: int, kb: int,
                   nb: int, transposed_blocks: bool, use_tma: bool | None) -> Tensor:
+    """``OUT = A @ S`` by :func:`_dense_sparse_kernel`, operands of any strides."""
+    a, values = _as_rows(a), values.contiguous()
     tokens, segments = a.shape[0], offsets.shape[0] - 1
     out = a.new_empty(tokens, out_width)
     if tokens == 0:
         return out
-    if use_tma is None:
-        use_tma = _tma_ready((kb, nb), a, out, values)
+    use_tma = _use_tma(use_tma, (kb, nb), a, out, values)
+    indices = indices.contiguous()
     _DENSE_SPARSE(
-        (a, values, out, values if bias is None else bias, offsets, indices,
-         indices if block_ids is None else block_ids),
+        (a, values, out, values if bias is None else bias.contiguous(), offsets.contiguous(),
+         indices, indices if block_ids is None else block_ids.contiguous()),
         (tokens, a.shape[1], out_width, segments, values.shape[0] * values.shape[1],
          _token_bucket(tokens), a.stride(0), out.stride(0)),
         KB=kb, NB=nb, GROUP_M=8, TRANS_B=transposed_blocks, USE_TMA=use_tma,
@@ -259,11 +299,16 @@ def _dense_sparse(a: Tensor, values: Tensor, bias: Tensor | None, offsets: Tenso
 
 def launch_forward(x: Tensor, values: Tensor, topology: BlockTopology,
                    bias: Tensor | None, use_tma: bool | None = None) -> Tensor:
-    """``Y = X W^T + b`` for a contiguous 2-D ``x``: one program per (block row, token tile).
+    """``Y = X W^T + b`` for a 2-D ``x`` (any strides): one program per (block row, token
+    tile). The result is a new contiguous ``(tokens, out_features)`` tensor.
 
     ``use_tma``: tensor descriptors (Hopper's copy engine) or plain loads; None = where
-    they can serve (:func:`_tma_ready`).
+    they can serve (:func:`_use_tma`).
+
+    Raises:
+        ValueError: an operand that does not fit (:func:`~.topology.check_operands`).
     """
+    check_operands(topology, values=values, x=x, bias=bias, kernel=True)
     r, c = topology.block
     return _dense_sparse(x, values, bias, topology.row_offsets, topology.col_indices, None,
                          topology.out_features, kb=c, nb=r, transposed_blocks=True,
@@ -272,7 +317,13 @@ def launch_forward(x: Tensor, values: Tensor, topology: BlockTopology,
 
 def launch_input_grad(grad_out: Tensor, values: Tensor, topology: BlockTopology,
                       use_tma: bool | None = None) -> Tensor:
-    """``dX = dY W``: one program per (block column, token tile)."""
+    """``dX = dY W`` (any strides): one program per (block column, token tile); a new
+    contiguous ``(tokens, in_features)`` tensor.
+
+    Raises:
+        ValueError: an operand that does not fit (:func:`~.topology.check_operands`).
+    """
+    check_operands(topology, values=values, grad_out=grad_out, kernel=True)
     r, c = topology.block
     return _dense_sparse(grad_out, values, None, topology.t_offsets, topology.t_row_indices,
                          topology.t_block_ids, topology.in_features, kb=r, nb=c,
@@ -301,16 +352,28 @@ def _token_splits(tokens: int, nnz: int, device: torch.device) -> tuple[int, int
 
 def launch_weight_grad(grad_out: Tensor, x: Tensor, topology: BlockTopology,
                        dtype: torch.dtype, use_tma: bool | None = None) -> Tensor:
-    """``dV[p] = dY[:, rows(p)]^T X[:, cols(p)]`` at kept blocks, as ``[nnz, R, C]``."""
+    """``dV[p] = dY[:, rows(p)]^T X[:, cols(p)]`` at kept blocks (any strides), as a new
+    contiguous ``[nnz, R, C]`` tensor of ``dtype``; exactly 0 where a block hangs over the
+    weight's edge.
+
+    Raises:
+        ValueError: an operand that does not fit (:func:`~.topology.check_operands`), or
+            ``dtype`` not one of :data:`~.topology.KERNEL_DTYPES`.
+    """
+    check_operands(topology, x=x, grad_out=grad_out, kernel=True)
+    if dtype not in KERNEL_DTYPES:
+        raise ValueError(f"dtype {dtype!r} of the weight gradient is not one of "
+                         f"{KERNEL_DTYPES}: pass values.dtype")
     (r, c), nnz, tokens = topology.block, topology.nnz, x.shape[0]
     if tokens == 0 or nnz == 0:
         return x.new_zeros((nnz, r, c), dtype=dtype)
+    grad_out, x = _as_rows(grad_out), _as_rows(x)
     chunk, splits = _token_splits(tokens, nnz, x.device)
     partial = x.new_empty((splits, nnz, r, c), dtype=torch.float32 if splits > 1 else dtype)
-    if use_tma is None:
-        use_tma = _tma_ready((r, c), grad_out, x)
+    use_tma = _use_tma(use_tma, (r, c), grad_out, x)
     _SAMPLED_DENSE_DENSE(
-        (grad_out, x, partial, topology.row_indices, topology.col_indices),
+        (grad_out, x, partial, topology.row_indices.contiguous(),
+         topology.col_indices.contiguous()),
         (tokens, grad_out.shape[1], x.shape[1], nnz, chunk, _token_bucket(tokens),
          grad_out.stride(0), x.stride(0)),
         R=r, C=c, USE_TMA=use_tma, PRECISION=_precision(x.dtype), UPCAST=_INTERPRET)

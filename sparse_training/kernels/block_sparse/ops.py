@@ -15,24 +15,38 @@ from torch import Tensor
 
 from sparse_training.kernels._triton import HAS_TRITON, kernels_run_on
 from sparse_training.kernels.block_sparse import reference
-from sparse_training.kernels.block_sparse.topology import BlockTopology
+from sparse_training.kernels.block_sparse.topology import (
+    INDEX_FIELDS,
+    KERNEL_DTYPES,
+    BlockTopology,
+    check_operands,
+)
 
 if HAS_TRITON:
     from sparse_training.kernels.block_sparse import kernels
 else:  # the references serve every device
     kernels = None
 
-_TOPOLOGY_FIELDS = ("row_offsets", "row_indices", "col_indices", "t_offsets",
-                    "t_row_indices", "t_block_ids")
-
 
 def _topology(values: Tensor, out_features: int, in_features: int,
               index_tensors: list[Tensor]) -> BlockTopology:
+    """The topology the custom ops' arguments describe (the block from ``values``).
+
+    Raises:
+        ValueError: ``values`` not 3-D, or fields that do not fit one block grid.
+    """
+    if values.dim() != 3:
+        raise ValueError(f"values shape {tuple(values.shape)} is not (nnz, R, C)")
+    if len(index_tensors) != len(INDEX_FIELDS):
+        raise ValueError(f"index_tensors must hold the topology's {', '.join(INDEX_FIELDS)}, "
+                         f"got {len(index_tensors)} tensors")
     return BlockTopology(out_features, in_features, tuple(values.shape[1:]), *index_tensors)
 
 
 def _use_kernels(t: Tensor) -> bool:
-    return kernels is not None and kernels_run_on(t.device)
+    """The Triton kernels serve devices they run on in their dtypes; the references the
+    rest (float64 included, exactly)."""
+    return kernels is not None and t.dtype in KERNEL_DTYPES and kernels_run_on(t.device)
 
 
 def _forward(x: Tensor, values: Tensor, topology: BlockTopology, bias: Tensor | None) -> Tensor:
@@ -57,7 +71,6 @@ def _weight_grad(grad_out: Tensor, x: Tensor, values: Tensor, topology: BlockTop
 def _gradients(needs: tuple[bool, ...], grad_out: Tensor, x: Tensor, values: Tensor,
                has_bias: bool, input_grad, weight_grad) -> tuple[Tensor | None, ...]:
     """(dX, dValues, dBias) of ``Y = X W^T + b``; the products through the given ops."""
-    grad_out = grad_out.contiguous()
     return (input_grad(grad_out) if needs[0] else None,
             weight_grad(grad_out) if needs[1] else None,
             grad_out.sum(0) if has_bias and needs[2] else None)
@@ -94,7 +107,9 @@ def _linear_op(x: Tensor, values: Tensor, bias: Tensor | None, out_features: int
 
 @_linear_op.register_fake
 def _(x, values, bias, out_features, in_features, index_tensors):
-    return x.new_empty(x.shape[0], out_features)
+    topology = _topology(values, out_features, in_features, index_tensors)
+    check_operands(topology, values=values, x=x, bias=bias)
+    return x.new_empty(x.shape[0], out_features)  # contiguous, as the launcher's
 
 
 @torch.library.custom_op("sparse_training::block_sparse_linear_input_grad", mutates_args=())
@@ -106,6 +121,8 @@ def _input_grad_op(grad_out: Tensor, values: Tensor, out_features: int, in_featu
 
 @_input_grad_op.register_fake
 def _(grad_out, values, out_features, in_features, index_tensors):
+    topology = _topology(values, out_features, in_features, index_tensors)
+    check_operands(topology, values=values, grad_out=grad_out)
     return grad_out.new_empty(grad_out.shape[0], in_features)
 
 
@@ -118,7 +135,9 @@ def _weight_grad_op(grad_out: Tensor, x: Tensor, values: Tensor, out_features: i
 
 @_weight_grad_op.register_fake
 def _(grad_out, x, values, out_features, in_features, index_tensors):
-    return torch.empty_like(values)
+    topology = _topology(values, out_features, in_features, index_tensors)
+    check_operands(topology, values=values, x=x, grad_out=grad_out)
+    return values.new_empty(values.shape)  # contiguous whatever the strides of values
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -144,27 +163,32 @@ def block_sparse_linear(x: Tensor, values: Tensor, topology: BlockTopology,
                         bias: Tensor | None = None) -> Tensor:
     """``x W^T + bias`` with ``W`` given by its kept blocks ``values[nnz, R, C]``.
 
-    ``x`` has any leading dimensions and ``in_features`` last; under autocast ``x``,
-    ``values`` and ``bias`` run in the autocast dtype, as ``F.linear`` does. Eager calls
-    go through :class:`BlockSparseLinearFunction`; under ``torch.compile`` through the
-    custom ops, which the compiler traces without a graph break.
+    ``x`` has any leading dimensions and ``in_features`` last; every operand may have any
+    strides. Under autocast ``x``, ``values`` and ``bias`` run in the autocast dtype, as
+    ``F.linear`` does; otherwise they share one dtype: float32, float16 or bfloat16 run
+    the Triton kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``), float64 and other
+    devices the pure-torch references. Eager calls go through
+    :class:`BlockSparseLinearFunction`; under ``torch.compile`` through the custom ops,
+    which the compiler traces without a graph break.
 
     Raises:
-        ValueError: ``x``'s last dimension or ``values``' shape does not fit ``topology``.
+        ValueError: an operand that does not fit ``topology``
+            (:func:`~.topology.check_operands`: features, shapes, dtypes, devices),
+            checked by the launchers, the references and the fake implementations, each
+            before it computes anything.
     """
-    if x.shape[-1] != topology.in_features:
-        raise ValueError(f"input has {x.shape[-1]} features, the layer takes "
-                         f"{topology.in_features}")
-    if tuple(values.shape) != (topology.nnz, *topology.block):
-        raise ValueError(f"values shape {tuple(values.shape)} != (nnz, R, C) = "
-                         f"{(topology.nnz, *topology.block)} of the topology")
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
-        x, values = x.to(dtype), values.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    if not isinstance(x, Tensor) or x.dim() == 0:
+        what = f"shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(f"input must be a tensor of shape (..., {topology.in_features}), "
+                         f"got {what}")
+    device_type = x.device.type  # meta, for one, has no autocast
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        x, values, bias = (t.to(dtype) if isinstance(t, Tensor) else t  # others: refused
+                           for t in (x, values, bias))                  # by the checks
+    flat = x.reshape(-1, x.shape[-1])
     if torch.compiler.is_compiling():
-        index_tensors = [getattr(topology, name) for name in _TOPOLOGY_FIELDS]
+        index_tensors = [getattr(topology, name) for name in INDEX_FIELDS]
         out = _linear_op(flat, values, bias, topology.out_features, topology.in_features,
                          index_tensors)
     else:

@@ -19,6 +19,7 @@ is passed in (``torch.nonzero_static``), and it is fixed while a layer trains co
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,19 @@ def kept_positions(block_mask: Tensor) -> Tensor:
     """Each kept block's index in ``values`` (row-major order of the kept blocks), shaped
     like the mask; dropped blocks hold the index of the last kept block before them."""
     return (block_mask.flatten().cumsum(0) - 1).view(block_mask.shape)
+
+
+INDEX_FIELDS = ("row_offsets", "row_indices", "col_indices", "t_offsets", "t_row_indices",
+                 "t_block_ids")
+
+
+def _check_weight_shape(out_features: int, in_features: int, block: tuple[int, int]) -> None:
+    """Raises ValueError unless both features and the two block entries are >= 1."""
+    if out_features < 1 or in_features < 1:
+        raise ValueError(f"a block-sparse weight needs out_features and in_features >= 1, got "
+                         f"({out_features}, {in_features})")
+    if len(block) != 2 or min(block) < 1:
+        raise ValueError(f"block must be (R, C) with R, C >= 1, got {tuple(block)}")
 
 
 def _offsets(counts: Tensor) -> Tensor:
@@ -54,6 +68,26 @@ class BlockTopology:
     t_row_indices: Tensor
     t_block_ids: Tensor
 
+    def __post_init__(self) -> None:
+        """Raises ValueError where the fields do not describe one block grid: sizes that
+        are not positive, index tensors that are not 1-D integer tensors on one device, or
+        of lengths other than ``grid + 1`` (offsets) and ``nnz`` (indices)."""
+        _check_weight_shape(self.out_features, self.in_features, self.block)
+        rows, cols = self.grid
+        nnz, device = self.col_indices.numel(), self.col_indices.device
+        lengths = {"row_offsets": rows + 1, "t_offsets": cols + 1}
+        for name in INDEX_FIELDS:
+            t, length = getattr(self, name), lengths.get(name, nnz)
+            if (not isinstance(t, Tensor) or t.dtype not in (torch.int32, torch.int64)
+                    or t.shape != (length,) or t.device != device):
+                got = (f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, Tensor)
+                       else type(t).__name__)
+                raise ValueError(
+                    f"BlockTopology.{name} must be an int32 (or int64) tensor of shape "
+                    f"({length},) on {device} for a ({self.out_features}, "
+                    f"{self.in_features}) weight in {tuple(self.block)} blocks with {nnz} "
+                    f"kept, got {got}: build topologies with BlockTopology.from_block_mask")
+
     @classmethod
     def from_block_mask(cls, block_mask: Tensor, out_features: int, in_features: int,
                         block: tuple[int, int], nnz: int | None = None) -> BlockTopology:
@@ -66,6 +100,7 @@ class BlockTopology:
         Raises:
             ValueError: a mask whose shape is not the weight's block grid.
         """
+        _check_weight_shape(out_features, in_features, block)
         grid = block_grid(out_features, in_features, block)
         if tuple(block_mask.shape) != grid:
             raise ValueError(f"block mask shape {tuple(block_mask.shape)} != block grid {grid} "
@@ -106,6 +141,76 @@ class BlockTopology:
         return mask
 
 
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""What the Triton kernels compute in (fp32 accumulation); float64 runs the references."""
+
+
+def check_operands(topology: BlockTopology, *, values: Tensor | None = None,
+                   x: Tensor | None = None, grad_out: Tensor | None = None,
+                   bias: Tensor | None = None, kernel: bool = False) -> None:
+    """Check the operands of one block-sparse product against ``topology``.
+
+    ``values`` is ``[nnz, R, C]``, ``x`` is ``[..., in_features]``, ``grad_out`` is
+    ``[..., out_features]`` (one row per row of ``x``), ``bias`` is ``[out_features]``: all
+    of one floating dtype, on the device of the topology's index tensors. Strides are free.
+
+    Args:
+        kernel: the operands of a Triton launcher: ``x`` and ``grad_out`` are 2-D, the
+            dtype one of :data:`KERNEL_DTYPES`.
+
+    Raises:
+        ValueError: naming the first operand that does not fit, its value and the fix.
+    """
+    device, first = topology.col_indices.device, None
+    for name, t in (("input", x), ("grad_out", grad_out), ("values", values), ("bias", bias)):
+        if t is None:
+            continue
+        _check_shape(name, t, topology, kernel)
+        if not t.dtype.is_floating_point:
+            raise ValueError(f"{name} dtype {t.dtype} is not a floating dtype: cast it with "
+                             f".to(torch.float32) (or bfloat16, float16, float64)")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, the topology's index tensors on "
+                             f"{device}: move both to one device (a BlockSparseLinear moves "
+                             f"its values, bias and topology together with .to(device))")
+        if first is None:
+            first = name, t.dtype
+        elif t.dtype != first[1]:
+            raise ValueError(f"{name} dtype {t.dtype} != {first[0]} dtype {first[1]}: give "
+                             f"the operands one dtype (cast with .to(...), or run under "
+                             f"torch.autocast)")
+        if kernel and t.dtype not in KERNEL_DTYPES:
+            raise ValueError(f"{name} dtype {t.dtype}: the Triton kernels run float32, float16 "
+                             f"and bfloat16 (block_sparse_linear runs float64 through the "
+                             f"pure-torch reference); cast it with .to(...)")
+    if x is not None and grad_out is not None and x.shape[:-1] != grad_out.shape[:-1]:
+        raise ValueError(f"grad_out shape {tuple(grad_out.shape)} does not match input shape "
+                         f"{tuple(x.shape)}: one row of grad_out per row of the input")
+
+
+def _check_shape(name: str, t: Tensor, topology: BlockTopology, kernel: bool) -> None:
+    """``values`` is ``(nnz, R, C)``, ``bias`` ``(out_features,)``; ``input`` and
+    ``grad_out`` end in ``in_features`` / ``out_features`` (2-D for the kernels)."""
+    if name == "values":
+        want, label = (topology.nnz, *topology.block), "(nnz, R, C)"
+    elif name == "bias":
+        want, label = (topology.out_features,), "(out_features,)"
+    else:
+        want = (topology.in_features if name == "input" else topology.out_features,)
+        label = f"(tokens, {want[0]})" if kernel else f"(..., {want[0]})"
+    if not isinstance(t, Tensor):
+        raise ValueError(f"{name} must be a tensor of shape {label}, got {type(t).__name__}")
+    if name in ("values", "bias"):
+        if t.shape != want:
+            raise ValueError(f"{name} shape {tuple(t.shape)} != {label} = {want} of the "
+                             f"topology")
+    elif (t.dim() != 2) if kernel else (t.dim() == 0):
+        raise ValueError(f"{name} must have shape {label}, got {tuple(t.shape)}")
+    elif t.shape[-1] != want[0]:
+        role = "takes" if name == "input" else "gives"
+        raise ValueError(f"{name} has {t.shape[-1]} features, the layer {role} {want[0]}")
+
+
 def _block_view(padded: Tensor, block: tuple[int, int]) -> Tensor:
     """``(rows*R, cols*C)`` -> ``(rows, cols, R, C)`` view of a padded matrix."""
     (r, c), (height, width) = block, padded.shape
@@ -132,7 +237,7 @@ def dense_to_values(weight: Tensor, topology: BlockTopology) -> Tensor:
 
 def block_norms(weight: Tensor, block: tuple[int, int]) -> Tensor:
     """L2 norm of each ``block`` of a weight, tails padded with zeros: the score that
-    :meth:`BlockSparseLinear.from_dense` ranks blocks by."""
+    :meth:`BlockSparseLinear.from_dense` ranks blocks by (NaN where a block holds a NaN)."""
     rows, cols = block_grid(*weight.shape, block)
     padded = weight.new_zeros(rows * block[0], cols * block[1], dtype=torch.float32)
     padded[:weight.shape[0], :weight.shape[1]] = weight.detach()
@@ -140,7 +245,20 @@ def block_norms(weight: Tensor, block: tuple[int, int]) -> Tensor:
 
 
 def top_blocks(scores: Tensor, nnz: int) -> Tensor:
-    """Bool mask of the ``nnz`` highest-scoring blocks (exact count; ties by ``topk``)."""
+    """Bool mask of the ``nnz`` highest-scoring blocks (exact count; ties by ``topk``).
+
+    NaN scores rank below every other score (``-inf`` included), the engine's rule
+    (:func:`sparse_training.masks.score_stack`): a block holding a NaN is kept only when
+    fewer than ``nnz`` blocks have a number for a score.
+
+    Raises:
+        ValueError: ``nnz`` outside ``[0, scores.numel()]``.
+    """
+    if (isinstance(nnz, bool) or not isinstance(nnz, numbers.Integral)
+            or not 0 <= nnz <= scores.numel()):
+        raise ValueError(f"nnz must be an int in [0, {scores.numel()}] (the number of blocks "
+                         f"of a {tuple(scores.shape)} block grid), got {nnz!r}")
+    ranked = torch.nan_to_num(scores.flatten(), nan=float("-inf"))
     mask = torch.zeros(scores.numel(), dtype=torch.bool, device=scores.device)
-    mask[scores.flatten().topk(nnz).indices] = True
+    mask[ranked.topk(nnz).indices] = True
     return mask.view(scores.shape)

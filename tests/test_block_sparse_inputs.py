@@ -1,0 +1,289 @@
+"""The block-sparse op takes any input: operands of any strides at every entry point (the
+functional, the launchers, the custom ops and their fake implementations, eager and under
+``torch.compile``), padded tails of ``values`` never used (NaN, inf), and NaN block scores
+ranked below every number when blocks are chosen.
+
+Each result is checked against the float64 reference of ``block_sparse_cases`` (dense weight
+built by loops over the kept blocks) or, for compiled runs, against the eager run too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from block_sparse_cases import (
+    assert_close,
+    dense_weight,
+    make_case,
+    reference,
+    strided,
+    tail_mask,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from sparse_training import BlockSparseLinear, sparsify
+from sparse_training.kernels.block_sparse import (
+    block_norms,
+    block_sparse_linear,
+    dense_to_values,
+    forward_reference,
+    input_grad_reference,
+    top_blocks,
+    values_to_dense,
+    weight_grad_reference,
+)
+from sparse_training.kernels.block_sparse import kernels as bsk
+from sparse_training.kernels.block_sparse.topology import INDEX_FIELDS
+
+OPS = torch.ops.sparse_training
+
+# (operand, layout) pairs: each operand alone, then all of them at once
+LAYOUTS = {
+    "x transposed": {"x": "transposed"},
+    "x rows of a wider buffer": {"x": "offset_rows"},
+    "values transposed": {"values": "transposed"},
+    "values every other block": {"values": "every_other"},
+    "bias stride 2": {"bias": "every_other"},
+    "grad transposed": {"grad": "transposed"},
+    "all": {"x": "transposed", "values": "transposed", "bias": "every_other",
+            "grad": "offset_rows"},
+}
+
+
+def strided_case(layout: dict[str, str], dtype=torch.float32, out_f=70, in_f=45, tokens=13,
+                 block=(16, 32), kind="random"):
+    """A 2-D case whose operands are laid out as ``layout`` says (values unchanged)."""
+    c = make_case(out_f, in_f, tokens, block, kind, dtype, lead=())
+    for name, how in layout.items():
+        plain = getattr(c, name)
+        setattr(c, name, strided(plain, how))
+        assert not getattr(c, name).is_contiguous() and torch.equal(
+            getattr(c, name).nan_to_num(), plain.nan_to_num())
+    return c.leaves()
+
+
+def run_functional(c):
+    out = block_sparse_linear(c.x, c.values, c.topology, c.bias)
+    out.backward(c.grad)
+    return out, c.x.grad, c.values.grad, c.bias.grad
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_functional_takes_any_strides(layout):
+    c = strided_case(layout)
+    for got, want in zip(run_functional(c), c.want(), strict=True):
+        assert_close(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_functional_takes_any_strides_in_every_dtype(dtype):
+    c = strided_case(LAYOUTS["all"], dtype, kind="empty_rows")
+    for got, want in zip(run_functional(c), c.want(), strict=True):
+        assert got.dtype == dtype
+        assert_close(got, want, dtype)
+
+
+def test_expanded_grad_and_permuted_3d_input():
+    """``out.sum().backward()`` hands the op a stride-0 gradient; a permuted 3-D input is
+    flattened by a copy."""
+    c = make_case(40, 33, 5, (16, 16), lead=(2,))
+    c.x = c.x.transpose(0, 1).contiguous().transpose(0, 1)
+    c.grad = torch.ones_like(c.grad)
+    c.leaves()
+    block_sparse_linear(c.x, c.values, c.topology, c.bias).sum().backward()
+    for got, want in zip((c.x.grad, c.values.grad, c.bias.grad), c.want()[1:], strict=True):
+        assert_close(got, want, torch.float32)
+
+
+def test_issue_case_transposed_values_fp32_block_64():
+    """Issue 22: a transposed view of ``values`` (128 tokens, 128 -> 128, block 64) gave
+    outputs off by up to 6 and dX off by 4."""
+    c = strided_case({"values": "transposed"}, out_f=128, in_f=128, tokens=128, block=(64, 64))
+    out, grad_x, _, _ = run_functional(c)
+    want = c.want()
+    assert_close(out, want[0], torch.float32)
+    assert_close(grad_x, want[1], torch.float32)
+
+
+def test_issue_case_stride_2_bias():
+    """Issue 22: a stride-2 ``bias`` view gave outputs off by 3."""
+    c = strided_case({"bias": "every_other"}, out_f=128, in_f=128, tokens=128, block=(64, 64))
+    assert_close(run_functional(c)[0], c.want()[0], torch.float32)
+
+
+def test_issue_case_all_strided_fp16_block_16_empty_rows_give_the_bias():
+    """Issue 22: non-contiguous ``x``, ``values`` and ``bias`` together (fp16, block 16)
+    gave wrong outputs and dX, and empty block rows' outputs no longer equal to the bias."""
+    c = strided_case({"x": "transposed", "values": "transposed", "bias": "every_other"},
+                     torch.float16, out_f=64, in_f=48, tokens=24, block=(16, 16),
+                     kind="empty_rows")
+    out, grad_x, _, _ = run_functional(c)
+    want = c.want()
+    assert_close(out, want[0], torch.float16)
+    assert_close(grad_x, want[1], torch.float16)
+    assert not c.mask[0].any()  # block row 0 keeps nothing: its outputs are the bias
+    assert torch.equal(out[:, :16], c.bias.detach()[:16].expand(24, 16))
+
+
+def test_launchers_take_any_strides_index_tensors_included():
+    c = strided_case(LAYOUTS["all"])
+    topology = dataclasses.replace(c.topology, **{
+        name: strided(getattr(c.topology, name), "every_other") for name in INDEX_FIELDS})
+    values, x, bias, grad = (t.detach() for t in (c.values, c.x, c.bias, c.grad))
+    want = c.want()
+    assert_close(bsk.launch_forward(x, values, topology, bias), want[0], torch.float32)
+    assert_close(bsk.launch_input_grad(grad, values, topology), want[1], torch.float32)
+    assert_close(bsk.launch_weight_grad(grad, x, topology, values.dtype), want[2],
+                 torch.float32)
+
+
+@pytest.mark.parametrize("op, args", [
+    ("block_sparse_linear", lambda c, idx: (c.x, c.values, c.bias, 70, 45, idx)),
+    ("block_sparse_linear_input_grad", lambda c, idx: (c.grad, c.values, 70, 45, idx)),
+    ("block_sparse_linear_weight_grad", lambda c, idx: (c.grad, c.x, c.values, 70, 45, idx)),
+])
+def test_custom_ops_pass_opcheck_with_strided_inputs(op, args):
+    """Schema, fake implementation (shape, dtype and strides of the real output),
+    autograd registration and AOT dispatch, on strided operands and odd shapes."""
+    c = strided_case(LAYOUTS["all"])
+    if op != "block_sparse_linear":
+        c.values, c.x = c.values.detach(), c.x.detach()
+    index_tensors = [getattr(c.topology, name) for name in INDEX_FIELDS]
+    torch.library.opcheck(getattr(OPS, op).default, args(c, index_tensors))
+    real = getattr(OPS, op)(*args(c, index_tensors))
+    assert real.is_contiguous() and not real.isnan().any()
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf")])
+def test_references_and_conversions_never_use_padded_tails(poison):
+    c = make_case(70, 45, 9, (16, 32), lead=(), tail=poison)
+    values, x, bias, grad = c.values, c.x, c.bias, c.grad
+    want = c.want()
+    assert_close(forward_reference(x, values, c.topology, bias), want[0], torch.float32)
+    assert_close(input_grad_reference(grad, values, c.topology), want[1], torch.float32)
+    assert_close(weight_grad_reference(grad, x, c.topology), want[2], torch.float32)
+    assert torch.equal(values_to_dense(values, c.topology), dense_weight(values, c.mask, 70, 45)
+                       .float())
+    back = dense_to_values(values_to_dense(values, c.topology), c.topology)
+    assert torch.all(back[tail_mask(c.mask, 70, 45, (16, 32))] == 0)
+
+
+# the tails along the output dimension fill accumulator columns that are never stored
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
+@pytest.mark.parametrize("poison", [float("inf"), -float("inf")])
+def test_kernels_never_use_infinite_tails(poison):
+    c = make_case(72, 44, 9, (32, 16), dtype=torch.bfloat16, tail=poison).leaves()
+    for got, want in zip(run_functional(c), c.want(), strict=True):
+        assert_close(got, want, torch.bfloat16)
+    assert torch.all(c.values.grad[tail_mask(c.mask, 72, 44, (32, 16))] == 0)
+
+
+def test_a_layer_with_poisoned_tails_trains_finite():
+    layer = BlockSparseLinear(45, 70, (16, 32), density=0.6)
+    tails = tail_mask(layer.block_mask, 70, 45, (16, 32))
+    with torch.no_grad():
+        layer.values[tails] = float("nan")
+    x = torch.randn(6, 45, requires_grad=True)
+    out = layer(x)
+    out.square().sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+    assert torch.all(layer.values.grad[tails] == 0) and torch.isfinite(layer.weight).all()
+
+
+# -- NaN ranking (the engine's rule: NaN scores sort below every number) ------------------
+
+def test_top_blocks_ranks_nan_below_every_number():
+    scores = torch.tensor([[float("nan"), 0.5, -float("inf")], [3.0, float("nan"), 1.0]])
+    assert top_blocks(scores, 3).tolist() == [[False, True, False], [True, False, True]]
+    assert top_blocks(scores, 4).tolist() == [[False, True, True], [True, False, True]]
+    assert top_blocks(scores, 6).all() and not top_blocks(scores, 0).any()
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), rows=st.integers(1, 5), cols=st.integers(1, 5))
+def test_top_blocks_keeps_the_exact_count_and_numbers_first(data, rows, cols):
+    cells = rows * cols
+    nan = data.draw(st.lists(st.booleans(), min_size=cells, max_size=cells))
+    finite = data.draw(st.lists(st.floats(0, 1e6), min_size=cells, max_size=cells))
+    nnz = data.draw(st.integers(0, cells))
+    scores = torch.tensor(finite).view(rows, cols)
+    scores[torch.tensor(nan).view(rows, cols)] = float("nan")
+    kept = top_blocks(scores, nnz)
+    numbers = int((~scores.isnan()).sum())
+    assert int(kept.sum()) == nnz
+    assert int((kept & ~scores.isnan()).sum()) == min(nnz, numbers)
+    if (kept & ~scores.isnan()).any() and (~kept & ~scores.isnan()).any():
+        assert scores[kept & ~scores.isnan()].min() >= scores[~kept & ~scores.isnan()].max()
+
+
+def test_from_dense_and_sparsify_never_keep_a_nan_block():
+    """Issue 22: a block full of NaN ranked first (topk puts NaN first) and the layer
+    output NaN."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32)
+    with torch.no_grad():
+        linear.weight[:16, :16] = float("nan")
+    assert block_norms(linear.weight, (16, 16)).isnan()[0, 0]
+    layer = BlockSparseLinear.from_dense(linear, (16, 16), density=0.5)
+    assert not layer.block_mask[0, 0] and layer.nnz == 4
+    assert torch.isfinite(layer(torch.randn(3, 64))).all()
+    model = nn.Sequential(linear)
+    sparsify(model, {"0": {"pattern": "block:16x16", "density": 0.5}}, verbose=False)
+    assert not model[0].block_mask[0, 0] and torch.isfinite(model(torch.randn(3, 64))).all()
+
+
+# -- torch.compile -------------------------------------------------------------------------
+
+class StridedNet(nn.Module):
+    """Two block-sparse products with tails in both dimensions: a ``BlockSparseLinear``
+    read on a transposed input, then the functional on ``values`` stored transposed and a
+    stride-2 bias (views the compiled graph passes into the custom ops as they are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = BlockSparseLinear(45, 70, (16, 32), density=0.6)
+        second = BlockSparseLinear(70, 33, (16, 16), density=0.5)
+        self.topology = second.topology
+        self.values_t = nn.Parameter(second.values.detach().transpose(1, 2).contiguous())
+        self.bias_2 = nn.Parameter(torch.randn(66))
+
+    def forward(self, x_t: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.first(x_t.t()))
+        return block_sparse_linear(hidden, self.values_t.transpose(1, 2), self.topology,
+                                   self.bias_2[::2])
+
+
+def eager_and_compiled(backend: str):
+    torch.manual_seed(0)
+    net = StridedNet()
+    with torch.no_grad():  # poisoned tails: never read, in the compiled graph too
+        net.first.values[tail_mask(net.first.block_mask, 70, 45, (16, 32))] = float("nan")
+    x_t = torch.randn(45, 7)
+    grad = torch.randn(7, 33)
+    results = []
+    for model in (net, torch.compile(net, backend=backend, fullgraph=True)):
+        x = x_t.clone().requires_grad_()
+        net.zero_grad(set_to_none=True)
+        out = model(x)
+        out.backward(grad)
+        results.append([out.detach(), x.grad, *(p.grad.clone() for p in net.parameters())])
+    return net, results
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_matches_eager_with_strided_inputs(backend):
+    """``fullgraph=True``: no graph break in the op. The eager run is checked against the
+    float64 reference, the compiled one against the eager one (outputs, every gradient)."""
+    net, (eager, compiled) = eager_and_compiled(backend)
+    for got, want in zip(compiled, eager, strict=True):
+        assert_close(got, want.double(), torch.float32)
+    hidden = torch.relu(net.first(torch.randn(7, 45)))
+    assert_close(block_sparse_linear(hidden, net.values_t.transpose(1, 2), net.topology,
+                                     net.bias_2[::2]),
+                 reference(net.topology.block_mask(), net.values_t.detach().transpose(1, 2),
+                           hidden.detach(), net.bias_2.detach()[::2],
+                           torch.zeros(7, 33), 33)[0], torch.float32)
