@@ -343,7 +343,6 @@ def _run_autocast(layer, x):
         return layer(x)
 
 
-R = RuntimeError
 SEMI_ERRORS = [  # (call given (SemiStructuredLinear, cusparselt, paths), error, message)
     (lambda S, c, p: S(18, 8), V, r"in_features must be a positive multiple of 4 \(2:4 "
                                   r"groups\), got 18"),
@@ -389,17 +388,17 @@ SEMI_ERRORS = [  # (call given (SemiStructuredLinear, cusparselt, paths), error,
     (lambda S, c, p: _run_autocast(S(16, 8), torch.randn(5, 16, dtype=torch.float64)), V,
      "input dtype torch.float64: autocast casts only torch.float32, torch.bfloat16, "
      "torch.float16; cast the input"),
-    (lambda S, c, p: c.sparse_mm(torch.zeros(8), torch.randn(128, 2048), c.Algorithm()), R,
+    (lambda S, c, p: c.sparse_mm(torch.zeros(8), torch.randn(128, 2048), c.Algorithm()), RuntimeError,
      r"not calling cuSPARSELt \(matmul\): 128 tokens, under 1024 \(SPARSE_MIN_TOKENS"),
-    (lambda S, c, p: c.sparse_mm(torch.zeros(8), torch.randn(1024, 256), c.Algorithm()), R,
+    (lambda S, c, p: c.sparse_mm(torch.zeros(8), torch.randn(1024, 256), c.Algorithm()), RuntimeError,
      r"\(matmul\): in_features 256 under 1024 \(SPARSE_MIN_FEATURES"),
-    (lambda S, c, p: c.search_algorithm(torch.zeros(8), torch.randn(2048, 1016)), R,
+    (lambda S, c, p: c.search_algorithm(torch.zeros(8), torch.randn(2048, 1016)), RuntimeError,
      r"\(search\): 1016 tokens, under 1024"),
     (lambda S, c, p: c.PackedWeight.pack(torch.randn(256, 128), _rows_only_mask(),
-                                         torch.float16), R,
+                                         torch.float16), RuntimeError,
      r"\(pack\): out_features 256 and in_features 128 under 1024"),
     (lambda S, c, p: p.choose_paths(torch.randn(2048, 2048), torch.float16, 128, "eager",
-                                    None, False), R,
+                                    None, False), RuntimeError,
      "not timing cuSPARSELt for a 2048x2048 weight: 128 tokens, under 1024"),
     (lambda S, c, p: p.choose_paths(torch.randn(2048, 2048), torch.float16, 2048, "graph",
                                     None, False), V,
