@@ -2,36 +2,50 @@
 
 The parameter ``weight`` keeps its dense ``(out_features, in_features)`` shape (2:4 halves
 a weight; cuSPARSELt's packed form is a cache of it, not the parameter), with zeros where
-the persistent bool buffer ``mask`` is False: 2 kept in every 4 consecutive inputs, and with
+the bool buffer ``mask`` is False: 2 kept in every 4 consecutive inputs, and with
 ``transposable`` also in every 4 consecutive outputs (``2:4:2d``). The weight gradient is
 masked, so pruned weights and their optimizer state stay zero with any optimizer.
+The ``state_dict`` holds ``weight`` and ``bias`` only, the keys and values of an
+``nn.Linear`` with zeros where pruned (``mask`` is not persistent); loading one keeps the
+mask where the loaded weight is zero outside it, else installs the loaded weight's
+magnitude 2:4 mask (its 2:4 nonzeros, whenever its kept entries are nonzero). A legacy
+state dict with a ``mask`` installs that mask, checked before anything is copied.
 
-On CUDA with cuSPARSELt, bf16 or fp16 (the weight's dtype, or autocast's), the forward
-multiplies a packed copy of the weight and, for a transposable mask, the input gradient a
-packed copy of its transpose; the copies are refreshed, values only, at the first forward
-after any ``torch.optim`` optimizer stepped (a global step post-hook counts the steps: torch's
-fused optimizers do not move a parameter's version counter) or the weight was written in
-place. Each shape and token count
-is timed once, sparse against dense, and the faster path is kept
+On CUDA with cuSPARSELt, bf16 or fp16 (the weight's dtype, or autocast's), shapes and
+token counts inside the envelope (at least
+:data:`~sparse_training.kernels.semi_structured.cusparselt.SPARSE_MIN_FEATURES` outputs and
+inputs, :data:`~sparse_training.kernels.semi_structured.cusparselt.SPARSE_MIN_TOKENS`
+tokens: smaller products crashed cuSPARSELt), the forward may multiply a packed copy of the
+weight and, for a transposable mask, the input gradient a packed copy of its transpose; the
+copies are refreshed, values only, at the first forward after any ``torch.optim`` optimizer
+stepped (a global step post-hook counts the steps: torch's fused optimizers do not move a
+parameter's version counter) or the weight was written in place. Each shape and token
+count is timed once, sparse against dense, and the faster path is kept
 (:mod:`sparse_training.kernels.semi_structured.paths`): by wall time for eager training, or
 by GPU time where ``timing = "cuda_graph"`` (a step captured in a CUDA graph pays no host
 time per call; a layer once captured refreshes its packed copies at every call, replays
-included, since no Python sees the optimizer steps that replays take). What remains
-slower than ``nn.Linear`` (host-bound small steps, bf16 weights) is measured in
-docs/performance.md.
-Elsewhere (CPU, fp32, a shape cuSPARSELt refuses) and where cuBLAS is faster the layer is
-``nn.Linear`` on the weight as it is (zero where pruned: ``set_mask`` and
-``load_state_dict`` zero it, the masked gradient keeps it so) with a masked weight gradient.
+included, since no Python sees the optimizer steps that replays take). Elsewhere (CPU,
+fp32, outside the envelope, where cuBLAS is faster, and under ``torch.compile``) the layer
+is ``nn.Linear`` on the weight as it is (zero where pruned) with a masked weight gradient.
 
 Under :class:`~sparse_training.engine.SparsityEngine` (the callback) the optimizer step
-masks the gradient instead (inside the fused step, or with the engine's other masked
-tensors in one pass) and ``masks_gradient`` is False: the dense route is then exactly
-``F.linear`` and costs what ``nn.Linear`` costs.
+masks the gradient instead and ``masks_gradient`` is False: the dense route is then
+exactly ``F.linear`` and costs what ``nn.Linear`` costs.
+
+Bytes per weight entry, for parameters of ``p`` bytes (4 for float32 master weights) and
+AdamW: every route dense: ``4 p + 1`` (weight, gradient, two moments, the bool mask), as a
+masked-dense ``nn.Linear`` under the engine; nothing else is kept. A sparse forward adds
+its packed copy, about 1.125 B at 16 bits, and the uint8 kept positions, 0.5 B; a sparse
+input gradient adds the same for the transpose. The first call of a sparse-eligible token
+count adds, while it measures, the packing transients
+(:mod:`~sparse_training.kernels.semi_structured.cusparselt`) and the weight cast to the
+compute dtype (2 B; none for bf16 weights).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -45,14 +59,17 @@ from sparse_training.kernels.semi_structured import (
     PathChoice,
     choose_paths,
     cusparselt_problem,
+    envelope_problem,
     semi_structured_linear,
     shape_problem,
 )
+from sparse_training.kernels.semi_structured.masks import check_mask, zero_outside
 from sparse_training.kernels.semi_structured.paths import check_timing
 from sparse_training.masks import pattern_mask
 
 _OPTIMIZER_STEPS = [0]  # optimizer steps taken in this process, once counting starts
 _COUNTING: list = []  # the global hook's handle, registered by the first layer
+AUTOCAST_INPUTS = (torch.float32, torch.bfloat16, torch.float16)  # autocast casts these
 
 
 def _count_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
@@ -64,31 +81,29 @@ def _weights_changed_marker(weight: Tensor) -> tuple[int, int]:
     return _OPTIMIZER_STEPS[0], weight._version
 
 
-def check_mask(mask: Tensor, shape: tuple[int, int], transposable: bool) -> None:
-    """Raise unless ``mask`` is a bool 2:4 mask of ``shape`` (and of its transpose where
-    ``transposable``), naming the first bad group."""
-    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != shape:
-        what = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, Tensor) else type(mask)
-        raise ValueError(f"mask must be a bool tensor of the weight's shape {shape}, got {what}")
-    views = [("row", mask)] + ([("column", mask.T)] if transposable else [])
-    for direction, view in views:
-        kept = view.reshape(view.shape[0], -1, 4).sum(-1)
-        bad = (kept != 2).nonzero()
-        if len(bad):
-            i, group = bad[0].tolist()
-            raise ValueError(f"mask is not 2:4 along each {direction}: {direction} {i}, entries "
-                             f"{4 * group}:{4 * group + 4} keep {int(kept[i, group])}")
+def _check_arguments(in_features: object, out_features: object, transposable: object) -> None:
+    for name, size in (("in_features", in_features), ("out_features", out_features)):
+        if (not isinstance(size, numbers.Integral) or isinstance(size, bool) or size < 4
+                or size % 4):
+            raise ValueError(f"{name} must be a positive multiple of 4 (2:4 groups), got "
+                             f"{size!r}")
+    if not isinstance(transposable, bool):
+        raise ValueError(f"transposable must be True or False, got {transposable!r}")
 
 
 class SemiStructuredLinear(nn.Module):
     """``y = x (W * M)^T + b`` with a 2:4 mask ``M`` on the sparse tensor cores (module doc).
 
     Args:
-        in_features, out_features: multiples of 4 (of 16 for cuSPARSELt; other shapes
-            run the masked dense path).
+        in_features, out_features: multiples of 4 (of 16 and at least
+            ``SPARSE_MIN_FEATURES`` for cuSPARSELt; other shapes run the dense route).
         transposable: the mask is 2:4 along outputs too (``2:4:2d``), so the input gradient
             runs sparse as well.
         mask: the bool mask; default: the magnitude mask of the initial weight.
+
+    Raises:
+        ValueError: features that are not positive multiples of 4, a non-bool
+            ``transposable``, a dtype that is not floating point, a bad mask.
     """
 
     trained_weight = "weight"  # the parameter holding the weight
@@ -98,29 +113,32 @@ class SemiStructuredLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  *, transposable: bool = False, mask: Tensor | None = None) -> None:
-        for name, size in (("in_features", in_features), ("out_features", out_features)):
-            if not isinstance(size, int) or size < 4 or size % 4:
-                raise ValueError(f"{name} must be a positive multiple of 4 (2:4 groups), got "
-                                 f"{size!r}")
+        _check_arguments(in_features, out_features, transposable)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"dtype must be a floating-point torch.dtype (the weight's), got "
+                             f"{dtype!r}")
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.transposable = bool(transposable)
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device,
-                                               dtype=dtype))
-        self.bias = (nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.transposable = transposable
+        self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features,
+                                               device=device, dtype=dtype))
+        self.bias = (nn.Parameter(torch.empty(self.out_features, device=device, dtype=dtype))
                      if bias else None)
         self.reset_parameters()
         if mask is None:
             mask = pattern_mask(self.weight.detach(), self.pattern)
-        self.register_buffer("mask", torch.empty_like(self.weight, dtype=torch.bool))
+        self.register_buffer("mask", torch.empty_like(self.weight, dtype=torch.bool),
+                             persistent=False)
         self.set_mask(mask)
-        self.register_load_state_dict_post_hook(_after_load)
         if not _COUNTING:
             _COUNTING.append(register_optimizer_step_post_hook(_count_step))
 
     @property
     def pattern(self) -> str:
         return "2:4:2d" if self.transposable else "2:4"
+
+    def _owner(self) -> str:
+        return f"SemiStructuredLinear({self.in_features}->{self.out_features}, {self.pattern})"
 
     def reset_parameters(self) -> None:
         """Uniform in ``±1/sqrt(in_features)``, like ``nn.Linear``."""
@@ -132,15 +150,18 @@ class SemiStructuredLinear(nn.Module):
 
     @torch.no_grad()
     def set_mask(self, mask: Tensor) -> None:
-        """Keep ``mask`` from now on and zero the weights it prunes.
+        """Keep ``mask`` from now on and zero the weights it prunes; packed copies and
+        measured routes are dropped.
 
         Raises:
-            ValueError: not a 2:4 bool mask of the weight's shape (both ways if transposable).
+            ValueError: not a 2:4 bool mask of the weight's shape (both ways if transposable),
+                before anything changes.
         """
-        check_mask(mask, (self.out_features, self.in_features), self.transposable)
+        check_mask(mask, (self.out_features, self.in_features), self.transposable,
+                   self._owner())
         self.mask.copy_(mask)
         self.weight.masked_fill_(~self.mask, 0)
-        self._packs: dict[torch.dtype, list[list]] = {}  # by dtype: see _copies
+        self._packs: dict[tuple[torch.dtype, bool], list] = {}  # see _copy
         self._routes: dict[tuple, PathChoice | str] = {}  # by (device, dtype, tokens, timing)
         self._captured = False  # True once a forward ran under CUDA graph capture
 
@@ -165,7 +186,12 @@ class SemiStructuredLinear(nn.Module):
         return 1.0 - int(self.mask.sum()) / self.mask.numel()
 
     def path_problem(self, x: Tensor) -> str | None:
-        """Why this call runs the masked dense path instead of cuSPARSELt, or None."""
+        """Why this call runs the dense route instead of cuSPARSELt, or None; checked
+        before any packing or timing, per call (so small and odd token counts go dense).
+
+        Raises:
+            ValueError: an input this layer cannot take (see :meth:`forward`).
+        """
         dtype = self._compute_dtype(x)
         if problem := cusparselt_problem(x.device):
             return problem
@@ -174,18 +200,31 @@ class SemiStructuredLinear(nn.Module):
         if problem := shape_problem(self.out_features, self.in_features):
             return problem
         tokens = x.numel() // self.in_features
+        if problem := envelope_problem(self.out_features, self.in_features, tokens):
+            return problem
         if tokens % TOKEN_MULTIPLE:
             return f"{tokens} tokens are not a multiple of {TOKEN_MULTIPLE} (cuSPARSELt)"
         return None
 
     def forward(self, x: Tensor) -> Tensor:
+        """``x (W * M)^T + b`` for ``x`` of shape ``(..., in_features)``.
+
+        Raises:
+            ValueError: ``x`` is not a tensor whose last dimension is ``in_features``, or its
+                dtype is not the weight's (under autocast: not one autocast casts).
+        """
         dtype = self._compute_dtype(x)
+        if torch.compiler.is_compiling():  # cuBLAS, traced without Python-side caches
+            if not self.masks_gradient:
+                return F.linear(x, self.weight, self.bias)
+            # W * M is W (zero where pruned) and its gradient is dW * M: the eager dense
+            # route's products, on the same 2-D input
+            y = F.linear(x.reshape(-1, self.in_features), self.weight * self.mask, self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
         route = self.paths(x, dtype)
         packed = packed_t = None  # cuBLAS on the weight as it is: zero where pruned
         if not isinstance(route, str) and (route.forward or route.input_grad):
             packed, packed_t = self._refreshed(dtype, route)
-            packed, packed_t = (packed if route.forward else None,
-                                packed_t if route.input_grad else None)
         elif not self.masks_gradient:
             return F.linear(x, self.weight, self.bias)
         return semi_structured_linear(x.to(dtype), self.weight,
@@ -207,43 +246,111 @@ class SemiStructuredLinear(nn.Module):
         return super()._apply(fn, recurse)
 
     def _compute_dtype(self, x: Tensor) -> torch.dtype:
+        """The dtype the products run in: autocast's, else the weight's (``x``'s must be)."""
+        if not isinstance(x, Tensor) or x.dim() == 0 or x.shape[-1] != self.in_features:
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"{self._owner()}: the input's last dimension must be "
+                             f"in_features = {self.in_features}, got {got}")
         if torch.is_autocast_enabled(x.device.type):
+            if x.dtype not in AUTOCAST_INPUTS:
+                raise ValueError(f"{self._owner()}: input dtype {x.dtype}: autocast casts only "
+                                 f"{', '.join(map(str, AUTOCAST_INPUTS))}; cast the input")
             return torch.get_autocast_dtype(x.device.type)
-        return self.weight.dtype
+        if x.dtype != self.weight.dtype:
+            raise ValueError(f"{self._owner()}: input dtype {x.dtype} is not the weight's "
+                             f"{self.weight.dtype}; cast the input (x.to({self.weight.dtype})) "
+                             "or the layer, or run under torch.autocast")
+        return x.dtype
 
-    def _copies(self, dtype: torch.dtype) -> list[list]:
-        """``[packed copy, marker when last packed]`` for W and, if transposable, W^T."""
-        copies = self._packs.get(dtype)
-        if copies is None:
-            marker = _weights_changed_marker(self.weight)
-            copies = self._packs[dtype] = [
-                [PackedWeight.pack(self.weight.detach(), self.mask, dtype, transposed), marker]
-                for transposed in ((False, True) if self.transposable else (False,))]
-        return copies
+    def _copy(self, dtype: torch.dtype, transposed: bool) -> list:
+        """``[packed copy, marker when last packed]`` of W (``transposed``: W^T) in
+        ``dtype``, packed at its first use; kept only while a sparse route uses it."""
+        copy = self._packs.get((dtype, transposed))
+        if copy is None:
+            copy = self._packs[(dtype, transposed)] = self._pack(dtype, transposed)
+        return copy
+
+    def _pack(self, dtype: torch.dtype, transposed: bool) -> list:
+        marker = _weights_changed_marker(self.weight)
+        return [PackedWeight.pack(self.weight.detach(), self.mask, dtype, transposed), marker]
 
     @torch.compiler.disable
     @torch.no_grad()
     def _measure(self, dtype: torch.dtype, tokens: int) -> PathChoice:
-        copies = self._copies(dtype)
-        return choose_paths(self.weight, copies[0][0],
-                            copies[1][0] if len(copies) > 1 else None, tokens, self.timing)
+        """The choice for ``tokens``; copies packed to time it are kept only where the
+        choice uses them (a dense choice keeps none)."""
+        made: dict[bool, list] = {}
+
+        def pack(transposed: bool) -> PackedWeight:
+            copy = self._packs.get((dtype, transposed))
+            if copy is None:
+                copy = made[transposed] = self._pack(dtype, transposed)
+            return copy[0]
+
+        choice = choose_paths(self.weight, dtype, tokens, self.timing, pack, self.transposable)
+        for transposed, used in ((False, choice.forward), (True, choice.input_grad)):
+            if used and transposed in made:
+                self._packs[(dtype, transposed)] = made[transposed]
+        return choice
 
     @torch.compiler.disable
     @torch.no_grad()
     def _refreshed(self, dtype: torch.dtype, route: PathChoice
-                   ) -> tuple[PackedWeight, PackedWeight | None]:
-        """The packed copies; those ``route`` uses repacked (values only) if the weights may
-        have changed since they were last packed, and at every call once the layer was
-        captured in a CUDA graph (replays take optimizer steps that no Python sees)."""
-        copies = self._copies(dtype)
+                   ) -> tuple[PackedWeight | None, PackedWeight | None]:
+        """The packed copies ``route`` uses (None for a cuBLAS product), repacked (values
+        only) if the weights may have changed since they were last packed, and at every call
+        once the layer was captured in a CUDA graph (replays take optimizer steps that no
+        Python sees)."""
         marker = _weights_changed_marker(self.weight)
         if torch.cuda.is_current_stream_capturing():  # a sparse route runs on CUDA
             self._captured = True
-        for copy, used in zip(copies, (route.forward, route.input_grad), strict=False):
-            if used and (self._captured or copy[1] != marker):
+        copies = []
+        for transposed, used in ((False, route.forward), (True, route.input_grad)):
+            copy = self._copy(dtype, transposed) if used else None
+            if copy is not None and (self._captured or copy[1] != marker):
                 copy[0].refresh(self.weight)
                 copy[1] = marker
-        return copies[0][0], copies[1][0] if len(copies) > 1 else None
+            copies.append(None if copy is None else copy[0])
+        return copies[0], copies[1]
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict,
+                              strict: bool, missing_keys: list, unexpected_keys: list,
+                              error_msgs: list) -> None:
+        """Load ``weight`` and ``bias``, then install :meth:`_loaded_mask`, which checks the
+        shapes and a legacy ``mask`` before anything is copied."""
+        mask, errors = self._loaded_mask(state_dict, prefix), len(error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)
+        if prefix + "mask" in unexpected_keys:  # a legacy state dict's mask, used above
+            unexpected_keys.remove(prefix + "mask")
+        if len(error_msgs) == errors:  # torch refused nothing (it raises after all modules)
+            self.set_mask(mask)
+
+    @torch.no_grad()
+    def _loaded_mask(self, state_dict: dict, prefix: str) -> Tensor:
+        """The mask after loading ``state_dict``: its legacy ``mask`` if it has one, else the
+        current mask if the loaded weight is zero outside it, else the loaded weight's
+        magnitude mask of this layer's pattern (NaN ranks lowest).
+
+        Raises:
+            ValueError: a ``weight`` or ``bias`` of another shape than the layer's, a legacy
+                mask that is not a bool 2:4 mask of the weight's shape.
+        """
+        for name in ("weight", "bias"):
+            loaded, own = state_dict.get(prefix + name), getattr(self, name)
+            if isinstance(loaded, Tensor) and own is not None and loaded.shape != own.shape:
+                raise ValueError(f"{self._owner()}, state dict key {prefix + name!r}: shape "
+                                 f"{tuple(loaded.shape)} is not the layer's {tuple(own.shape)};"
+                                 " load a state dict saved from a layer of this shape")
+        legacy = state_dict.get(prefix + "mask")
+        if legacy is not None:
+            check_mask(legacy, (self.out_features, self.in_features), self.transposable,
+                       f"{self._owner()}, state dict key {prefix + 'mask'!r}")
+            return legacy
+        weight = state_dict.get(prefix + "weight")
+        if not isinstance(weight, Tensor) or zero_outside(weight, self.mask):
+            return self.mask  # torch reports a missing weight, or one that is no tensor
+        return pattern_mask(weight, self.pattern)
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, transposable: bool = False,
@@ -255,10 +362,13 @@ class SemiStructuredLinear(nn.Module):
             ValueError: not an ``nn.Linear``, features not multiples of 4, a bad mask.
         """
         if not isinstance(linear, nn.Linear):
-            raise ValueError(f"from_dense takes an nn.Linear, got {type(linear).__name__}")
+            raise ValueError(f"from_dense takes an nn.Linear, got {type(linear).__name__}; "
+                             "for HF GPT-2's Conv1D (weight stored (in, out)) build an "
+                             "nn.Linear from its transposed weight first")
+        _check_arguments(linear.in_features, linear.out_features, transposable)
         weight = linear.weight.detach()
-        pattern = "2:4:2d" if transposable else "2:4"
-        mask = mask if mask is not None else pattern_mask(weight, pattern)
+        mask = mask if mask is not None else pattern_mask(weight, "2:4:2d" if transposable
+                                                          else "2:4")
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
                     device=weight.device, dtype=weight.dtype, transposable=transposable,
                     mask=mask)
@@ -290,8 +400,3 @@ class SemiStructuredLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"pattern={self.pattern}, bias={self.bias is not None}")
-
-
-def _after_load(module: SemiStructuredLinear, incompatible_keys) -> None:
-    """After ``load_state_dict``: the loaded mask must be 2:4; the packed copies go."""
-    module.set_mask(module.mask.clone())

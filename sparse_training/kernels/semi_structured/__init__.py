@@ -2,15 +2,20 @@
 choice, autograd, functional and the float64 references.
 
 Public API: :func:`semi_structured_linear`, :class:`PackedWeight`, :func:`choose_paths`,
-:class:`PathChoice`, :func:`cusparselt_problem`, :func:`shape_problem`, and the references
+:class:`PathChoice`, :func:`cusparselt_problem`, :func:`shape_problem`,
+:func:`envelope_problem` (with :data:`SPARSE_MIN_FEATURES` and :data:`SPARSE_MIN_TOKENS`),
+and the references
 (``forward_reference``, ``input_grad_reference``, ``weight_grad_reference``).
 """
 
 from sparse_training.kernels.semi_structured.cusparselt import (
     DTYPES,
+    SPARSE_MIN_FEATURES,
+    SPARSE_MIN_TOKENS,
     TOKEN_MULTIPLE,
     PackedWeight,
     cusparselt_problem,
+    envelope_problem,
     shape_problem,
 )
 from sparse_training.kernels.semi_structured.ops import semi_structured_linear
@@ -21,6 +26,7 @@ from sparse_training.kernels.semi_structured.reference import (
     weight_grad_reference,
 )
 
-__all__ = ["DTYPES", "TOKEN_MULTIPLE", "PackedWeight", "PathChoice", "cached_choices",
-           "choose_paths", "cusparselt_problem", "forward_reference", "input_grad_reference",
+__all__ = ["DTYPES", "SPARSE_MIN_FEATURES", "SPARSE_MIN_TOKENS", "TOKEN_MULTIPLE", "PackedWeight",
+           "PathChoice", "cached_choices", "choose_paths", "cusparselt_problem",
+           "envelope_problem", "forward_reference", "input_grad_reference",
            "semi_structured_linear", "shape_problem", "weight_grad_reference"]

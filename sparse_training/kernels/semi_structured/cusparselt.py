@@ -15,11 +15,29 @@ shapes); the layout is undocumented, so each :class:`PackedWeight` checks once t
 product with the refreshed copy equals one with ``_cslt_compress``'s, and repacks in full
 at every refresh if not. (Comparing the packed bytes is not a test: ``_cslt_compress``
 leaves padding uninitialized, and bytewise checks failed at random on an H100.)
+
+**The envelope.** cuSPARSELt is called (compress, search, matmul) only for weights of at
+least :data:`SPARSE_MIN_FEATURES` outputs and inputs and products of at least
+:data:`SPARSE_MIN_TOKENS` tokens: at 128 tokens (fp16, 128 -> 256 and 256 -> 128) its
+search failed with a CUDA internal error and the next kernel with an illegal instruction,
+which ends the CUDA context. The functions here raise ``RuntimeError`` outside it, so a
+caller that forgot :func:`envelope_problem` fails in Python, not in the driver.
+
+**Bytes per weight entry** (of the ``(out, in)`` weight; cuSPARSELt's packed size is its
+own, about 1.125 B at 16 bits: half the entries' values plus 2 bits of metadata per kept
+value): a :class:`PackedWeight` holds the packed copy (~1.125 B) and the kept positions as
+uint8 (0.5 B). Packing adds, for its duration, the masked operand in the compute dtype
+(2 B), ``_cslt_compress``'s reference copy for the layout check (~1.125 B) and a probe of
+:data:`SPARSE_MIN_TOKENS` rows. Positions and refreshes work in row chunks of
+:data:`CHUNK_ENTRIES` weight entries: at most 128 MiB of int64 sort indices while finding
+positions, 64 MiB of int64 gather index while refreshing (and 32 MiB of gathered values
+from float32 weights).
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +46,12 @@ from torch import Tensor
 DTYPES = (torch.bfloat16, torch.float16)
 SPARSE_MULTIPLE = 16  # rows and columns of the packed operand (bf16/fp16)
 TOKEN_MULTIPLE = 8  # columns of the dense operand
+# The envelope inside which cuSPARSELt is called: conservative starting values, to be
+# calibrated on a GPU (the smallest shapes and token counts where compress, search and mm
+# run cleanly and the measured choice can go sparse at all).
+SPARSE_MIN_FEATURES = 1024  # out_features and in_features, each
+SPARSE_MIN_TOKENS = 1024  # rows of the dense operand (tokens, or dY's rows)
+CHUNK_ENTRIES = 1 << 24  # weight entries per row chunk of positions and refreshes
 
 
 def cusparselt_problem(device: torch.device) -> str | None:
@@ -48,6 +72,30 @@ def shape_problem(out_features: int, in_features: int) -> str | None:
             if bad else None)
 
 
+def envelope_problem(out_features: int | None = None, in_features: int | None = None,
+                     tokens: int | None = None) -> str | None:
+    """Why a product with these sizes (those given) stays outside the envelope where
+    cuSPARSELt is called (module doc), or None."""
+    small = [f"{name} {size}" for name, size in (("out_features", out_features),
+                                                  ("in_features", in_features))
+             if size is not None and size < SPARSE_MIN_FEATURES]
+    if small:
+        return (f"{' and '.join(small)} under {SPARSE_MIN_FEATURES} (SPARSE_MIN_FEATURES: "
+                "cuSPARSELt is called only on shapes inside its tested envelope, and cuBLAS "
+                "is faster there)")
+    if tokens is not None and tokens < SPARSE_MIN_TOKENS:
+        return (f"{tokens} tokens, under {SPARSE_MIN_TOKENS} (SPARSE_MIN_TOKENS: cuSPARSELt's "
+                "search crashed the CUDA context at 128 tokens, and cuBLAS is faster there)")
+    return None
+
+
+def _check_envelope(what: str, **sizes: int) -> None:
+    """Raise ``RuntimeError`` where :func:`envelope_problem` of ``sizes`` names one."""
+    if problem := envelope_problem(**sizes):
+        raise RuntimeError(f"not calling cuSPARSELt ({what}): {problem}; the 2:4 layer runs "
+                           "cuBLAS there (SemiStructuredLinear.path_problem)")
+
+
 @dataclass(frozen=True)
 class Algorithm:
     """cuSPARSELt's plan choice for one operand shape: ``_cslt_sparse_mm``'s arguments."""
@@ -59,7 +107,12 @@ class Algorithm:
 
 def search_algorithm(packed: Tensor, dense_t: Tensor) -> Algorithm:
     """cuSPARSELt's fastest plan for ``packed @ dense_t`` (its own timing search); the
-    default plan (``alg_id=0``) measured 0.6-0.85x of cuBLAS on an H100 at LLM shapes."""
+    default plan (``alg_id=0``) measured 0.6-0.85x of cuBLAS on an H100 at LLM shapes.
+
+    Raises:
+        RuntimeError: ``dense_t`` outside the envelope (module doc).
+    """
+    _check_envelope("search", in_features=dense_t.shape[0], tokens=dense_t.shape[1])
     search = getattr(getattr(torch._C, "_cusparselt", None), "mm_search", None)
     if search is not None:  # torch >= 2.5: (alg_id, split_k, split_k_mode, max_alg_id)
         alg_id, split_k, split_k_mode, _ = search(packed, dense_t, None, None, None, True)
@@ -72,17 +125,54 @@ def search_algorithm(packed: Tensor, dense_t: Tensor) -> Algorithm:
 def sparse_mm(packed: Tensor, dense: Tensor, algorithm: Algorithm,
               bias: Tensor | None = None) -> Tensor:
     """``dense @ A^T (+ bias)`` for the packed ``A (m x k)`` and a contiguous ``dense
-    (n x k)``: ``(n x m)`` row-major, through ``transpose_result`` (no copies)."""
+    (n x k)``: ``(n x m)`` row-major, through ``transpose_result`` (no copies).
+
+    Raises:
+        RuntimeError: ``dense`` outside the envelope (module doc).
+    """
+    _check_envelope("matmul", in_features=dense.shape[1], tokens=dense.shape[0])
     return torch._cslt_sparse_mm(packed, dense.t(), bias, transpose_result=True,
                                  alg_id=algorithm.alg_id, split_k=algorithm.split_k,
                                  split_k_mode=algorithm.split_k_mode)
 
 
-def _kept_index(mask: Tensor) -> Tensor:
-    """int64 ``(rows, cols / 4, 2)``: the positions (0-3) of the 2 kept entries of every
-    group of 4, ascending, for a 2:4 ``mask``."""
-    rows, cols = mask.shape
-    return mask.view(rows, cols // 4, 4).nonzero()[:, 2].view(rows, cols // 4, 2)
+def _compress(operand: Tensor) -> Tensor:
+    """``torch._cslt_compress`` of a 2:4 ``(rows, cols)`` operand inside the envelope."""
+    _check_envelope("compress", out_features=operand.shape[0], in_features=operand.shape[1])
+    return torch._cslt_compress(operand)
+
+
+def row_chunks(rows: int, cols: int) -> Iterator[slice]:
+    """Slices of ``rows`` holding at most :data:`CHUNK_ENTRIES` entries of ``cols`` each
+    (at least one row)."""
+    step = max(1, CHUNK_ENTRIES // cols)
+    for start in range(0, rows, step):
+        yield slice(start, start + step)
+
+
+def masked_operand(weight: Tensor, mask: Tensor, transposed: bool, dtype: torch.dtype
+                   ) -> Tensor:
+    """``weight * mask`` (transposed: its transpose) as a contiguous ``dtype`` tensor, written
+    in row chunks: no float32 copy of the whole weight."""
+    source, kept = (weight.t(), mask.t()) if transposed else (weight, mask)
+    operand = torch.empty(source.shape, dtype=dtype, device=weight.device)
+    for rows in row_chunks(*source.shape):
+        operand[rows].copy_(source[rows]).masked_fill_(~kept[rows], 0)
+    return operand
+
+
+def kept_positions(mask: Tensor, transposed: bool = False) -> Tensor:
+    """uint8 ``(rows, cols / 4, 2)``: the positions (0-3) of the 2 kept entries of every
+    group of 4, ascending, for a 2:4 ``mask`` (transposed: of ``mask.t()``); by row chunks,
+    with no device sync."""
+    operand_mask = mask.t() if transposed else mask
+    rows, cols = operand_mask.shape
+    positions = torch.empty(rows, cols // 4, 2, dtype=torch.uint8, device=mask.device)
+    for chunk in row_chunks(rows, cols):
+        groups = operand_mask[chunk].reshape(-1, cols // 4, 4).to(torch.uint8)
+        # a stable descending sort puts the 2 kept entries first, in ascending order
+        positions[chunk] = groups.argsort(dim=-1, descending=True, stable=True)[..., :2]
+    return positions
 
 
 @dataclass
@@ -94,8 +184,8 @@ class PackedWeight:
     """
 
     packed: Tensor
-    index: Tensor
-    mask: Tensor  # of the weight, (out, in)
+    positions: Tensor | None  # uint8 (rows, cols / 4, 2): kept_positions; None if not fast
+    mask: Tensor  # of the weight, (out, in): the layer's buffer, not a copy
     transposed: bool
     fast: bool  # values-only refresh verified against _cslt_compress
     algorithms: dict[int, Algorithm] = field(default_factory=dict)  # by token count
@@ -104,36 +194,52 @@ class PackedWeight:
     @torch.no_grad()
     def pack(cls, weight: Tensor, mask: Tensor, dtype: torch.dtype,
              transposed: bool = False) -> PackedWeight:
-        """Pack ``weight * mask`` (``(out, in)``; transposed: its ``(in, out)`` transpose)."""
-        operand_mask = mask.t().contiguous() if transposed else mask
-        full = torch._cslt_compress(_masked(weight, mask, transposed, dtype))
-        template = torch._cslt_compress(operand_mask.to(dtype))  # metadata of the mask
-        packed = cls(template, _kept_index(operand_mask), mask, transposed, fast=True)
+        """Pack ``weight * mask`` (``(out, in)``; transposed: its ``(in, out)`` transpose).
+
+        Raises:
+            RuntimeError: the weight is outside the envelope (module doc).
+        """
+        _check_envelope("pack", out_features=weight.shape[0], in_features=weight.shape[1])
+        operand = masked_operand(weight, mask, transposed, dtype)
+        full = _compress(operand)  # the reference for the layout check
+        operand.copy_(mask.t() if transposed else mask)  # ones where kept: the metadata
+        packed = cls(_compress(operand), kept_positions(mask, transposed), mask, transposed,
+                     fast=True)
+        del operand
         packed.refresh(weight)
-        probe = torch.randn(TOKEN_MULTIPLE * 2, operand_mask.shape[1],
-                            device=weight.device, dtype=dtype)
+        probe = torch.randn(SPARSE_MIN_TOKENS, packed.shape[1], device=weight.device,
+                            dtype=dtype)
         if not torch.equal(sparse_mm(packed.packed, probe, Algorithm()),
                            sparse_mm(full, probe, Algorithm())):
             warnings.warn("cuSPARSELt's packed layout is not the one the values-only refresh "
                           "writes; every optimizer step repacks in full (slower)", stacklevel=2)
-            packed = cls(full, packed.index, mask, transposed, fast=False)
+            packed = cls(full, None, mask, transposed, fast=False)
         return packed
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The packed operand's ``(rows, cols)``: ``(out, in)``, transposed ``(in, out)``."""
+        rows, cols = self.mask.shape
+        return (cols, rows) if self.transposed else (rows, cols)
 
     @torch.no_grad()
     def refresh(self, weight: Tensor) -> None:
-        """Rewrite the packed values from ``weight`` (same mask)."""
+        """Rewrite the packed values from ``weight`` (same mask): ``values[r, g, j] =
+        source[r, 4 g + positions[r, g, j]]``, by row chunks."""
         if not self.fast:
-            self.packed = torch._cslt_compress(
-                _masked(weight, self.mask, self.transposed, self.packed.dtype))
+            self.packed = _compress(masked_operand(weight, self.mask, self.transposed,
+                                                   self.packed.dtype))
             return
         source = weight.t() if self.transposed else weight  # a view: no copy
         rows, cols = source.shape
         groups = source.reshape(rows, cols // 4, 4)  # a view of the transpose too
         values = self.packed.view(-1)[: rows * cols // 2].view(rows, cols // 4, 2)
-        if weight.dtype == values.dtype:  # no temporary (a full-size one at LLM shapes)
-            torch.gather(groups, -1, self.index, out=values)
-        else:  # fp32 master weights under autocast
-            values.copy_(groups.gather(-1, self.index))
+        for chunk in row_chunks(rows, cols):
+            index = self.positions[chunk].long()
+            if weight.dtype == values.dtype:  # straight into the packed buffer
+                torch.gather(groups[chunk], -1, index, out=values[chunk])
+            else:  # float32 master weights under autocast: a chunk of them at a time
+                values[chunk].copy_(groups[chunk].gather(-1, index))
 
     def algorithm(self, dense: Tensor) -> Algorithm:
         """The searched plan for a dense operand of ``dense``'s token count (cached)."""
@@ -142,7 +248,7 @@ class PackedWeight:
             self.algorithms[tokens] = search_algorithm(self.packed, dense.t())
         return self.algorithms[tokens]
 
-
-def _masked(weight: Tensor, mask: Tensor, transposed: bool, dtype: torch.dtype) -> Tensor:
-    dense = torch.where(mask, weight, 0).to(dtype)
-    return dense.t().contiguous() if transposed else dense
+    def matmul(self, dense: Tensor, bias: Tensor | None = None) -> Tensor:
+        """``dense @ operand^T (+ bias)`` for a contiguous ``(tokens, cols)`` ``dense``, on
+        the searched plan."""
+        return sparse_mm(self.packed, dense, self.algorithm(dense), bias)

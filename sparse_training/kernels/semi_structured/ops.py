@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sparse_training.kernels.semi_structured.cusparselt import PackedWeight, sparse_mm
+from sparse_training.kernels.semi_structured.cusparselt import PackedWeight
 
 
 class SemiStructuredLinearFunction(torch.autograd.Function):
@@ -30,7 +30,7 @@ class SemiStructuredLinearFunction(torch.autograd.Function):
         ctx.bias_dtype = None if bias is None else bias.dtype
         bias = None if bias is None else bias.to(x.dtype)
         if packed is not None:
-            return sparse_mm(packed.packed, x, packed.algorithm(x), bias)
+            return packed.matmul(x, bias)
         return F.linear(x, weight_c, bias)
 
     @staticmethod
@@ -41,8 +41,7 @@ class SemiStructuredLinearFunction(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if needs_x:
             packed_t = ctx.packed_t
-            grad_x = (sparse_mm(packed_t.packed, grad_out, packed_t.algorithm(grad_out))
-                      if packed_t is not None else grad_out @ weight_c)
+            grad_x = packed_t.matmul(grad_out) if packed_t is not None else grad_out @ weight_c
         if needs_w:
             grad_w = masked_weight_grad(grad_out, x, mask, ctx.weight_dtype)
         if needs_b and ctx.bias_dtype is not None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sparse_training.kernels.semi_structured.cusparselt import PackedWeight, sparse_mm
+from sparse_training.kernels.semi_structured.cusparselt import PackedWeight, envelope_problem
 
 CALLS = 10  # timed calls per candidate, after 2 warm-up calls
 MARGIN = 0.05  # sparse only if it saves more than this share of the dense products' time
@@ -78,21 +78,27 @@ def check_timing(timing: str) -> None:
         raise ValueError(f"timing must be one of {TIMINGS}, got {timing!r}")
 
 
-def choose_paths(weight: torch.Tensor, packed: PackedWeight, packed_t: PackedWeight | None,
-                 tokens: int, timing: str = "eager") -> PathChoice:
-    """The measured choice for ``tokens`` rows of input to this packed weight (cached);
-    ``timing``: ``"eager"`` or ``"cuda_graph"`` (module doc).
+def choose_paths(weight: torch.Tensor, dtype: torch.dtype, tokens: int, timing: str,
+                 pack: Callable[[bool], PackedWeight], transposable: bool) -> PathChoice:
+    """The measured choice for ``tokens`` rows of input to ``weight`` computed in ``dtype``
+    (cached); ``timing``: ``"eager"`` or ``"cuda_graph"`` (module doc). ``pack(transposed)``
+    gives the packed weight (``transposed``: its transpose) to time; it is called only when
+    no choice is cached, and for the transpose only where ``transposable``.
 
     Raises:
         ValueError: an unknown ``timing``.
-        RuntimeError: called while a CUDA graph is being captured (timing needs the GPU to
-            itself: run one step before capturing).
+        RuntimeError: a shape or token count outside cuSPARSELt's envelope
+            (:func:`~sparse_training.kernels.semi_structured.cusparselt.envelope_problem`:
+            callers check it first), or called while a CUDA graph is being captured (timing
+            needs the GPU to itself: run one step before capturing).
     """
     check_timing(timing)
     out_features, in_features = weight.shape
-    dtype, device = packed.packed.dtype, weight.device
-    key = (torch.cuda.get_device_name(device), dtype, out_features, in_features, tokens,
-           packed_t is not None, timing)
+    if problem := envelope_problem(out_features, in_features, tokens):
+        raise RuntimeError(f"not timing cuSPARSELt for a {out_features}x{in_features} weight: "
+                           f"{problem}")
+    key = (torch.cuda.get_device_name(weight.device), dtype, out_features, in_features, tokens,
+           transposable, timing)
     if key not in _CHOICES:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
@@ -100,7 +106,8 @@ def choose_paths(weight: torch.Tensor, packed: PackedWeight, packed_t: PackedWei
                 "tokens times cuSPARSELt against cuBLAS, which cannot happen inside CUDA graph "
                 "capture: run one training step (the usual warm-up) before capturing")
         timer = wall_ms if timing == "eager" else graph_ms
-        _CHOICES[key] = _measure(weight.detach().to(dtype), packed, packed_t, tokens, timer)
+        _CHOICES[key] = _measure(weight.detach(), pack(False),
+                                 pack(True) if transposable else None, tokens, timer)
     return _CHOICES[key]
 
 
@@ -112,17 +119,19 @@ def cached_choices() -> dict[tuple, PathChoice]:
 
 def _measure(weight: torch.Tensor, packed: PackedWeight, packed_t: PackedWeight | None,
              tokens: int, timer: Callable[[Callable[[], object]], float]) -> PathChoice:
-    x = torch.randn(tokens, weight.shape[1], device=weight.device, dtype=weight.dtype)
-    grad = torch.randn(tokens, weight.shape[0], device=weight.device, dtype=weight.dtype)
-    algorithm = packed.algorithm(x)
-    times = {"dense_forward": timer(lambda: F.linear(x, weight)),
-             "sparse_forward": timer(lambda: sparse_mm(packed.packed, x, algorithm)),
+    """Times the products on random inputs: cuBLAS on ``weight`` cast to the packed dtype
+    (the cast autocast makes; none for weights already in it), the refreshes from
+    ``weight`` itself, as a training step reads it."""
+    dtype = packed.packed.dtype
+    dense = weight.to(dtype)
+    x = torch.randn(tokens, weight.shape[1], device=weight.device, dtype=dtype)
+    grad = torch.randn(tokens, weight.shape[0], device=weight.device, dtype=dtype)
+    times = {"dense_forward": timer(lambda: F.linear(x, dense)),
+             "sparse_forward": timer(lambda: packed.matmul(x)),
              "refresh": timer(lambda: packed.refresh(weight))}
     if packed_t is not None:
-        algorithm_t = packed_t.algorithm(grad)
-        times.update(dense_input_grad=timer(lambda: grad @ weight),
-                     sparse_input_grad=timer(lambda: sparse_mm(packed_t.packed, grad,
-                                                               algorithm_t)),
+        times.update(dense_input_grad=timer(lambda: grad @ dense),
+                     sparse_input_grad=timer(lambda: packed_t.matmul(grad)),
                      refresh_transposed=timer(lambda: packed_t.refresh(weight)))
     return decide(times)
 
