@@ -274,6 +274,23 @@ class CompressedSlot:
         return grid
 
     @torch.no_grad()
+    def set_mask(self, mask: Tensor, optimizers: Iterable[Optimizer]) -> None:
+        """Keep ``mask`` (a block grid of the same count, or a 2:4 mask) where it differs
+        from the layer's: blocks move (:meth:`move`: values and optimizer state follow,
+        new blocks start at zero); a 2:4 layer zeroes its pruned weights and their
+        optimizer state (``SemiStructuredLinear.set_mask``)."""
+        if torch.equal(mask, self.mask):
+            return
+        if self.movable:
+            self.move(mask, optimizers)
+            return
+        restart = ~(mask & self.mask)
+        self.layer.set_mask(mask)
+        for optimizer in optimizers:
+            for state in _state_tensors(optimizer, self.param):
+                state.masked_fill_(restart, 0)
+
+    @torch.no_grad()
     def move(self, mask: Tensor, optimizers: Iterable[Optimizer],
              gradient: Tensor | None = None) -> None:
         """Keep the blocks of ``mask`` (same count) between backward and the optimizer
