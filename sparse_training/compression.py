@@ -194,7 +194,8 @@ def compress_selected(model: nn.Module, config: SparsityConfig,
         else:
             reason = None
         entries.append((plan, reason, f"{module_name}.{layer_class.trained_weight}", module))
-    masks = None if saved is None else _saved_masks(saved, entries)
+    skipped = {p.name.rpartition(".")[0]: p.reason for p in plans if not p.selected}
+    masks = None if saved is None else _saved_masks(saved, entries, skipped)
     rows, swaps = [], []
     for index, (plan, reason, key, module) in enumerate(entries):
         if reason is None and masks is not None and key not in masks:
@@ -218,9 +219,11 @@ def compress_selected(model: nn.Module, config: SparsityConfig,
     return rows
 
 
-def _saved_masks(saved: Any, entries: list[tuple[TensorPlan, str | None, str, nn.Module]]
-                 ) -> dict[str, torch.Tensor]:
-    """A checkpoint's compressed masks, checked against the layers that can compress now.
+def _saved_masks(saved: Any, entries: list[tuple[TensorPlan, str | None, str, nn.Module]],
+                 skipped: dict[str, str]) -> dict[str, torch.Tensor]:
+    """A checkpoint's compressed masks, checked against the layers that can compress now
+    (``entries`` of :func:`compress_selected`; ``skipped``: why each module's tensor that
+    is not selected is not, by module name).
 
     Raises:
         ValueError: a saved layer that cannot compress now (naming why), or a mask that
@@ -239,10 +242,17 @@ def _saved_masks(saved: Any, entries: list[tuple[TensorPlan, str | None, str, nn
                                    kept_count(grid[0] * grid[1], plan.sparsity))
     if isinstance(saved, dict) and (extra := [n for n in saved if n not in forms]):
         raise ValueError("cannot resume: the checkpoint's compressed layers "
-                         + "; ".join(f"{n} ({why.get(n, 'no selected nn.Linear here')})"
-                                     for n in extra)
+                         + "; ".join(f"{n} ({_why_not(n, why, skipped)})" for n in extra)
                          + " cannot be compressed in this model with these settings")
     return check_compressed(saved, forms, every=False)
+
+
+def _why_not(name: str, why: dict[str, str], skipped: dict[str, str]) -> str:
+    """Why the layer weight ``name`` of a checkpoint cannot be compressed now."""
+    if name in why:
+        return why[name]
+    module = name.rpartition(".")[0]
+    return f"not selected: {skipped[module]}" if module in skipped else "no such layer"
 
 
 def _compressed_layer(linear: nn.Linear, pattern: Pattern, mask: torch.Tensor

@@ -156,14 +156,15 @@ class SparsityEngine:
 
     def _restore(self, state: dict[str, Any], masks: dict[str, Tensor],
                  compressed: dict[str, Tensor]) -> None:
-        """Install a checked state: the updater's progress, then the masks; a compressed
-        layer's blocks move (values and optimizer state follow) only where its mask
-        differs (a swap at setup already made it the checkpoint's)."""
+        """Install a checked state (:func:`~sparse_training.state.checked_masks`): the
+        updater's progress, then the masks; a compressed layer's blocks move (values and
+        optimizer state follow) only where its mask differs (a swap at setup already made
+        it the checkpoint's)."""
         self.updater.load_state_dict(state["updater"])
         self.set_masks(masks, step=None, broadcast=False, check=False)
         for slot in self.compressed:
             if slot.name in compressed:
-                slot.set_mask(compressed[slot.name].to(slot.mask.device), self._attached)
+                slot.set_mask(compressed[slot.name], self._attached)
         self._recount()
 
     # -- lifecycle --------------------------------------------------------------------------

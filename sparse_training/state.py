@@ -287,8 +287,9 @@ def checked_masks(state: Any, config: SparsityConfig, slots: Sequence[MaskedSlot
                   compressed: Sequence[CompressedSlot]
                   ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """An engine state's masks and compressed layers' masks for these slots, all checked
-    (layout, settings, every mask) before anything is installed; a state saved before
-    compressed masks were kept gives none of those.
+    (layout, settings, every mask, and that no compressed mask drops a nonzero weight of
+    its layer as loaded: :meth:`CompressedSlot.restore_problem`) before anything is
+    installed; a state saved before compressed masks were kept gives none of those.
 
     Raises:
         ValueError: the first problem found, naming it (the functions above).
@@ -299,8 +300,11 @@ def checked_masks(state: Any, config: SparsityConfig, slots: Sequence[MaskedSlot
                         config.sparsity)
     if "compressed" not in state:
         return masks, {}
-    return masks, check_compressed(state["compressed"],
-                                   {s.name: layer_form(s) for s in compressed})
+    saved = check_compressed(state["compressed"], {s.name: layer_form(s) for s in compressed})
+    saved = {s.name: saved[s.name].to(s.mask.device) for s in compressed if s.name in saved}
+    if problems := [p for s in compressed if (p := s.restore_problem(saved[s.name]))]:
+        raise ValueError("; ".join(problems))
+    return masks, saved
 
 
 def check_state(state: Any) -> None:
