@@ -161,11 +161,10 @@ class SparsityEngine:
         optimizer state follow) only where its mask differs (a swap at setup already made
         it the checkpoint's)."""
         self.updater.load_state_dict(state["updater"])
-        self.set_masks(masks, step=None, broadcast=False, check=False)
         for slot in self.compressed:
             if slot.name in compressed:
                 slot.set_mask(compressed[slot.name], self._attached)
-        self._recount()
+        self.set_masks(masks, step=None, broadcast=False, check=False)  # counts them all
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, total_steps: int | None) -> None:
@@ -388,8 +387,8 @@ class SparsityEngine:
 
     def state_dict(self) -> dict[str, Any]:
         """Masks (bit-packed; the compressed layers' too), the settings that made them and
-        the updater's progress;
-        random draws depend on (seed, step) only, so no generator state is needed."""
+        the updater's progress; random draws depend on (seed, step) only, so no generator
+        state is needed."""
         return {"format": FORMAT, "settings": self.config.as_dict(),
                 "masks": pack_masks(self.slots), "compressed": pack_compressed(self.compressed),
                 "updater": self.updater.state_dict()}

@@ -71,6 +71,18 @@ def test_a_compressed_checkpoint_resumes_exactly_and_loads_plainly(tmp_path, pat
     assert_same_training(*uninterrupted, *resumed)
     if pattern == "2:4":  # its state_dict still holds its mask buffer (semi_structured.py)
         return
+    # a checkpoint of the earlier format (compact keys, no compressed masks in the state)
+    legacy = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    for i in (0, 2):
+        del legacy["state_dict"][f"net.{i}.weight"]
+        legacy["state_dict"][f"net.{i}.values"] = stopped.net[i].values.detach()
+        legacy["state_dict"][f"net.{i}.block_mask"] = stopped.net[i].block_mask
+    for state in legacy["callbacks"].values():
+        state.pop("compressed", None)
+    torch.save(legacy, tmp_path / "legacy.ckpt")
+    assert_same_training(*uninterrupted, *fit(2, ckpt_path=tmp_path / "legacy.ckpt",
+                                              init_seed=1, **settings))
+
     plain = BlockNet.load_from_checkpoint(tmp_path / "last.ckpt")  # strict, nn.Linear layers
     for i in (0, 2):
         assert type(plain.net[i]) is nn.Linear

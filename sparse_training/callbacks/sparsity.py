@@ -111,9 +111,9 @@ class SparsityCallback(Callback):
             return
         device, dtype = trainer.strategy.root_device, compute_dtype(trainer.precision)
         rows = compress_selected(pl_module, self.config, device, dtype, saved)
-        target = f" for {device}, {dtype_name(dtype)} compute" if dtype is not None else ""
-        rank_zero_info(f"SparsityCallback: training paths (compress={self.config.compress!r}"
-                       f"{target})\n" + format_compression(rows))
+        target = f"{device}, {dtype_name(dtype)} compute" if dtype is not None else device
+        rank_zero_info(f"SparsityCallback: training paths (compress={self.config.compress!r} "
+                       f"for {target})\n" + format_compression(rows))
 
     def _checkpoint_compressed(self, trainer: pl.Trainer) -> dict[str, Any] | None:
         """The compressed masks of the checkpoint resumed (``{}``: it holds no
