@@ -4,9 +4,13 @@ The weight ``W`` of shape ``(out_features, in_features)`` is cut into ``R x C`` 
 last block row and column may hang over the edge). Only the kept blocks exist, as the
 parameter ``values[nnz, R, C]`` in row-major block order, so gradients and optimizer state
 are compressed too. The persistent bool buffer ``block_mask[block_rows, block_cols]`` says
-which blocks are kept; the state_dict holds ``values``, ``block_mask`` and ``bias``. Entries
-of ``values`` that hang over the weight's edge are zeros, and stay zeros: the forward never
-reads them and their gradient is zero.
+which blocks are kept. Entries of ``values`` that hang over the weight's edge are zeros, and
+stay zeros: the forward never reads them and their gradient is zero.
+
+The state_dict is ``nn.Linear``'s: the dense ``weight`` (zeros at dropped blocks) and
+``bias``, so a checkpoint loads strictly into the model with plain Linear layers. Loading
+takes that dense form or the compact one (``values``, ``block_mask``, ``bias``), which
+layers whose ``values`` are sharded (FSDP2 DTensors) save.
 """
 
 from __future__ import annotations
@@ -14,10 +18,13 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from sparse_training.block_sparse_state import check_block_mask, compact_from
+from sparse_training.kernels._shards import is_sharded
 from sparse_training.kernels.block_sparse import (
     BlockTopology,
     block_grid,
@@ -63,16 +70,6 @@ def _check_features(**features: int) -> None:
     for name, value in features.items():
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-def _check_block_mask(mask: Tensor, grid: tuple[int, int]) -> None:
-    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
-        what = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
-        raise ValueError(f"block_mask must be a bool tensor of the block grid's shape {grid}, "
-                         f"got {what}")
-    if tuple(mask.shape) != grid:
-        raise ValueError(f"block_mask shape {tuple(mask.shape)} != block grid {grid} "
-                         f"(ceil(out_features / R), ceil(in_features / C))")
 
 
 def _inside(topology: BlockTopology) -> Tensor:
@@ -144,7 +141,7 @@ class BlockSparseLinear(nn.Module):
             nnz = max(1, kept_count(grid[0] * grid[1], 1.0 - check_density(density)))
             block_mask = top_blocks(torch.rand(grid, device=device), nnz)
         else:
-            _check_block_mask(block_mask, grid)
+            check_block_mask(block_mask, grid)
             nnz = int(block_mask.sum())
             if nnz == 0:
                 raise ValueError(f"block_mask {tuple(block_mask.shape)} keeps no block; "
@@ -227,7 +224,7 @@ class BlockSparseLinear(nn.Module):
         Raises:
             ValueError: a mask of another shape or dtype.
         """
-        _check_block_mask(mask, tuple(self.block_mask.shape))
+        check_block_mask(mask, tuple(self.block_mask.shape))
         rows, cols = mask.to(self.block_mask.device).nonzero(as_tuple=True)
         return torch.where(self.block_mask[rows, cols],
                            kept_positions(self.block_mask)[rows, cols], -1)
@@ -248,7 +245,7 @@ class BlockSparseLinear(nn.Module):
             ValueError: a mask of another shape, dtype or kept count, or values of another
                 shape.
         """
-        _check_block_mask(mask, tuple(self.block_mask.shape))
+        check_block_mask(mask, tuple(self.block_mask.shape))
         mask = mask.to(self.block_mask.device)
         kept = int(mask.sum())
         if kept != self.nnz:
@@ -321,6 +318,33 @@ class BlockSparseLinear(nn.Module):
                   self.values.requires_grad, linear.bias, self.bias)
         return linear
 
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        """The dense form ``weight`` (zeros at dropped blocks, no padded tails) and ``bias``,
+        as ``nn.Linear`` saves them; sharded ``values`` (FSDP2) save the compact form."""
+        if is_sharded(self.values):
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+            return
+        weight = values_to_dense(self.values if keep_vars else self.values.detach(),
+                                 self.topology)
+        if weight.untyped_storage().nbytes() > weight.numel() * weight.element_size():
+            weight = weight.clone()  # a view of the padded grid: save only the weight
+        destination[prefix + "weight"] = weight
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict,
+                              strict: bool, missing_keys: list[str], *args: Any) -> None:
+        """Load the dense form or the compact one, each checked in full before anything is
+        copied (:func:`~sparse_training.block_sparse_state.compact_from`)."""
+        given = any(prefix + k in state_dict for k in ("weight", "values", "block_mask"))
+        compact_from(self, state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                      missing_keys, *args)
+        if not given and not is_sharded(self.values):  # the key this layer saves
+            missing_keys[:] = [k for k in missing_keys
+                               if k not in (prefix + "values", prefix + "block_mask")]
+            missing_keys.append(prefix + "weight")
+
     def extra_repr(self) -> str:
         r, c = self.block
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -348,9 +372,5 @@ def _transfer(weight: nn.Parameter, new_weight: Tensor, weight_requires_grad: bo
 
 
 def _after_load(module: BlockSparseLinear, incompatible_keys) -> None:
-    """After ``load_state_dict``: the mask must fit ``values``; the topology is rebuilt."""
-    kept = int(module.block_mask.sum())
-    if kept != module.nnz:
-        raise ValueError(f"loaded block_mask keeps {kept} blocks but values holds "
-                         f"{module.nnz}: the state_dict is inconsistent")
+    """After ``load_state_dict`` (checked in full before): the topology is rebuilt."""
     module._topology = None

@@ -10,42 +10,44 @@ blocks. The kept blocks are exactly those the masked-dense engine would keep at 
 not which blocks it keeps. Everything else stays masked-dense (the engine), and
 :func:`compress_selected` says, per tensor, which path it takes and why.
 
-``compress="auto"`` compresses only where the compressed layers beat a masked dense matmul
-(:func:`slower_reason`: blocks from 16M weights, 2:4 from 32M); ``True`` compresses every
-eligible tensor.
+``compress="auto"`` compresses only where the compressed layers train faster than
+masked-dense on the device and compute dtype training uses (:func:`slower_reason`: blocks
+from 16M weights on CUDA in bf16/fp16, never 2:4); ``True`` compresses every eligible
+tensor. On resume the checkpoint decides: its compressed layers, with its masks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from sparse_training.block_sparse import BLOCK_SIZES, BlockSparseLinear
-from sparse_training.kernels.semi_structured import cusparselt_problem, shape_problem
-from sparse_training.masks import pattern_mask
+from sparse_training.kernels.block_sparse import block_grid
+from sparse_training.masks import kept_count, pattern_mask
 from sparse_training.patcher import COMPRESSED_LAYERS, replace_module, swap_checker
 from sparse_training.patterns import Pattern
 from sparse_training.regrowth import random_scores
 from sparse_training.selection import TensorPlan, plan_model
 from sparse_training.semi_structured import SemiStructuredLinear
+from sparse_training.state import LayerForm, check_compressed
 
 if TYPE_CHECKING:
     from sparse_training.config import SparsityConfig
 
 COMPRESS = ("auto", True, False)
-# measured on an H100 (docs/performance.md): LLM-sized weights train faster compressed, with
-# blocks up to density 0.5 at 128x128 and 0.25 at 64x64 from 16M weights; at BERT-large
-# sizes (4M weights) the block kernels' launches cost more than they save. 2:4: the layer
-# picked cuSPARSELt for 4096x14336 (59M) and larger from 16k tokens, and cuBLAS for every
-# shape of 16.8M weights or fewer (2048x8192, 4096x4096, BERT's) in eager steps, where
-# cuSPARSELt's host time per call costs more than its products save (under a CUDA graph
-# its forward saves more than the repacking costs there); 16.8M-59M is not measured
+# measured end to end on an H100 through pl.Trainer (docs/performance.md): a Llama-8B-shaped
+# 4-layer decoder with 128x128 blocks at 90/75/50% trained 1.63x/1.36x/1.06x as fast as
+# dense with fused AdamW; BERT-base with 64x64 blocks at 90% 0.69x (host-bound: at its 2.4M
+# weights per matrix the kernels' launches cost more than they save)
 AUTO_MIN_WEIGHTS = 16 * 2**20
-AUTO_MIN_WEIGHTS_2_4 = 32 * 2**20
 AUTO_MAX_DENSITY = {128: 0.5, 64: 0.25}
+# 2:4 compressed layers: no faster than masked-dense end to end, with more memory
+AUTO_2_4_REASON = ("auto: 2:4 layers trained no faster than masked-dense end to end (H100, "
+                   "Llama-8B-shaped: 134.8 vs 132.0 ms/step; BERT-base 0.83x of dense) and "
+                   "take more memory; compress=True forces them")
 
 
 @dataclass(frozen=True)
@@ -97,35 +99,41 @@ def fixed_count_problem(config: SparsityConfig) -> str | None:
 
 
 def slower_reason(shape: tuple[int, int], pattern: Pattern, density: float,
-                  device: torch.device) -> str | None:
-    """Why ``compress="auto"`` keeps this tensor masked-dense, or None to compress it.
+                  device: torch.device, compute_dtype: torch.dtype) -> str | None:
+    """Why ``compress="auto"`` keeps this tensor masked-dense when it trains on ``device``
+    with products in ``compute_dtype``, or None to compress it.
 
-    Small weights stay masked-dense: on an H100 the compressed layers lose there (blocks
-    under :data:`AUTO_MIN_WEIGHTS`, 16M entries: the kernels' launches; 2:4 under
-    :data:`AUTO_MIN_WEIGHTS_2_4`, 32M: in eager steps cuSPARSELt's host time per call
-    costs more than its faster products save). Above it, 2:4
-    compresses wherever cuSPARSELt runs (the layer then times each token count and keeps
-    cuBLAS where it is faster); blocks run on CUDA only (elsewhere the layer computes with
-    a dense copy), at density <= 0.5 with 128x128 blocks and <= 0.25 with 64x64 blocks.
+    2:4 never (:data:`AUTO_2_4_REASON`). Blocks compress where an H100 measured them faster
+    than dense end to end: weights of :data:`AUTO_MIN_WEIGHTS` (16M) entries or more (below,
+    the kernels' launches cost more than they save), on CUDA (elsewhere the layer
+    multiplies a dense copy), bf16 or fp16 products, density <= 0.5 with 128x128 blocks and
+    <= 0.25 with 64x64 (:data:`AUTO_MAX_DENSITY`).
     """
-    if pattern.is_nm and (problem := shape_problem(shape[0], shape[1])):
-        return f"auto: {problem}"
-    minimum = AUTO_MIN_WEIGHTS_2_4 if pattern.is_nm else AUTO_MIN_WEIGHTS
-    if shape[0] * shape[1] < minimum:
-        why = ("cuSPARSELt's host time per eager call outweighs its faster products"
-               if pattern.is_nm else "launch costs make the compressed layer slower")
-        return f"auto: {shape[0]}x{shape[1]} is under {minimum:,} weights, where {why}"
     if pattern.is_nm:
-        problem = cusparselt_problem(device)
-        return None if problem is None else f"auto: {problem}"
-    block = (pattern.block_rows, pattern.block_cols)
+        return AUTO_2_4_REASON
+    if shape[0] * shape[1] < AUTO_MIN_WEIGHTS:
+        return (f"auto: {shape[0]}x{shape[1]} is under {AUTO_MIN_WEIGHTS:,} weights, where "
+                f"launch costs make the compressed layer slower")
     if device.type != "cuda":
         return f"auto: on {device.type} the compressed layer multiplies a dense copy"
+    if compute_dtype not in (torch.bfloat16, torch.float16):
+        return (f"auto: {dtype_name(compute_dtype)} compute; the block kernels were measured "
+                f"faster in bf16 and fp16 only")
+    block = (pattern.block_rows, pattern.block_cols)
     max_density = AUTO_MAX_DENSITY.get(min(block))
     if max_density is None or density > max_density:
         return (f"auto: block {block[0]}x{block[1]} at density {density:.2f} is slower than "
                 f"dense (compressed wins at <= 0.5 with 128x128, <= 0.25 with 64x64)")
     return None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``bf16``, ``fp16``, ``fp32``, ``fp64``, or torch's name of another dtype."""
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+                torch.float64: "fp64"}
 
 
 def _first_mask(weight: torch.Tensor, plan: TensorPlan, index: int,
@@ -137,24 +145,40 @@ def _first_mask(weight: torch.Tensor, plan: TensorPlan, index: int,
     return pattern_mask(weight.detach(), plan.pattern, plan.sparsity, score)
 
 
-def compress_selected(model: nn.Module, config: SparsityConfig) -> list[CompressionRow]:
+def compress_selected(model: nn.Module, config: SparsityConfig,
+                      device: torch.device | None = None,
+                      compute_dtype: torch.dtype | None = None,
+                      saved: dict[str, Any] | None = None) -> list[CompressionRow]:
     """Swap the selected Linear weights that can train compressed, in place (module doc).
+
+    Args:
+        device: where the layers will train, for ``compress="auto"`` (default: each
+            weight's device now).
+        compute_dtype: the dtype of their products (autocast's, or the weights'), for
+            ``"auto"`` (default: each weight's dtype).
+        saved: on resume, the checkpoint's compressed masks (the engine state's
+            ``"compressed"``): exactly its layers are compressed, with its masks, whatever
+            ``"auto"`` would decide now. None: fresh masks, those masked-dense training
+            keeps at step 0.
 
     Returns:
         One row per selected tensor: the path it takes and why.
 
     Raises:
-        ValueError: ``config.compress`` is True and nothing can be (or already is)
-            compressed (the rows say why), raised before anything is swapped.
+        ValueError: before anything is swapped: ``config.compress`` is True and nothing can
+            be (or already is) compressed (the rows say why); ``saved`` holds a layer that
+            cannot be compressed now, or a mask that does not fit its layer
+            (:func:`~sparse_training.state.check_compressed`).
     """
     problem = fixed_count_problem(config)
     tensors, plans = plan_model(model, config)
     swap_problem = swap_checker(model)
-    rows, swaps = [], []
+    entries = []  # (plan, reason to stay masked-dense or None, layer weight name, module)
     selected = [(p, t) for p, t in zip(plans, tensors, strict=True) if p.selected]
-    for index, (plan, tensor) in enumerate(selected):
+    for plan, tensor in selected:
         module, attr = tensor.owners[0]
         module_name = plan.name.rpartition(".")[0]
+        layer_class = SemiStructuredLinear if plan.pattern.is_nm else BlockSparseLinear
         if problem is not None:
             reason = problem
         elif not isinstance(module, nn.Linear) or attr != "weight" or len(tensor.owners) > 1:
@@ -163,17 +187,28 @@ def compress_selected(model: nn.Module, config: SparsityConfig) -> list[Compress
             reason = swap
         elif (unsupported := pattern_problem(plan.pattern)) is not None:
             reason = unsupported
-        elif config.compress == "auto" and (slow := slower_reason(
-                tuple(plan.shape), plan.pattern, 1 - plan.sparsity, module.weight.device)):
-            reason = slow
+        elif config.compress == "auto" and saved is None:
+            reason = slower_reason(tuple(plan.shape), plan.pattern, 1 - plan.sparsity,
+                                   device or module.weight.device,
+                                   compute_dtype or module.weight.dtype)
         else:
-            layer, what = _compressed_layer(module, plan.pattern,
-                                            _first_mask(module.weight, plan, index, config))
-            layer.train(module.training)
-            swaps.append((module_name, layer))
-            rows.append(CompressionRow(plan.name, plan.shape, "compressed", what))
+            reason = None
+        entries.append((plan, reason, f"{module_name}.{layer_class.trained_weight}", module))
+    skipped = {p.name.rpartition(".")[0]: p.reason for p in plans if not p.selected}
+    masks = None if saved is None else _saved_masks(saved, entries, skipped)
+    rows, swaps = [], []
+    for index, (plan, reason, key, module) in enumerate(entries):
+        if reason is None and masks is not None and key not in masks:
+            reason = "masked-dense in the checkpoint resumed"
+        if reason is not None:
+            rows.append(CompressionRow(plan.name, plan.shape, "masked-dense", reason))
             continue
-        rows.append(CompressionRow(plan.name, plan.shape, "masked-dense", reason))
+        mask = _first_mask(module.weight, plan, index, config) if masks is None else masks[key]
+        layer, what = _compressed_layer(module, plan.pattern, mask.to(module.weight.device))
+        layer.train(module.training)
+        swaps.append((plan.name.rpartition(".")[0], layer))
+        rows.append(CompressionRow(plan.name, plan.shape, "compressed",
+                                   what + ("" if masks is None else ", the checkpoint's mask")))
     if config.compress is True and not swaps and not any(
             isinstance(m, COMPRESSED_LAYERS) for m in model.modules()):
         lines = "\n".join(f"  {r.name}: {r.reason}" for r in rows) or "  (no tensor selected)"
@@ -182,6 +217,42 @@ def compress_selected(model: nn.Module, config: SparsityConfig) -> list[Compress
     for name, layer in swaps:
         replace_module(model, name, layer)
     return rows
+
+
+def _saved_masks(saved: Any, entries: list[tuple[TensorPlan, str | None, str, nn.Module]],
+                 skipped: dict[str, str]) -> dict[str, torch.Tensor]:
+    """A checkpoint's compressed masks, checked against the layers that can compress now
+    (``entries`` of :func:`compress_selected`; ``skipped``: why each module's tensor that
+    is not selected is not, by module name).
+
+    Raises:
+        ValueError: a saved layer that cannot compress now (naming why), or a mask that
+            does not fit its layer.
+    """
+    forms, why = {}, {}
+    for plan, reason, key, _ in entries:
+        if reason is not None:
+            why[key] = reason
+        elif plan.pattern.is_nm:
+            forms[key] = LayerForm(plan.pattern.spec, tuple(plan.shape))
+        else:
+            block = (plan.pattern.block_rows, plan.pattern.block_cols)
+            grid = block_grid(*plan.shape, block)
+            forms[key] = LayerForm(f"block:{block[0]}x{block[1]}", grid,
+                                   kept_count(grid[0] * grid[1], plan.sparsity))
+    if isinstance(saved, dict) and (extra := [n for n in saved if n not in forms]):
+        raise ValueError("cannot resume: the checkpoint's compressed layers "
+                         + "; ".join(f"{n} ({_why_not(n, why, skipped)})" for n in extra)
+                         + " cannot be compressed in this model with these settings")
+    return check_compressed(saved, forms, every=False)
+
+
+def _why_not(name: str, why: dict[str, str], skipped: dict[str, str]) -> str:
+    """Why the layer weight ``name`` of a checkpoint cannot be compressed now."""
+    if name in why:
+        return why[name]
+    module = name.rpartition(".")[0]
+    return f"not selected: {skipped[module]}" if module in skipped else "no such layer"
 
 
 def _compressed_layer(linear: nn.Linear, pattern: Pattern, mask: torch.Tensor

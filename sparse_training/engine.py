@@ -42,7 +42,7 @@ from sparse_training.ranks import check_across_ranks
 from sparse_training.selection import plan_model
 from sparse_training.sharding import sharding_problem
 from sparse_training.slots import CompressedSlot, MaskedSlot, whole_counts
-from sparse_training.state import FORMAT, check_masks, check_settings, check_state, pack_masks
+from sparse_training.state import FORMAT, checked_masks, pack_compressed, pack_masks
 from sparse_training.tensors import zeros_problem
 from sparse_training.updaters import UPDATERS
 
@@ -96,11 +96,11 @@ class SparsityEngine:
         self.loss_scale: Callable[[], float] = lambda: 1.0
         self._check_slots()
         self.updater = UPDATERS[config.regrow](config)
-        restored = self._check_state(state) if state is not None else None
+        restored = None if state is None else checked_masks(state, config, self.slots,
+                                                             self.compressed)
         self._take()
         if restored is not None:
-            self.updater.load_state_dict(state["updater"])
-            self.set_masks(restored, step=None, broadcast=False, check=False)
+            self._restore(state, *restored)
 
     def _check_slots(self) -> None:
         if problem := sharding_problem(self.model, self.slots, self.compressed,
@@ -154,10 +154,17 @@ class SparsityEngine:
         return self.model is model and self.installed and all(
             id(slot.param) in params for slot in (*self.slots, *self.compressed))
 
-    def _check_state(self, state: dict[str, Any]) -> dict[str, Tensor]:
-        check_state(state)
-        check_settings(state["settings"], self.config.as_dict())
-        return check_masks(state["masks"], self.slots)
+    def _restore(self, state: dict[str, Any], masks: dict[str, Tensor],
+                 compressed: dict[str, Tensor]) -> None:
+        """Install a checked state (:func:`~sparse_training.state.checked_masks`): the
+        updater's progress, then the masks; a compressed layer's blocks move (values and
+        optimizer state follow) only where its mask differs (a swap at setup already made
+        it the checkpoint's)."""
+        self.updater.load_state_dict(state["updater"])
+        for slot in self.compressed:
+            if slot.name in compressed:
+                slot.set_mask(compressed[slot.name], self._attached)
+        self.set_masks(masks, step=None, broadcast=False, check=False)  # counts them all
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, total_steps: int | None) -> None:
@@ -379,10 +386,12 @@ class SparsityEngine:
         return self._overall(masked / numel if numel else 0.0)
 
     def state_dict(self) -> dict[str, Any]:
-        """Masks (bit-packed), the settings that made them and the updater's progress;
-        random draws depend on (seed, step) only, so no generator state is needed."""
+        """Masks (bit-packed; the compressed layers' too), the settings that made them and
+        the updater's progress; random draws depend on (seed, step) only, so no generator
+        state is needed."""
         return {"format": FORMAT, "settings": self.config.as_dict(),
-                "masks": pack_masks(self.slots), "updater": self.updater.state_dict()}
+                "masks": pack_masks(self.slots), "compressed": pack_compressed(self.compressed),
+                "updater": self.updater.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`; everything is checked before anything changes.
@@ -390,9 +399,7 @@ class SparsityEngine:
         Raises:
             ValueError: the state does not fit (see :mod:`sparse_training.state`).
         """
-        masks = self._check_state(state)
-        self.updater.load_state_dict(state["updater"])
-        self.set_masks(masks, step=None, broadcast=False, check=False)
+        self._restore(state, *checked_masks(state, self.config, self.slots, self.compressed))
 
 
 def _of_optimizer(slots: list, optimizer: Optimizer) -> list:

@@ -274,6 +274,39 @@ class CompressedSlot:
         return grid
 
     @torch.no_grad()
+    def restore_problem(self, mask: Tensor) -> str | None:
+        """Why a checkpoint's ``mask`` cannot be restored into this layer as loaded from the
+        same checkpoint, or None: it would drop blocks (entries) holding nonzero weights,
+        so the checkpoint's weights and masks disagree."""
+        dropped = self.mask & ~mask
+        if not dropped.any():
+            return None
+        held = self.magnitudes() if self.movable else self.param.detach()
+        if not (held[dropped] != 0).any():
+            return None
+        what = "blocks" if self.movable else "entries"
+        return (f"the checkpoint's mask of {self.name!r} drops {int(dropped.sum())} {what} "
+                f"that hold nonzero weights in its state_dict: its weights and masks "
+                f"disagree (corrupted)")
+
+    @torch.no_grad()
+    def set_mask(self, mask: Tensor, optimizers: Iterable[Optimizer]) -> None:
+        """Keep ``mask`` (a block grid of the same count, or a 2:4 mask) where it differs
+        from the layer's: blocks move (:meth:`move`: values and optimizer state follow,
+        new blocks start at zero); a 2:4 layer zeroes its pruned weights and their
+        optimizer state (``SemiStructuredLinear.set_mask``)."""
+        if torch.equal(mask, self.mask):
+            return
+        if self.movable:
+            self.move(mask, optimizers)
+            return
+        restart = ~(mask & self.mask)
+        self.layer.set_mask(mask)
+        for optimizer in optimizers:
+            for state in _state_tensors(optimizer, self.param):
+                state.masked_fill_(restart, 0)
+
+    @torch.no_grad()
     def move(self, mask: Tensor, optimizers: Iterable[Optimizer],
              gradient: Tensor | None = None) -> None:
         """Keep the blocks of ``mask`` (same count) between backward and the optimizer

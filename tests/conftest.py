@@ -189,6 +189,22 @@ def expanded(layer: BlockSparseLinear) -> torch.Tensor:
     return layer.block_mask.repeat_interleave(16, 0).repeat_interleave(16, 1)
 
 
+def assert_same_training(model, trainer, other, other_trainer):
+    """Two BlockNet fits hold bit-for-bit equal weights, compressed layers' masks (of
+    ``net.0`` and ``net.2``) and optimizer state."""
+    for (name, value), (other_name, other_value) in zip(
+            model.state_dict().items(), other.state_dict().items(), strict=True):
+        assert name == other_name and torch.equal(value, other_value), name
+    masks = [m.mask if hasattr(m, "mask") else m.block_mask for m in model.net[:3:2]]
+    other_masks = [m.mask if hasattr(m, "mask") else m.block_mask for m in other.net[:3:2]]
+    assert all(torch.equal(a, b) for a, b in zip(masks, other_masks, strict=True))
+    state, other_state = (t.optimizers[0].state_dict()["state"] for t in (trainer, other_trainer))
+    assert state.keys() == other_state.keys()
+    for key, moments in state.items():
+        for name, value in moments.items():
+            assert torch.equal(value, other_state[key][name]), (key, name)
+
+
 def make_loader(n: int = 128, conv: bool = False, batch_size: int = 16, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 4, 4, 4, generator=g) if conv else torch.randn(n, 16, generator=g)

@@ -4,16 +4,19 @@ crashing inside torch."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import TinyNet, make_loader, make_trainer
+from conftest import BlockNet, TinyNet, make_loader, make_trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sparse_training import SparsityCallback, SparsityConfig, SparsityEngine
+from sparse_training import BlockSparseLinear, SparsityCallback, SparsityConfig, SparsityEngine
+from sparse_training.kernels.bitpack import pack_mask, unpack_mask
 
 GMP = dict(pattern="unstructured", sparsity=0.5, schedule="gmp")
 V = ValueError
@@ -285,10 +288,14 @@ def test_checkpoint_errors_come_before_any_mask_changes(tmp_path, mutate, change
     torch.save(saved, tmp_path / "bad.ckpt")
     model = TinyNet()
     trainer = make_trainer([SparsityCallback(**{**settings, **change})], max_epochs=2)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=message):
         trainer.fit(model, make_loader(), ckpt_path=tmp_path / "bad.ckpt")
-    # Lightning restored the checkpoint's weights, all of them; no mask was installed
-    assert all(torch.equal(saved["state_dict"][k], v) for k, v in model.state_dict().items())
+    # a state's layout and settings are checked at setup, before Lightning restores any
+    # weight; the masks after it restored the checkpoint's weights, all of them
+    at_setup = bool(change) or "of format 1" in message
+    expected = initial if at_setup else saved["state_dict"]
+    assert all(torch.equal(expected[k], v) for k, v in model.state_dict().items())
     assert not any(name.endswith("_mask") for name, _ in model.named_buffers())
 
 
@@ -1015,3 +1022,307 @@ def test_count_semi_structured():
     """The 2:4 layer's bad-input tables: at least 12 cases (issue 22)."""
     counts = len(SEMI_ERRORS), len(SEMI_UNCHANGED), len(SEMI_HANDLED)
     assert counts == (29, 11, 12) and sum(counts) >= 12, counts
+
+# == issue 22: compressed checkpoints and auto ==
+# Resuming a compressed fit (BlockNet, 16x16 blocks at 0.75: net.0 and net.2 compressed,
+# 1 and 4 of their 4 and 16 blocks) with changed settings, a damaged file or state, or
+# another model; loading BlockSparseLinear state dicts; restored masks' structure.
+
+COMPRESSED = dict(pattern="block:16x16", sparsity=0.75, compress=True)
+
+
+class WideHead(BlockNet):
+    """BlockNet whose net.2 has 32 outputs: a 2 x 4 block grid, not the checkpoint's 4 x 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(),
+                                 nn.Linear(32, 4))
+
+
+@pytest.fixture(scope="module")
+def compressed_checkpoint(tmp_path_factory):
+    """A compress=True fit's last.ckpt (read back) and its path."""
+    folder = tmp_path_factory.mktemp("compressed")
+    pl.seed_everything(0, verbose=False)
+    trainer = make_trainer([SparsityCallback(**COMPRESSED),
+                            ModelCheckpoint(dirpath=folder, save_last=True)],
+                           max_epochs=1, enable_checkpointing=True)
+    trainer.fit(BlockNet(), make_loader())
+    return torch.load(folder / "last.ckpt", weights_only=False), folder / "last.ckpt"
+
+
+def _compressed_state(saved):
+    (key,) = [k for k in saved["callbacks"] if k.startswith("SparsityCallback")]
+    return saved["callbacks"][key]
+
+
+def _entry(saved, name):
+    return _compressed_state(saved)["compressed"][name]
+
+
+def _flip_bit(saved, name, bit):
+    """Flip one bit of a packed compressed mask: the kept count changes."""
+    bits = _entry(saved, name)["bits"]
+    bits[bit // 8] ^= 1 << (bit % 8)
+
+
+def _swap_blocks(saved, name):
+    """Move one kept block of a packed mask to a dropped position: the count holds."""
+    entry = _entry(saved, name)
+    mask = unpack_mask(entry["bits"], entry["shape"]).flatten()
+    kept, free = mask.nonzero()[0], (~mask).nonzero()[0]
+    mask[kept], mask[free] = False, True
+    entry["bits"] = pack_mask(mask)
+
+
+def _write_truncated(saved, path, source):
+    path.write_bytes(source.read_bytes()[: source.stat().st_size // 2])
+
+
+def _write_empty(saved, path, source):
+    path.write_bytes(b"")
+
+
+RESUMES = [  # (change to the checkpoint, settings, model class, stage it raises at, message)
+    (None, dict(pattern="block:32x32"), BlockNet, "setup",
+     r"masks were made with other settings: pattern='block:16x16' in the checkpoint, "
+     r"'block:32x32' now"),
+    (None, dict(sparsity=0.5), BlockNet, "setup",
+     r"sparsity=0.75 in the checkpoint, 0.5 now"),
+    (None, dict(compress=False), BlockNet, "setup", r"compress=True in the checkpoint, False now"),
+    (None, dict(compress="auto"), BlockNet, "setup",
+     r"compress=True in the checkpoint, 'auto' now"),
+    (None, dict(pattern="2:4", sparsity=None), BlockNet, "setup",
+     r"pattern='block:16x16' in the checkpoint, '2:4' now"),
+    (_write_truncated, {}, BlockNet, "setup",
+     r"cannot resume: the checkpoint \S+bad.ckpt cannot be read \(\w+Error: .*\); it is "
+     r"likely truncated or half-written .*: resume from another checkpoint"),
+    (_write_empty, {}, BlockNet, "setup",
+     r"the checkpoint \S+bad.ckpt cannot be read \(\w+Error: .*truncated or half-written"),
+    (lambda s: _flip_bit(s, "net.2.values", 0), {}, BlockNet, "setup",
+     r"compressed mask 'net.2.values' keeps (3|5) blocks; the layer keeps exactly nnz = 4 "
+     r"\(corrupted\)"),
+    (lambda s: _entry(s, "net.0.values")["bits"].fill_(0xF2), {}, BlockNet, "setup",
+     r"compressed mask 'net.0.values' has nonzero padding bits after its 4 entries"),
+    (lambda s: _entry(s, "net.2.values").update(bits=torch.zeros(3, dtype=torch.uint8)), {},
+     BlockNet, "setup", r"compressed mask 'net.2.values' is not 2 packed bytes \(uint8\)"),
+    (lambda s: _entry(s, "net.2.values").update(pattern="block:32x32"), {}, BlockNet, "setup",
+     r"compressed mask 'net.2.values' is of pattern 'block:32x32', the layer 'block:16x16'"),
+    (lambda s: _entry(s, "net.2.values").update(shape=[2, 8]), {}, BlockNet, "setup",
+     r"compressed mask 'net.2.values' has shape \[2, 8\], the tensor \[4, 4\]"),
+    (lambda s: _compressed_state(s)["compressed"].update(
+        {"net.4.values": _entry(s, "net.0.values")}), {}, BlockNet, "setup",
+     r"compressed layers net.4.values \(not selected: shape cannot take 'block:16x16': 4 rows "
+     r"are not a multiple of the block's 16\) cannot be compressed in this model"),
+    (lambda s: _compressed_state(s).update(compressed=[1]), {}, BlockNet, "setup",
+     r"checkpoint compressed masks must be a dict, got list"),
+    (None, {}, WideHead, "setup",
+     r"compressed mask 'net.2.values' has shape \[4, 4\], the tensor \[2, 4\]"),
+    (lambda s: s.pop("callbacks"), {}, BlockNet, "setup",
+     r"(?s)compress=True but no selected tensor can train compressed.*net.0.weight: "
+     r"masked-dense in the checkpoint resumed"),
+    (lambda s: _swap_blocks(s, "net.2.values"), {}, BlockNet, "restore",
+     r"the checkpoint's mask of 'net.2.values' drops 1 blocks that hold nonzero weights in "
+     r"its state_dict: its weights and masks disagree \(corrupted\)"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "change", "model_class", "stage", "message"), RESUMES,
+                         ids=[f"{i}-{m[:28]}" for i, (*_, m) in enumerate(RESUMES)])
+def test_compressed_resume_errors(compressed_checkpoint, tmp_path, mutate, change, model_class,
+                                  stage, message):
+    """Errors found at setup come before any change: the model keeps its nn.Linear layers
+    and weights. A state whose masks disagree with its weights is found once Lightning
+    restored them (into the layers swapped with the checkpoint's masks)."""
+    saved, source = compressed_checkpoint
+    saved = copy.deepcopy(saved)
+    bad = tmp_path / "bad.ckpt"
+    if mutate in (_write_truncated, _write_empty):
+        mutate(saved, bad, source)
+    else:
+        if mutate is not None:
+            mutate(saved)
+        torch.save(saved, bad)
+    pl.seed_everything(1, verbose=False)
+    model = model_class()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = make_trainer([SparsityCallback(**{**COMPRESSED, **change})], max_epochs=2)
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(model, make_loader(), ckpt_path=bad)
+    if stage == "setup":
+        assert all(type(model.net[i]) is nn.Linear for i in (0, 2, 4))
+        assert all(torch.equal(initial[k], v) for k, v in model.state_dict().items())
+    else:  # Lightning restored the checkpoint's (dense) weights into the swapped layers
+        assert all(torch.equal(saved["state_dict"][k], v) for k, v in model.state_dict().items())
+    assert not any(name.endswith("weight_mask") for name, _ in model.named_buffers())
+
+
+def test_a_missing_checkpoint_is_named_before_any_change():
+    model = BlockNet()
+    with pytest.raises(FileNotFoundError, match="Checkpoint file not found: .*nowhere.ckpt"):
+        make_trainer([SparsityCallback(**COMPRESSED)], max_epochs=1).fit(
+            model, make_loader(), ckpt_path="nowhere.ckpt")
+    assert type(model.net[0]) is nn.Linear
+
+
+OUT, IN, GRID = 40, 70, (3, 3)  # BlockSparseLinear(70, 40, block 16x32): both tails hang over
+
+
+def _layer() -> nn.Sequential:
+    """One BlockSparseLinear keeping 5 of its 9 blocks, float64 values never zero."""
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 0, 1], [0, 1, 1], [1, 0, 0]], dtype=torch.bool)
+    return nn.Sequential(BlockSparseLinear(IN, OUT, (16, 32), block_mask=mask,
+                                           dtype=torch.float64))
+
+
+def _compact(layer, **changes):
+    state = {"0.values": layer[0].values.detach().clone(),
+             "0.block_mask": layer[0].block_mask.clone(), "0.bias": layer[0].bias.detach()}
+    state.update({f"0.{k}": v for k, v in changes.items()})
+    return state
+
+
+def _dense(layer, weight=None):
+    return {"0.weight": layer[0].to_dense().weight.detach() if weight is None else weight,
+            "0.bias": layer[0].bias.detach()}
+
+
+LOADS = [  # (state dict from the layer, message)
+    (lambda layer: _compact(layer, block_mask=layer[0].block_mask.to(torch.uint8)),
+     r"0.block_mask must be a bool tensor of the block grid's shape \(3, 3\), got torch.uint8"),
+    (lambda layer: _compact(layer, block_mask=torch.ones(2, 3, dtype=torch.bool)),
+     r"0.block_mask shape \(2, 3\) != block grid \(3, 3\)"),
+    (lambda layer: _compact(layer, block_mask=torch.ones(GRID, dtype=torch.bool)),
+     r"0.block_mask keeps 9 blocks but values holds 5: the state_dict is inconsistent"),
+    (lambda layer: _compact(layer, values=torch.randn(5, 16, 16, dtype=torch.float64)),
+     r"0.values has shape \(5, 16, 16\), the layer's \(nnz, R, C\) = \(5, 16, 32\)"),
+    (lambda layer: {"0.block_mask": layer[0].block_mask.flip(1)},
+     r"0.block_mask without 0.values: the compact form loads both"),
+    (lambda layer: _dense(layer, torch.randn(OUT, IN, dtype=torch.float64)),
+     r"0.weight has nonzeros in 9 of its 9 16x32 blocks, some outside the layer's block_mask,"
+     r" and the layer keeps nnz = 5: load a weight that is zero outside 5 blocks"),
+    (lambda layer: _dense(layer, torch.randn(OUT, 64, dtype=torch.float64)),
+     r"0.weight has shape \(40, 64\), the layer's dense weight \(out_features, in_features\) "
+     r"= \(40, 70\)"),
+    (lambda layer: {**_dense(layer), "0.values": layer[0].values.detach()},
+     r"0.weight and the compact 0.values/block_mask are both given; give one form"),
+]
+
+
+@pytest.mark.parametrize(("make_state", "message"), LOADS,
+                         ids=[m[:30] for _, m in LOADS])
+def test_block_sparse_state_dict_errors_come_before_any_copy(make_state, message):
+    layer = _layer()
+    state = make_state(_layer())
+    with torch.no_grad():
+        layer[0].values.mul_(-1)  # differs from every state above
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    mask = layer[0].block_mask.clone()
+    with pytest.raises(ValueError, match=message):
+        layer.load_state_dict(state)
+    assert all(torch.equal(before[k], v) for k, v in layer.state_dict().items())
+    assert torch.equal(layer[0].block_mask, mask)
+
+
+def _zero_block(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` with its kept block (0, 0) (rows 0:16, columns 0:32) zeroed."""
+    weight = weight.clone()
+    weight[:16, :32] = 0
+    return weight
+
+
+def _elsewhere(layer) -> torch.Tensor:
+    """A dense weight nonzero in exactly 5 blocks, the layer's mask flipped upside down."""
+    mask = layer[0].block_mask.flip(0)
+    keep = mask.repeat_interleave(16, 0).repeat_interleave(32, 1)[:OUT, :IN]
+    return torch.where(keep, torch.randn(OUT, IN, dtype=torch.float64), 0)
+
+
+LOADED = [  # (dense weight from the layer's own, the block mask kept after loading)
+    # a kept block of zeros: the weight is zero outside the current mask, which stays
+    (lambda layer: _zero_block(layer[0].to_dense().weight.detach()), lambda layer: layer[0].block_mask),
+    # nonzeros in exactly nnz other blocks: those become the mask
+    (_elsewhere, lambda layer: layer[0].block_mask.flip(0)),
+]
+
+
+@pytest.mark.parametrize(("make_weight", "expected_mask"), LOADED, ids=["zero-block", "moved"])
+def test_dense_weights_load_as_documented(make_weight, expected_mask):
+    """A dense weight zero outside the layer's mask keeps it; one nonzero in exactly nnz
+    other blocks sets the mask to those blocks; the dense form then reads back exactly."""
+    source, target = _layer(), _layer()
+    weight = make_weight(source)
+    target.load_state_dict(_dense(source, weight))
+    assert torch.equal(target[0].block_mask, expected_mask(source))
+    assert torch.equal(target.state_dict()["0.weight"], weight)
+    x = torch.randn(3, 5, IN, dtype=torch.float64).transpose(0, 1)  # non-contiguous
+    # float64 products accumulated in fp32 by the kernels (IN = 70 terms of O(1))
+    torch.testing.assert_close(target(x), x @ weight.T + source[0].bias, rtol=1e-5, atol=1e-5)
+
+
+def test_a_compressed_state_dict_loads_strictly_into_nn_linear_and_back():
+    layer = _layer()
+    plain = nn.Sequential(nn.Linear(IN, OUT, dtype=torch.float64))
+    plain.load_state_dict(layer.state_dict())  # strict
+    expected = layer[0].block_mask.repeat_interleave(16, 0).repeat_interleave(32, 1)[:OUT, :IN]
+    assert torch.equal(plain[0].weight != 0, expected)
+    back = _layer()
+    with torch.no_grad():
+        back[0].values.zero_()
+    back.load_state_dict(plain.state_dict())
+    assert torch.equal(back[0].values, layer[0].values)
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "0.weight"'):
+        back.load_state_dict({"0.bias": layer[0].bias})
+
+
+def _masked_state(saved):
+    (key,) = [k for k in saved["callbacks"] if k.startswith("SparsityCallback")]
+    return saved["callbacks"][key]["masks"]
+
+
+def _flip_masked(saved, name, bit):
+    _masked_state(saved)[name]["bits"][bit // 8] ^= 1 << (bit % 8)
+
+
+def _column_broken_2_4() -> torch.Tensor:
+    """A 32 x 32 mask 2:4 along every row but keeping all 4 of each tile's first column."""
+    return pack_mask(torch.tensor([True, True, False, False]).repeat(32, 8))
+
+
+MASKS = [  # (settings of the saved fit, change to its state, message)
+    (dict(pattern="unstructured", sparsity=0.8, schedule="gmp", end=10, frequency=2),
+     lambda s: _flip_masked(s, "net.0.weight", 3),
+     r"mask 'net.0.weight' keeps \d+ of 512 blocks; sparsity 0.\d+ keeps \d+ \(corrupted\)"),
+    (dict(pattern="block:4x4", sparsity=0.5), lambda s: _flip_masked(s, "net.2.weight", 0),
+     r"mask 'net.2.weight' is not constant on 4x4 block \(0, 0\): (1|15) of 16 entries kept"),
+    (dict(pattern="2:4"), lambda s: _flip_masked(s, "net.2.weight", 0),
+     r"mask 'net.2.weight' is not 2:4: row 0, blocks 0:4 keep (1|3) \(corrupted\)"),
+    (dict(pattern="2:4:2d"), lambda s: _masked_state(s)["net.2.weight"].update(
+        bits=_column_broken_2_4()),
+     r"mask 'net.2.weight' is not 2:4: column 0, blocks 0:4 keep 4 \(corrupted\)"),
+]
+
+
+@pytest.mark.parametrize(("settings", "mutate", "message"), MASKS,
+                         ids=[m[:30] for *_, m in MASKS])
+def test_corrupted_masks_at_the_right_length_are_refused(tmp_path, settings, mutate, message):
+    """Masks are checked for their pattern's structure and the schedule's exact count
+    before any is installed (Lightning has restored the weights by then)."""
+    saved, _, _ = sparse_checkpoint(tmp_path, **settings)
+    mutate(saved)
+    torch.save(saved, tmp_path / "bad.ckpt")
+    model = TinyNet()
+    with pytest.raises(ValueError, match=message):
+        make_trainer([SparsityCallback(**settings)], max_epochs=2).fit(
+            model, make_loader(), ckpt_path=tmp_path / "bad.ckpt")
+    assert all(torch.equal(saved["state_dict"][k], v) for k, v in model.state_dict().items())
+    assert not any(name.endswith("_mask") for name, _ in model.named_buffers())
+
+
+def test_count_compressed_checkpoints():
+    """This section's cases: resumes, loads (errors and documented behavior), masks."""
+    total = len(RESUMES) + 1 + len(LOADS) + len(LOADED) + 2 + len(MASKS)
+    assert (len(RESUMES), len(LOADS), len(LOADED), len(MASKS)) == (17, 8, 2, 4)
+    assert total >= 15, total

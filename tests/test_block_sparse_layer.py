@@ -81,7 +81,7 @@ def test_init_counts_bounds_and_zero_tails():
     assert not layer.values[outside(layer)].any()
     assert layer.values[~outside(layer)].all()
     assert BlockSparseLinear(IN, OUT, BLOCK, density=1e-6).nnz == 1  # at least one block
-    assert set(layer.state_dict()) == {"values", "bias", "block_mask"}
+    assert set(layer.state_dict()) == {"weight", "bias"}  # nn.Linear's (dense) form
     text = repr(layer)
     assert all(s in text for s in ("in_features=70", "out_features=40", "block=16x32",
                                    "density=0.4444", "nnz=4"))
@@ -162,19 +162,23 @@ def test_from_dense_element_mask_must_be_constant_on_blocks():
         BlockSparseLinear.from_dense(nn.Linear(IN, OUT), BLOCK, mask=mask)
 
 
-def test_state_dict_into_a_layer_with_another_mask():
+@pytest.mark.parametrize("form", ["dense", "compact"])
+def test_state_dict_into_a_layer_with_another_mask(form):
     masks = masks_for_cases()
     source = nn.Sequential(BlockSparseLinear(IN, OUT, BLOCK, block_mask=masks["random"]))
     target = nn.Sequential(BlockSparseLinear(IN, OUT, BLOCK, block_mask=masks["random"].flip(0)))
     x = torch.randn(5, IN)
     target[0](x)  # builds the old topology, which loading must replace
-    target.load_state_dict(source.state_dict())
+    state = source.state_dict() if form == "dense" else {
+        "0.values": source[0].values, "0.block_mask": source[0].block_mask,
+        "0.bias": source[0].bias}
+    target.load_state_dict(state)
     assert torch.equal(target[0].topology.block_mask(), masks["random"])
     assert torch.equal(target(x), source(x))
 
-    bad = source.state_dict()
-    bad["0.block_mask"] = masks["all_kept"]
-    with pytest.raises(ValueError, match="keeps 9 blocks but values holds 5"):
+    bad = {"0.values": source[0].values, "0.block_mask": masks["all_kept"],
+           "0.bias": source[0].bias}
+    with pytest.raises(ValueError, match="0.block_mask keeps 9 blocks but values holds 5"):
         target.load_state_dict(bad)
 
 

@@ -1,14 +1,16 @@
 """SparsityCallback(compress=...): selected Linear layers train as BlockSparseLinear."""
 
+import types
+
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import BlockNet, expanded, make_loader, make_trainer
+from conftest import BlockNet, assert_same_training, expanded, make_loader, make_trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 
-from sparse_training import BlockSparseLinear, SparsityCallback, make_permanent
-from sparse_training.compression import slower_reason
+from sparse_training import BlockSparseLinear, SparsityCallback, SparsityConfig, make_permanent
+from sparse_training.compression import compress_selected, slower_reason
 from sparse_training.patterns import parse_pattern
 
 SETTINGS = dict(pattern="block:16x16", sparsity=0.75)
@@ -46,26 +48,48 @@ def test_compress_true_trains_compressed_from_setup_and_reports_forward_sparsity
         float((model.net[2].weight == 0).float().mean()), abs=1e-6)
 
 
-def fit(max_epochs, ckpt_path=None, callbacks=()):
-    pl.seed_everything(0, verbose=False)
+def fit(max_epochs, ckpt_path=None, callbacks=(), init_seed=0, **settings):
+    """A compress=True fit of a BlockNet initialized from ``init_seed``: (model, trainer)."""
+    pl.seed_everything(init_seed, verbose=False)
     model = BlockNet()
-    trainer = make_trainer([SparsityCallback(**SETTINGS, compress=True), *callbacks],
-                           max_epochs=max_epochs, enable_checkpointing=bool(callbacks))
+    saves = any(isinstance(c, ModelCheckpoint) for c in callbacks)
+    trainer = make_trainer([SparsityCallback(**{**SETTINGS, "compress": True, **settings}),
+                            *callbacks], max_epochs=max_epochs, enable_checkpointing=saves)
     trainer.fit(model, make_loader(), ckpt_path=ckpt_path)
-    return model
+    return model, trainer
 
 
-def test_a_compressed_checkpoint_resumes_exactly(tmp_path):
-    uninterrupted = fit(2)
+@pytest.mark.parametrize("pattern", ["block:16x16", "2:4"])
+def test_a_compressed_checkpoint_resumes_exactly_and_loads_plainly(tmp_path, pattern):
+    """The resumed model starts from another initialization: only the checkpoint's masks
+    (swapped in at setup) and its dense weights make it the uninterrupted run."""
+    settings = dict(pattern=pattern, sparsity=0.75 if pattern.startswith("block") else None)
+    uninterrupted = fit(2, **settings)
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    fit(1, callbacks=[checkpoint])
-    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]
-    assert saved["net.2.values"].shape == (4, 16, 16)  # the compressed form
-    assert "net.2.weight" not in saved
-    resumed = fit(2, ckpt_path=tmp_path / "last.ckpt")
+    stopped, _ = fit(1, callbacks=[checkpoint], **settings)
+    resumed = fit(2, ckpt_path=tmp_path / "last.ckpt", init_seed=1, **settings)
+    assert_same_training(*uninterrupted, *resumed)
+    if pattern == "2:4":  # its state_dict still holds its mask buffer (semi_structured.py)
+        return
+    # a checkpoint of the earlier format (compact keys, no compressed masks in the state)
+    legacy = torch.load(tmp_path / "last.ckpt", weights_only=False)
     for i in (0, 2):
-        assert torch.equal(resumed.net[i].block_mask, uninterrupted.net[i].block_mask)
-        assert torch.equal(resumed.net[i].values, uninterrupted.net[i].values)
+        del legacy["state_dict"][f"net.{i}.weight"]
+        legacy["state_dict"][f"net.{i}.values"] = stopped.net[i].values.detach()
+        legacy["state_dict"][f"net.{i}.block_mask"] = stopped.net[i].block_mask
+    for state in legacy["callbacks"].values():
+        state.pop("compressed", None)
+    torch.save(legacy, tmp_path / "legacy.ckpt")
+    assert_same_training(*uninterrupted, *fit(2, ckpt_path=tmp_path / "legacy.ckpt",
+                                              init_seed=1, **settings))
+
+    plain = BlockNet.load_from_checkpoint(tmp_path / "last.ckpt")  # strict, nn.Linear layers
+    for i in (0, 2):
+        assert type(plain.net[i]) is nn.Linear
+        layer = stopped.net[i]
+        assert torch.equal(plain.net[i].weight, layer.to_dense().weight)
+        kept = expanded(layer)
+        assert not plain.net[i].weight[~kept].any() and plain.net[i].weight[kept].all()
 
 
 def test_random_static_masks_are_the_seeded_draw_of_masked_dense_training():
@@ -88,23 +112,84 @@ def test_auto_keeps_masked_dense_where_the_kernels_would_be_slower(lightning_log
     assert callback.engine.sparsity == pytest.approx(0.75)
 
 
-@pytest.mark.parametrize("pattern, shape, reason", [
-    ("block:64x64", (4096, 4096), "on cpu the compressed layer multiplies a dense copy"),
-    ("block:64x64", (1024, 4096), "1024x4096 is under 16,777,216 weights, where launch"),
-    ("2:4", (14336, 4096), "cuSPARSELt runs on CUDA, not cpu"),
-    ("2:4:2d", (4096, 4096), "4096x4096 is under 33,554,432 weights, where cuSPARSELt's "
-                             "host time per eager call"),
-    ("2:4", (4096, 4100), "in_features 4100 not a multiple of 16"),
+CUDA, CPU, BF16, FP32 = torch.device("cuda", 0), torch.device("cpu"), torch.bfloat16, torch.float32
+
+
+@pytest.mark.parametrize("pattern, shape, density, device, dtype, reason", [
+    ("block:128x128", (4096, 14336), 0.1, CUDA, BF16, None),
+    ("block:128x128", (4096, 4096), 0.5, CUDA, torch.float16, None),
+    ("block:64x64", (4096, 4096), 0.25, CUDA, BF16, None),
+    ("block:128x128", (4096, 14336), 0.75, CUDA, BF16, "block 128x128 at density 0.75 is "
+                                                        "slower than dense"),
+    ("block:64x64", (4096, 4096), 0.5, CUDA, BF16, "block 64x64 at density 0.50 is slower"),
+    ("block:32x32", (4096, 4096), 0.1, CUDA, BF16, "block 32x32 at density 0.10 is slower"),
+    ("block:64x64", (4096, 4096), 0.25, CPU, BF16, "on cpu the compressed layer multiplies"),
+    ("block:64x64", (1024, 4096), 0.25, CUDA, BF16, "1024x4096 is under 16,777,216 weights"),
+    ("block:128x128", (4096, 14336), 0.1, CUDA, FP32, "fp32 compute; the block kernels were "
+                                                       "measured faster in bf16 and fp16 only"),
+    ("block:128x128", (4096, 14336), 0.1, CUDA, torch.float64, "fp64 compute"),
+    ("2:4", (14336, 4096), 0.5, CUDA, BF16, "2:4 layers trained no faster than masked-dense "
+                                            "end to end (H100, Llama-8B-shaped: 134.8 vs 132.0"),
+    ("2:4:2d", (768, 768), 0.5, CPU, FP32, "BERT-base 0.83x of dense) and take more memory"),
 ])
-def test_auto_reasons_name_the_size_the_device_and_the_shape(pattern, shape, reason):
-    """compress="auto" keeps small weights masked-dense (blocks under 16M entries, 2:4
-    under 32M: measured slower or no faster there), and says so before any device check."""
-    found = slower_reason(shape, parse_pattern(pattern), 0.25, torch.device("cpu"))
-    assert found.startswith("auto: ") and reason in found
+def test_auto_decides_for_the_training_device_and_compute_dtype(pattern, shape, density, device,
+                                                                 dtype, reason):
+    """compress="auto": blocks where measured faster end to end (CUDA, bf16/fp16, 16M
+    weights, density <= 0.5 at 128x128 or 0.25 at 64x64), never 2:4; reasons say why."""
+    found = slower_reason(shape, parse_pattern(pattern), density, device, dtype)
+    if reason is None:
+        assert found is None
+    else:
+        assert found.startswith("auto: ") and reason in found
+
+
+class Big(pl.LightningModule):
+    """One 4096 x 4096 Linear (16M weights: where auto starts compressing blocks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4096, 4096, bias=False, dtype=torch.bfloat16))
+
+
+class FakeTrainer:
+    """What SparsityCallback.setup reads of a Trainer on a GPU (none is needed: the
+    decision is pure, and the swap runs on the CPU model)."""
+
+    def __init__(self, precision: str) -> None:
+        self.strategy = types.SimpleNamespace(root_device=torch.device("cuda", 0))
+        self.precision, self.ckpt_path = precision, None
+
+
+@pytest.mark.parametrize("precision, compressed, header", [
+    ("bf16-mixed", True, "compress='auto' for cuda:0, bf16 compute"),
+    ("16-true", True, "compress='auto' for cuda:0, fp16 compute"),
+    ("32-true", False, "compress='auto' for cuda:0, fp32 compute"),
+    ("64-true", False, "compress='auto' for cuda:0, fp64 compute"),
+])
+def test_auto_at_setup_decides_for_the_strategys_device_and_the_precision(
+        lightning_log, precision, compressed, header):
+    model = Big()
+    callback = SparsityCallback(pattern="block:128x128", sparsity=0.9, compress="auto")
+    callback.setup(FakeTrainer(precision), model, "fit")
+    assert isinstance(model.net[0], BlockSparseLinear) is compressed
+    assert f"training paths ({header})" in lightning_log.text
+    assert ("BlockSparseLinear, 102 blocks" in lightning_log.text) is compressed
+
+
+def test_compress_selected_decides_for_the_arguments_not_the_weights_device():
+    config = SparsityConfig(pattern="block:128x128", sparsity=0.9, compress="auto")
+    on_cpu = Big()
+    (row,) = compress_selected(on_cpu, config)  # the weights' device and dtype: cpu
+    assert row.path == "masked-dense" and "on cpu" in row.reason
+    on_gpu = Big()
+    (row,) = compress_selected(on_gpu, config, torch.device("cuda"), torch.bfloat16)
+    assert row.path == "compressed" and isinstance(on_gpu.net[0], BlockSparseLinear)
+    (row,) = compress_selected(Big(), config, torch.device("cuda"), torch.float32)
+    assert row.path == "masked-dense" and "fp32 compute" in row.reason
 
 
 def test_make_permanent_gives_dense_linear_layers_with_the_zeros():
-    model = fit(1)
+    model, _ = fit(1)
     x = torch.randn(5, 16)
     with torch.no_grad():
         outputs = model(x)

@@ -4,11 +4,12 @@ state move with them, and the blocks chosen are those masked-dense regrowth choo
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import BlockNet, expanded, make_loader, make_trainer
+from conftest import BlockNet, assert_same_training, expanded, make_loader, make_trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
 
 from sparse_training import BlockSparseLinear, SparsityCallback
 from sparse_training.kernels.block_sparse import BlockTopology, values_to_dense
+from sparse_training.masks import pattern_mask
 from sparse_training.slots import CompressedSlot
 
 REGROW = dict(pattern="block:16x16", sparsity=0.75, schedule="constant", frequency=2,
@@ -54,13 +55,15 @@ def test_a_block_move_carries_values_and_optimizer_state_and_zeroes_new_blocks()
     optimizer.step()  # the moved state fits the parameter
 
 
-def fit(settings, max_epochs=2, ckpt_path=None, callbacks=(), **trainer_kwargs):
-    pl.seed_everything(0, verbose=False)
+def fit(settings, max_epochs=2, ckpt_path=None, callbacks=(), init_seed=0, **trainer_kwargs):
+    """A fit of a BlockNet initialized from ``init_seed``: (model, callback); the trainer is
+    ``model.trainer``."""
+    pl.seed_everything(init_seed, verbose=False)
     model = BlockNet()
     sparse = SparsityCallback(**settings)
-    make_trainer([sparse, *callbacks], max_epochs=max_epochs,
-                 enable_checkpointing=bool(callbacks), **trainer_kwargs).fit(
-        model, make_loader(), ckpt_path=ckpt_path)
+    saves = any(isinstance(c, ModelCheckpoint) for c in callbacks)
+    make_trainer([sparse, *callbacks], max_epochs=max_epochs, enable_checkpointing=saves,
+                 **trainer_kwargs).fit(model, make_loader(), ckpt_path=ckpt_path)
     return model, sparse
 
 
@@ -85,16 +88,33 @@ def test_compressed_regrowth_moves_the_blocks_masked_dense_regrowth_moves(regrow
     assert sparse.engine.sparsity == dropped / (16 * 64 + 64 * 64) == 0.75
 
 
-def test_a_compressed_rigl_checkpoint_resumes_exactly(tmp_path):
-    settings = dict(REGROW, regrow="rigl", compress=True, regrow_end=20)  # steps: any run
+class MasksAtSetup(pl.Callback):
+    """The compressed layers' block masks right after SparsityCallback's setup (the swap),
+    before Lightning restores the checkpoint."""
+
+    def setup(self, trainer, pl_module, stage):
+        self.masks = [pl_module.net[i].block_mask.clone() for i in (0, 2)]
+
+
+@pytest.mark.parametrize("regrow", ["rigl", "set"])
+def test_a_compressed_regrowth_checkpoint_resumes_exactly(tmp_path, regrow):
+    """Stopped mid-regrowth (blocks moved) and resumed from another initialization: the
+    swap at setup takes the checkpoint's block masks, its dense weights load exactly, and
+    the run is the uninterrupted one bit for bit."""
+    settings = dict(REGROW, regrow=regrow, compress=True, regrow_end=20)  # steps: any run
     uninterrupted, _ = fit(settings, max_epochs=3)
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    fit(settings, max_epochs=1, callbacks=[checkpoint])  # 8 steps: mid-regrowth
-    resumed, sparse = fit(settings, max_epochs=3, ckpt_path=tmp_path / "last.ckpt")
+    stopped, _ = fit(settings, max_epochs=1, callbacks=[checkpoint])  # 8 steps
+    pl.seed_everything(0, verbose=False)
+    first = pattern_mask(BlockNet().net[2].weight, "block:16x16", 0.75)  # the step-0 blocks
+    assert not torch.equal(expanded(stopped.net[2]), first)  # regrowth moved blocks
+    at_setup = MasksAtSetup()
+    resumed, sparse = fit(settings, max_epochs=3, ckpt_path=tmp_path / "last.ckpt",
+                          callbacks=[at_setup], init_seed=1)
+    assert all(torch.equal(mask, stopped.net[i].block_mask)
+               for mask, i in zip(at_setup.masks, (0, 2), strict=True))
     assert sparse.engine.updater.last_regrow == 18
-    for i in (0, 2):
-        assert torch.equal(resumed.net[i].block_mask, uninterrupted.net[i].block_mask)
-        assert torch.equal(resumed.net[i].values, uninterrupted.net[i].values)
+    assert_same_training(uninterrupted, uninterrupted.trainer, resumed, resumed.trainer)
 
 
 def test_rigl_records_the_dense_gradient_only_at_regrowth_steps_and_frees_it():

@@ -14,7 +14,8 @@ from pytorch_lightning.strategies import FSDPStrategy
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
-from sparse_training.compression import compress_selected
+from sparse_training.callbacks.resume import read_callback_states, resume_path
+from sparse_training.compression import compress_selected, dtype_name
 from sparse_training.compression import format_rows as format_compression
 from sparse_training.config import SparsityConfig, settings_signature
 from sparse_training.engine import SparsityEngine
@@ -22,9 +23,19 @@ from sparse_training.ranks import keep_masks_out_of_buffer_broadcast
 from sparse_training.schedules import GRADUAL
 from sparse_training.selection import format_table
 from sparse_training.sharding import FSDP1_PROBLEM
-from sparse_training.state import check_settings
+from sparse_training.state import check_mask_settings, check_settings, check_state
 
 MIN_GRADUAL_UPDATES = 3  # fewer and a gradual schedule is a few jumps: warn
+# the dtype of the layers' products under each Lightning precision (autocast's for mixed)
+PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,
+                    "16-mixed": torch.float16, "16-true": torch.float16,
+                    "32-true": torch.float32, "64-true": torch.float64}
+
+
+def compute_dtype(precision: str) -> torch.dtype | None:
+    """The dtype of the products under a Lightning ``precision`` (``trainer.precision``);
+    None for others (transformer-engine, bitsandbytes): the weights' dtype then."""
+    return PRECISION_DTYPES.get(str(precision))
 
 
 class SparsityCallback(Callback):
@@ -88,12 +99,47 @@ class SparsityCallback(Callback):
 
     # -- setup and fit start ---------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """With ``compress``, swap the selected Linear layers for ``BlockSparseLinear``
-        here, before ``configure_optimizers``: the optimizers see compressed parameters."""
-        if stage == "fit" and self.config.compress:
-            rows = compress_selected(pl_module, self.config)
-            rank_zero_info("SparsityCallback: training paths (compress="
-                           f"{self.config.compress!r})\n" + format_compression(rows))
+        """Resuming, check the checkpoint's state first (readable, same mask settings).
+        With ``compress``, swap the selected Linear layers for compressed ones here, before
+        ``configure_optimizers`` (the optimizers see compressed parameters), deciding
+        ``"auto"`` for the strategy's root device and the precision's compute dtype; on
+        resume with the checkpoint's layers and masks, so its state_dict loads exactly."""
+        if stage != "fit":
+            return
+        saved = self._checkpoint_compressed(trainer)
+        if not self.config.compress:
+            return
+        device, dtype = trainer.strategy.root_device, compute_dtype(trainer.precision)
+        rows = compress_selected(pl_module, self.config, device, dtype, saved)
+        target = f"{device}, {dtype_name(dtype)} compute" if dtype is not None else device
+        rank_zero_info(f"SparsityCallback: training paths (compress={self.config.compress!r} "
+                       f"for {target})\n" + format_compression(rows))
+
+    def _checkpoint_compressed(self, trainer: pl.Trainer) -> dict[str, Any] | None:
+        """The compressed masks of the checkpoint resumed (``{}``: it holds no
+        SparsityCallback state, so no compressed layers), after checking its state's layout
+        and mask settings; None: not resuming, or a state that has none (saved before they
+        were kept) or cannot be read ahead (:func:`read_callback_states`; then the masks are
+        installed when Lightning restores the state).
+
+        Raises:
+            ValueError: an unreadable checkpoint, a state of another format, changed mask
+                settings (``compress`` included), or a state filed under another selection.
+        """
+        path = resume_path(trainer)
+        if path is None:
+            return None
+        states = read_callback_states(path)
+        if states is None:
+            rank_zero_warn(f"SparsityCallback: cannot read the callback state of {path} before "
+                           f"Lightning restores it; compressed layers take its masks then")
+            return None
+        state = self._own_state(trainer, states)
+        if state is None:
+            return {}
+        check_state(state)
+        check_mask_settings(state["settings"], self.config.as_dict())
+        return state.get("compressed")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if isinstance(trainer.strategy, FSDPStrategy):
@@ -213,9 +259,18 @@ class SparsityCallback(Callback):
                            checkpoint: dict[str, Any]) -> None:
         """A checkpoint whose SparsityCallback state is filed under another key was saved
         with another selection: say what changed instead of silently starting over."""
-        states = checkpoint.get("callbacks") or {}
+        self._own_state(trainer, checkpoint.get("callbacks") or {})
+
+    def _own_state(self, trainer: pl.Trainer, states: Mapping[str, Any]
+                   ) -> dict[str, Any] | None:
+        """This callback's state among a checkpoint's callback states, or None.
+
+        Raises:
+            ValueError: the only SparsityCallback state no callback claims was saved with
+                other mask settings (naming them), or with another selection.
+        """
         if self.state_key in states:
-            return
+            return states[self.state_key]
         claimed = {c.state_key for c in trainer.callbacks if isinstance(c, SparsityCallback)}
         unclaimed = [k for k in states if str(k).startswith("SparsityCallback")
                      and k not in claimed]
@@ -225,6 +280,7 @@ class SparsityCallback(Callback):
             raise ValueError(f"cannot resume: the checkpoint's sparsity state is filed under "
                              f"{unclaimed}, made with another selection than this callback's "
                              f"{self.state_key!r}")
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         if self.engine is not None:
