@@ -25,10 +25,10 @@ import torch
 from torch import Tensor
 
 from sparse_training.kernels.bitpack import pack_mask, unpack_mask
+from sparse_training.kernels.semi_structured.masks import check_mask
 from sparse_training.masks import as_matrix, kept_count, pool_blocks
 from sparse_training.patterns import Pattern
 from sparse_training.schedules import Schedule
-from sparse_training.semi_structured import check_mask
 from sparse_training.slots import CompressedSlot, MaskedSlot
 
 if TYPE_CHECKING:
@@ -242,7 +242,7 @@ def _compressed_problem(mask: Tensor, form: LayerForm) -> str | None:
         return None if kept == form.kept else (
             f"keeps {kept} blocks; the layer keeps exactly nnz = {form.kept} (corrupted)")
     try:
-        check_mask(mask, form.shape, form.pattern.endswith(":2d"))
+        check_mask(mask, form.shape, form.pattern.endswith(":2d"), "the saved mask")
     except ValueError as error:
         return f"is not {form.pattern}: {error} (corrupted)"
     return None

@@ -1113,8 +1113,8 @@ RESUMES = [  # (change to the checkpoint, settings, model class, stage it raises
      r"compressed mask 'net.2.values' has shape \[2, 8\], the tensor \[4, 4\]"),
     (lambda s: _compressed_state(s)["compressed"].update(
         {"net.4.values": _entry(s, "net.0.values")}), {}, BlockNet, "setup",
-     r"compressed layers net.4.values \(not selected: shape cannot take 'block:16x16': 4 rows "
-     r"are not a multiple of the block's 16\) cannot be compressed in this model"),
+     r"compressed layers net.4.values \(not selected: 4 rows < the block's 16: a task head\? "
+     r"name it in allow or overrides to prune it\) cannot be compressed in this model"),
     (lambda s: _compressed_state(s).update(compressed=[1]), {}, BlockNet, "setup",
      r"checkpoint compressed masks must be a dict, got list"),
     (None, {}, WideHead, "setup",

@@ -69,7 +69,14 @@ def test_a_compressed_checkpoint_resumes_exactly_and_loads_plainly(tmp_path, pat
     stopped, _ = fit(1, callbacks=[checkpoint], **settings)
     resumed = fit(2, ckpt_path=tmp_path / "last.ckpt", init_seed=1, **settings)
     assert_same_training(*uninterrupted, *resumed)
-    if pattern == "2:4":  # its state_dict still holds its mask buffer (semi_structured.py)
+    plain = BlockNet.load_from_checkpoint(tmp_path / "last.ckpt")  # strict, nn.Linear layers
+    for i in (0, 2):
+        assert type(plain.net[i]) is nn.Linear
+        layer = stopped.net[i]
+        assert torch.equal(plain.net[i].weight, layer.to_dense().weight)
+        kept = expanded(layer) if pattern.startswith("block") else layer.mask
+        assert not plain.net[i].weight[~kept].any() and plain.net[i].weight[kept].all()
+    if pattern == "2:4":  # the compact legacy format below is the block layers'
         return
     # a checkpoint of the earlier format (compact keys, no compressed masks in the state)
     legacy = torch.load(tmp_path / "last.ckpt", weights_only=False)
@@ -82,14 +89,6 @@ def test_a_compressed_checkpoint_resumes_exactly_and_loads_plainly(tmp_path, pat
     torch.save(legacy, tmp_path / "legacy.ckpt")
     assert_same_training(*uninterrupted, *fit(2, ckpt_path=tmp_path / "legacy.ckpt",
                                               init_seed=1, **settings))
-
-    plain = BlockNet.load_from_checkpoint(tmp_path / "last.ckpt")  # strict, nn.Linear layers
-    for i in (0, 2):
-        assert type(plain.net[i]) is nn.Linear
-        layer = stopped.net[i]
-        assert torch.equal(plain.net[i].weight, layer.to_dense().weight)
-        kept = expanded(layer)
-        assert not plain.net[i].weight[~kept].any() and plain.net[i].weight[kept].all()
 
 
 def test_random_static_masks_are_the_seeded_draw_of_masked_dense_training():
