@@ -87,12 +87,14 @@ def test_setup_table_lists_every_candidate(lightning_log):
     sparse = SparsityCallback("2:4", deny=["net.4"], dense_ratio=0.5)
     make_trainer([sparse], max_epochs=1).fit(WithEmbedding(), make_loader())
     table = lightning_log.text
-    assert "1 of 4 weight tensors selected; mask updates at steps 0 (one update)" in table
+    assert ("1 masked-dense and 0 compressed of 4 weight tensors; mask updates at steps 0 "
+            "(one update)") in table
     assert "type Embedding not in layer_types" in table
     assert "deny 'net.4'" in table
     assert "dense_ratio 0.5: block 'net.0' is one of the first 1 of 2 blocks" in table
     assert [slot.name for slot in sparse.engine.slots] == ["net.2.weight"]
-    assert "SparsityCallback: 50.00% of 1,024 weights in 1 tensors are zero" in table
+    assert ("SparsityCallback: 50.00% of 1,024 weights in 1 masked-dense and 0 compressed "
+            "tensors are zero") in table
 
 
 def test_overrides_and_log_layers():
