@@ -4,13 +4,14 @@ It knows nothing of Lightning. Without Lightning, a training loop uses it like t
 
     engine = SparsityEngine(model, SparsityConfig(pattern="2:4"))
     engine.start(total_steps)            # resolve fractional start/end
-    engine.attach(optimizer)             # re-mask weights after every step that ran
+    engine.attach(optimizer)             # re-mask weights after every step (required)
     for step, batch in enumerate(loader):
         engine.on_step_start(step)       # mask updates due at this step
         loss(model(batch)).backward()
         engine.before_optimizer_step(optimizer, step)  # regrowth, masked gradients
         optimizer.step()
         optimizer.zero_grad()
+    engine.detach()                      # then make_permanent(model) may drop the masks
 
 The pieces: :func:`~sparse_training.tensors.find_weight_tensors` finds every weight
 tensor, :func:`~sparse_training.selection.plan_tensors` decides, one
@@ -179,11 +180,9 @@ class SparsityEngine:
         if not self.updater.schedule.is_resolved:
             raise RuntimeError("call SparsityEngine.start(total_steps) before training")
         if not self._attached:
-            raise RuntimeError(
-                "no optimizer is attached to this SparsityEngine: call engine.attach(optimizer) "
-                "before the training loop (without it the optimizer steps move pruned weights "
-                "while the reported sparsity stays the masks'); for masks without training "
-                "call engine.prune()")
+            raise RuntimeError("no optimizer is attached to this SparsityEngine: call engine."
+                               "attach(optimizer) before the training loop (unattached, its steps "
+                               "move pruned weights); for masks without training, engine.prune()")
         return self.updater.on_step_start(self, step)
 
     def before_optimizer_step(self, optimizer: Optimizer, step: int,
@@ -200,10 +199,10 @@ class SparsityEngine:
         """
         attached = self._attached.get(optimizer)
         if attached is None:
-            raise RuntimeError(
-                f"before_optimizer_step got a {type(optimizer).__name__} that is not attached "
-                f"to this SparsityEngine: call engine.attach(optimizer) once before training "
-                f"(its step would move pruned weights)")
+            raise RuntimeError(f"before_optimizer_step got a {type(optimizer).__name__} that "
+                               f"is not attached to this SparsityEngine: call engine.attach("
+                               f"optimizer) once before training (its step would move pruned "
+                               f"weights)")
         if len(optimizer.param_groups) != attached.groups:  # groups added since attach
             attached.use(_of_optimizer(self.slots, optimizer),
                          _of_optimizer(self.compressed, optimizer), len(optimizer.param_groups))

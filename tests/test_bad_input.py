@@ -497,7 +497,8 @@ def _sparsified(model):
 
 NO_ATTACH = r"no optimizer is attached to this SparsityEngine: call engine.attach\(optimizer\)"
 ENGINE_STEPS = [  # (model, preparation, misuse, message): a RuntimeError, nothing changed
-    (None, None, lambda m, e, o: e.on_step_start(0), NO_ATTACH + ".* call engine.prune"),
+    (None, None, lambda m, e, o: e.on_step_start(0),
+     NO_ATTACH + r" before the training loop .*; for masks without training, engine.prune\(\)$"),
     (None, _attached_then_detached, lambda m, e, o: e.on_step_start(0), NO_ATTACH),
     (None, _attached, lambda m, e, o: e.before_optimizer_step(
         torch.optim.AdamW(m.parameters()), 0),
