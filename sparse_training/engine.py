@@ -4,13 +4,14 @@ It knows nothing of Lightning. Without Lightning, a training loop uses it like t
 
     engine = SparsityEngine(model, SparsityConfig(pattern="2:4"))
     engine.start(total_steps)            # resolve fractional start/end
-    engine.attach(optimizer)             # re-mask weights after every step that ran
+    engine.attach(optimizer)             # re-mask weights after every step (required)
     for step, batch in enumerate(loader):
         engine.on_step_start(step)       # mask updates due at this step
         loss(model(batch)).backward()
         engine.before_optimizer_step(optimizer, step)  # regrowth, masked gradients
         optimizer.step()
         optimizer.zero_grad()
+    engine.detach()                      # then make_permanent(model) may drop the masks
 
 The pieces: :func:`~sparse_training.tensors.find_weight_tensors` finds every weight
 tensor, :func:`~sparse_training.selection.plan_tensors` decides, one
@@ -36,8 +37,14 @@ from torch.optim import Optimizer
 
 from sparse_training.config import SparsityConfig
 from sparse_training.kernels import zero_pruned_
-from sparse_training.optimizer_hooks import Attached, after_step, fused_step, masked_gradients_step
-from sparse_training.patcher import COMPRESSED_LAYERS
+from sparse_training.optimizer_hooks import (
+    Attached,
+    after_step,
+    fused_step,
+    masked_gradients_step,
+    use_fused,
+)
+from sparse_training.patcher import COMPRESSED_LAYERS, hold_for_training
 from sparse_training.ranks import check_across_ranks
 from sparse_training.selection import plan_model
 from sparse_training.sharding import sharding_problem
@@ -179,26 +186,37 @@ class SparsityEngine:
         """Apply the mask update due at optimizer step ``step``; True if masks changed."""
         if not self.updater.schedule.is_resolved:
             raise RuntimeError("call SparsityEngine.start(total_steps) before training")
+        if not self._attached:
+            raise RuntimeError("no optimizer is attached to this SparsityEngine: call engine."
+                               "attach(optimizer) before the training loop (unattached, its steps "
+                               "move pruned weights); for masks without training, engine.prune()")
         return self.updater.on_step_start(self, step)
 
     def before_optimizer_step(self, optimizer: Optimizer, step: int,
                               clipping: bool = True) -> None:
         """Between backward and ``optimizer.step``: regrowth when due (it reads the dense
         gradients), then, for readers of the gradients before the step (``clipping``), the
-        pruned gradients are zeroed. An attached optimizer's step pre-hook zeroes them again
-        right before the update (or its fused kernel ignores them), so without ``clipping``
-        this pass is skipped for it.
+        pruned gradients are zeroed. The optimizer's step pre-hook zeroes them again right
+        before the update (or its fused kernel ignores them), so without ``clipping`` this
+        pass is skipped. Parameter groups the optimizer gained since :meth:`attach`
+        (Lightning's ``BackboneFinetuning`` adds unfrozen layers so) are taken in first.
+
+        Raises:
+            RuntimeError: ``optimizer`` is not attached (its step would move pruned weights).
         """
         attached = self._attached.get(optimizer)
-        slots, compressed = ((attached.slots, attached.compressed) if attached is not None
-                             else (self._slots_of(optimizer),
-                                   _of_optimizer(self.compressed, optimizer)))
-        self.updater.before_step(self, [*slots, *compressed], step)
-        if self.updater.masks_gradients and (clipping or attached is None):
-            if attached is not None:
-                attached.zero_pruned_gradients()
-            else:
-                self.zero_pruned_gradients(slots)
+        if attached is None:
+            raise RuntimeError(f"before_optimizer_step got a {type(optimizer).__name__} that "
+                               f"is not attached to this SparsityEngine: call engine.attach("
+                               f"optimizer) once before training (its step would move pruned "
+                               f"weights)")
+        if len(optimizer.param_groups) != attached.groups:  # groups added since attach
+            attached.use(_of_optimizer(self.slots, optimizer),
+                         _of_optimizer(self.compressed, optimizer), len(optimizer.param_groups))
+            attached.start(optimizer, self.updater.dense_state)
+        self.updater.before_step(self, [*attached.slots, *attached.compressed], step)
+        if self.updater.masks_gradients and clipping:
+            attached.zero_pruned_gradients()
 
     def on_step_end(self) -> None:
         """After the batch, whether or not the optimizer step ran."""
@@ -296,19 +314,28 @@ class SparsityEngine:
         pre-hook updates the masked weights in one Triton pass per group of tensors and
         hands the rest to ``optimizer.step``; otherwise a step post-hook zeroes the pruned
         weights. Either way the optimizer state is zeroed at pruned positions now and at
-        every mask update.
+        every mask update. While any optimizer is attached, the model's layers cannot be
+        swapped (``sparsify``, ``densify``, ``make_permanent`` raise) until :meth:`detach`.
 
         Raises:
             ValueError: ``fused=True`` and the fused step cannot serve this optimizer.
+            RuntimeError: the masks or layers are gone (``make_permanent``): build a new
+                engine.
         """
         if optimizer in self._attached:
             return
+        if not self.bound_to(self.model):
+            raise RuntimeError("this SparsityEngine's masks or compressed layers are no longer "
+                               "in its model (make_permanent, densify): build a new "
+                               "SparsityEngine for the model")
         slots = self._slots_of(optimizer)
-        attached = Attached(slots, _of_optimizer(self.compressed, optimizer))
-        fused = self._use_fused(optimizer, attached.enforced)  # raises before any change
+        attached = Attached(slots, _of_optimizer(self.compressed, optimizer),
+                            len(optimizer.param_groups))
+        fused = use_fused(self.config.fused, self.updater.dense_state, optimizer,
+                          attached.enforced)  # raises before any change
+        if not self._attached:
+            hold_for_training(self.model, self, held=True)
         self._attached[optimizer] = attached
-        for slot in attached.enforced[len(slots):]:
-            slot.layer.masks_gradient = False  # the step masks it
         if fused:
             attached.handles.append(optimizer.register_step_pre_hook(
                 functools.partial(fused_step, attached)))
@@ -318,27 +345,7 @@ class SparsityEngine:
                 optimizer.register_step_pre_hook(
                     functools.partial(masked_gradients_step, self, attached)),
                 optimizer.register_step_post_hook(functools.partial(after_step, self, attached))]
-        if not self.updater.dense_state:  # state from dense steps before: zero where pruned
-            with torch.no_grad():
-                for slot in slots:
-                    for value in slot.state_tensors(optimizer):
-                        value.masked_fill_(~slot.mask, 0)
-            self.zero_pruned_weights(slots)
-
-    def _use_fused(self, optimizer: Optimizer, slots: list[MaskedSlot]) -> bool:
-        """The fused-step policy: ``"auto"`` on CUDA where the kernels serve the optimizer,
-        ``True`` wherever they can (an error otherwise), ``False`` never."""
-        if self.config.fused is False or not slots:
-            return False
-        from sparse_training.kernels import fused_unsupported_reason
-
-        reason = ("SR-STE keeps dense optimizer state" if self.updater.dense_state
-                  else fused_unsupported_reason(optimizer))
-        if self.config.fused is True and reason is not None:
-            raise ValueError(f"fused=True cannot serve {type(optimizer).__name__}: {reason}; "
-                             f"use fused='auto' (fused where possible) or fused=False")
-        return reason is None and (self.config.fused is True or all(
-            slot.param.is_cuda for slot in slots))
+        attached.start(optimizer, self.updater.dense_state)
 
     def detach(self) -> None:
         """Remove the optimizer hooks and give up the tensors (another engine may take
@@ -346,6 +353,8 @@ class SparsityEngine:
         for attached in self._attached.values():
             for handle in attached.handles:
                 handle.remove()
+        if self._attached:
+            hold_for_training(self.model, self, held=False)
         self._attached.clear()
         self.fused_optimizers.clear()
         for compressed in self.compressed:

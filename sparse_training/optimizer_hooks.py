@@ -32,12 +32,19 @@ class Attached:
     """An optimizer's slots and the lists its per-step passes read, built once (the hot
     path is a few C-level maps, not a Python loop over slots). ``compressed``: its
     compressed layers' slots; regrowth moves the block layers' blocks, and the 2:4 layers'
-    dense weights (``masked_dense``) are masked with the masked slots: ``enforced``."""
+    dense weights (``masked_dense``) are masked with the masked slots: ``enforced``.
+    ``groups``: the optimizer's parameter groups when they were read."""
 
-    def __init__(self, slots: list[MaskedSlot], compressed: list[CompressedSlot]) -> None:
-        self.slots, self.compressed = slots, compressed
-        self.enforced = [*slots, *(c for c in compressed if c.masked_dense)]
+    def __init__(self, slots: list[MaskedSlot], compressed: list[CompressedSlot],
+                 groups: int) -> None:
         self.handles: list[RemovableHandle] = []
+        self.use(slots, compressed, groups)
+
+    def use(self, slots: list[MaskedSlot], compressed: list[CompressedSlot],
+            groups: int) -> None:
+        """Serve these slots from now on (the hooks keep this object)."""
+        self.slots, self.compressed, self.groups = slots, compressed, groups
+        self.enforced = [*slots, *(c for c in compressed if c.masked_dense)]
         self.params = [s.param for s in self.enforced]
         # FSDP2's DTensors: their local shards are zeroed, looked up at every pass (FSDP
         # swaps a parameter's local tensor at its lazy init)
@@ -46,6 +53,19 @@ class Attached:
         self._keys = [s.mask_key for s in self.enforced]
         self._masks: list[Tensor] = []
         self._by_param: dict[Tensor, Tensor] = {}
+
+    def start(self, optimizer: Optimizer, dense_state: bool) -> None:
+        """From now on the optimizer's step masks the 2:4 layers' gradients (the layers need
+        not); unless the updater keeps ``dense_state`` (SR-STE), the state from dense steps
+        before and the weights are zeroed where pruned."""
+        for slot in self.enforced[len(self.slots):]:
+            slot.layer.masks_gradient = False
+        if not dense_state:
+            with torch.no_grad():
+                for slot in self.slots:
+                    for value in slot.state_tensors(optimizer):
+                        value.masked_fill_(~slot.mask, 0)
+                zero_pruned_([s.local_param for s in self.slots], [s.mask for s in self.slots])
 
     @property
     def masks(self) -> list[Tensor]:
@@ -77,6 +97,27 @@ class Attached:
         with torch.no_grad():
             zero_pruned_(list(map(local, self.params)) if self.sharded else self.params,
                          self.masks)
+
+
+def use_fused(fused: bool | str, dense_state: bool, optimizer: Optimizer,
+              slots: list[MaskedSlot | CompressedSlot]) -> bool:
+    """The fused-step policy for an engine's ``fused`` setting: ``"auto"`` on CUDA where the
+    kernels serve the optimizer, ``True`` wherever they can (an error otherwise), ``False``
+    never; never for no ``slots``, nor while the updater keeps ``dense_state`` (SR-STE).
+
+    Raises:
+        ValueError: ``fused=True`` and the kernels cannot serve ``optimizer``.
+    """
+    if fused is False or not slots:
+        return False
+    from sparse_training.kernels import fused_unsupported_reason
+
+    reason = ("SR-STE keeps dense optimizer state" if dense_state
+              else fused_unsupported_reason(optimizer))
+    if fused is True and reason is not None:
+        raise ValueError(f"fused=True cannot serve {type(optimizer).__name__}: {reason}; "
+                         f"use fused='auto' (fused where possible) or fused=False")
+    return reason is None and (fused is True or all(slot.param.is_cuda for slot in slots))
 
 
 StepArgs = tuple[tuple[Any, ...], dict[str, Any]]

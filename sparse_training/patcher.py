@@ -12,10 +12,18 @@ mask), except where a swap would change what the model computes:
 * ``out_proj`` of ``nn.MultiheadAttention``, which reads ``out_proj.weight`` itself;
 * a weight or bias tied to another parameter (the same ``Parameter`` under two names);
 * parametrized weights (``torch.nn.utils.parametrize``), Linears with hooks, and
-  subclasses that override ``forward``.
+  subclasses that override ``forward``;
+* a Linear the rule cannot make sparse: a block rule whose kept count rounds up to every
+  block of the weight (``block:64x64`` on a 32x16 weight keeps its one block at any
+  sparsity), or a 2:4 rule on features that are not multiples of 4. A rule that compresses
+  none of the Linears it matches for these reasons is an error.
 
 Everything is validated, and every new layer built, before the first swap.
 :func:`densify` swaps every compressed layer back with ``to_dense``.
+
+Neither swaps the layers of a model that an attached
+:class:`~sparse_training.engine.SparsityEngine` trains (:func:`hold_for_training`): its
+optimizer and mask updates would go on with the replaced tensors.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import functools
 import numbers
 import re
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -35,6 +44,39 @@ from sparse_training.semi_structured import SemiStructuredLinear
 
 RULE_KEYS = ("pattern", "sparsity", "density")
 COMPRESSED_LAYERS = (BlockSparseLinear, SemiStructuredLinear)  # what densify swaps back
+
+# model -> the engines attached to optimizers that train it (weak both ways: an engine
+# lives as long as its optimizer hooks do)
+_TRAINED_BY: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet] = (
+    weakref.WeakKeyDictionary())
+
+
+def hold_for_training(model: nn.Module, engine: object, held: bool) -> None:
+    """Mark ``model`` as trained by ``engine`` (``held``, at its first ``attach``) or no
+    longer (at its ``detach``): until then :func:`sparsify`, :func:`densify` and
+    ``make_permanent`` refuse to swap any of its modules."""
+    engines = _TRAINED_BY.setdefault(model, weakref.WeakSet())
+    if held:
+        engines.add(engine)
+    else:
+        engines.discard(engine)
+
+
+def check_not_in_training(model: nn.Module, action: str) -> None:
+    """Raise if ``model`` shares a module with a model an attached engine trains.
+
+    Raises:
+        RuntimeError: naming ``action``, the trained model and when to call it instead.
+    """
+    ours = {id(m) for m in model.modules()}
+    for trained, engines in list(_TRAINED_BY.items()):
+        if engines and any(id(m) in ours for m in trained.modules()):
+            raise RuntimeError(
+                f"{action} would swap modules of a {type(trained).__name__} that a "
+                f"SparsityEngine is training (attached to its optimizer: the optimizer and the "
+                f"mask updates would go on with the replaced tensors); call it after "
+                f"trainer.fit returns (SparsityCallback detaches its engine when the fit "
+                f"ends) or after engine.detach()")
 
 
 def _parse_rule(regex: str, rule: Any) -> tuple[Pattern, tuple[int, int] | None, float]:
@@ -166,8 +208,11 @@ def sparsify(model: nn.Module, rules: Mapping[str, Mapping[str, Any]], *,
         ValueError: a bad rule (not a dict, unknown key, pattern other than ``block:RxC``,
             a block entry other than 16, 32, 64, 128, both or neither of sparsity and
             density, a value out of range), a regex that does not compile or matches no
-            ``nn.Linear``. Raised before anything is swapped.
+            ``nn.Linear``, a rule that can make none of its Linears sparse. Raised before
+            anything is swapped.
+        RuntimeError: ``model`` is being trained by an attached engine.
     """
+    check_not_in_training(model, "sparsify")
     if not isinstance(rules, Mapping) or not rules:
         raise ValueError(f"rules must be a non-empty dict of regex -> {{'pattern': "
                          f"'block:RxC', 'sparsity' or 'density': value}}, got {rules!r}")
@@ -186,25 +231,55 @@ def sparsify(model: nn.Module, rules: Mapping[str, Mapping[str, Any]], *,
 
     swap_problem = swap_checker(model)
     rows, swaps = [], []
+    won = dict.fromkeys(parsed, 0)  # Linears each rule is the first match of
+    not_sparse: dict[str, list[str]] = {regex: [] for regex in parsed}
     for name, module in linears:
         regex = next((r for r in parsed if re.search(r, name)), None)
         if regex is None:
             rows.append(_row(name, module, None, "matches no rule"))
-        elif (reason := swap_problem(name, module)) is not None:
+            continue
+        won[regex] += 1
+        if (reason := swap_problem(name, module)) is not None:
             rows.append(_row(name, module, regex, reason))
+        elif isinstance(layer := _compressed(module, parsed[regex], rules[regex]), str):
+            rows.append(_row(name, module, regex, f"skipped: {layer}"))
+            not_sparse[regex].append(f"{name}: {layer}")
         else:
-            pattern, block, density = parsed[regex]
-            layer = (SemiStructuredLinear.from_dense(module, pattern.transposable)
-                     if block is None else
-                     BlockSparseLinear.from_dense(module, block, density=density))
             layer.train(module.training)
             swaps.append((name, layer))
             rows.append(_row(name, module, regex, "compressed", layer))
+    for regex, reasons in not_sparse.items():
+        if reasons and len(reasons) == won[regex]:
+            raise ValueError(f"rule {regex!r} can make none of the Linears it matches sparse "
+                             f"(nothing was swapped):\n  " + "\n  ".join(reasons))
     for name, layer in swaps:
         replace_module(model, name, layer)
     if verbose:
         print(format_rows(rows))
     return rows
+
+
+def _compressed(linear: nn.Linear, parsed: tuple[Pattern, tuple[int, int] | None, float],
+                rule: Mapping[str, Any]) -> BlockSparseLinear | SemiStructuredLinear | str:
+    """``linear`` compressed under a parsed rule, or why the rule cannot make it sparse: a
+    2:4 layer refusing its shape, or a block layer keeping every block although the rule
+    asks to prune (``kept_count`` rounds to whole blocks and keeps at least one)."""
+    pattern, block, density = parsed
+    if block is None:
+        try:
+            return SemiStructuredLinear.from_dense(linear, pattern.transposable)
+        except ValueError as err:  # features that are not multiples of 4
+            return f"{pattern.spec}: {err}"
+    layer = BlockSparseLinear.from_dense(linear, block, density=density)
+    blocks = layer.block_mask.numel()
+    if density == 1 or layer.nnz < blocks:
+        return layer
+    (r, c), shape = block, f"{linear.out_features}x{linear.in_features}"
+    where = (f"block {r}x{c} covers the whole {shape} weight" if blocks == 1
+             else f"the {shape} weight has {blocks} blocks of {r}x{c}")
+    asked = "sparsity" if "sparsity" in rule else "density"
+    return (f"{where}: {asked} {rule[asked]} keeps {layer.nnz} of {blocks} blocks (nothing "
+            f"pruned; use smaller blocks or a higher sparsity)")
 
 
 def densify(model: nn.Module) -> int:
@@ -214,10 +289,12 @@ def densify(model: nn.Module) -> int:
 
     Raises:
         ValueError: ``model`` itself is a compressed layer (call its ``to_dense``).
+        RuntimeError: ``model`` is being trained by an attached engine.
     """
     if isinstance(model, COMPRESSED_LAYERS):
         raise ValueError(f"densify swaps submodules in place; for a {type(model).__name__} "
                          f"itself call model.to_dense()")
+    check_not_in_training(model, "densify")
     dense: dict[int, nn.Linear] = {}
     for name, module in list(model.named_modules(remove_duplicate=False)):
         if isinstance(module, COMPRESSED_LAYERS):

@@ -104,8 +104,16 @@ def keep_masks_out_of_buffer_broadcast(wrapper: nn.Module,
     any model that had a buffer at the wrap (BERT's position ids, BatchNorm's statistics).
     Masks agree on every rank by construction and are compared by checksum after every
     update (:func:`check_across_ranks`), so they need not travel.
+
+    Where the masks are all the buffers there are (a model whose only buffers are its
+    compressed layers' masks), the broadcast is turned off: DDP, having seen buffers at
+    the wrap, would otherwise send the empty list that is left, which torch rejects
+    ("INTERNAL ASSERT FAILED ... !tensors.empty()").
     """
     if isinstance(wrapper, DistributedDataParallel):
         masks = {id(slot.mask) for slot in slots}
-        wrapper.parameters_to_ignore.update(  # re-read at every buffer broadcast
-            name for name, buffer in wrapper.module.named_buffers() if id(buffer) in masks)
+        buffers = dict(wrapper.module.named_buffers())
+        ignored = wrapper.parameters_to_ignore  # re-read at every buffer broadcast
+        ignored.update(name for name, buffer in buffers.items() if id(buffer) in masks)
+        if wrapper.broadcast_buffers and ignored.issuperset(buffers):
+            wrapper.broadcast_buffers = False

@@ -32,7 +32,7 @@ from torch.utils.hooks import RemovableHandle
 
 from sparse_training.block_sparse import BlockSparseLinear, gather_blocks
 from sparse_training.kernels.block_sparse import dense_to_values
-from sparse_training.patcher import densify
+from sparse_training.patcher import check_not_in_training, densify
 from sparse_training.selection import TensorPlan
 from sparse_training.semi_structured import SemiStructuredLinear
 from sparse_training.sharding import full, gather_like, is_sharded, local, shard_like, totals_like
@@ -340,7 +340,12 @@ def make_permanent(model: nn.Module) -> nn.Module:
     A mask in force has zero weights at every pruned position (the engine keeps them so);
     its buffer goes, the zeros stay. A mask that is not in force, left by an earlier fit on
     a tensor trained dense since, goes without touching the weights.
+
+    Raises:
+        RuntimeError: an engine attached to an optimizer trains ``model`` (mid-fit): call
+            it after the fit (the callback detaches then) or after ``engine.detach()``.
     """
+    check_not_in_training(model, "make_permanent")
     with torch.no_grad():
         for module in model.modules():
             for name, buffer in list(module._buffers.items()):

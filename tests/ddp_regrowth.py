@@ -31,8 +31,9 @@ from sparse_training.ranks import check_across_ranks, mask_checksum  # noqa: E40
 
 class Recorder(Callback):
     """Per step: the step, the last regrowth step, every layer's mask checksum and count
-    (masked and compressed), the sum of all parameters, the mask buffers DDP broadcasts and
-    whether the fused masked step serves the optimizer."""
+    (masked and compressed), the sum of all parameters, the mask buffers DDP broadcasts,
+    whether DDP broadcasts buffers at all and whether the fused masked step serves the
+    optimizer."""
 
     def __init__(self, sparse: SparsityCallback) -> None:
         self.sparse, self.rows, self.mismatch_caught = sparse, [], None
@@ -66,16 +67,18 @@ class Recorder(Callback):
                           "parameters": float(sum(p.double().sum()
                                                   for p in pl_module.parameters())),
                           "masks_broadcast": masks_broadcast(trainer, slots),
+                          "broadcast_buffers": trainer.strategy.model.broadcast_buffers,
                           "fused": bool(engine.fused_optimizers)})
 
 
 def masks_broadcast(trainer, slots) -> list[str]:
-    """The mask buffers among those DDP's ``broadcast_buffers`` sends before a forward
-    (DDP's own listing, which it redoes at every forward)."""
+    """The mask buffers among those DDP's ``broadcast_buffers`` sends before a forward (its
+    listing, which it redoes at every broadcast; not by calling it, which would refresh the
+    list DDP decides by whether to broadcast at all)."""
     ddp = trainer.strategy.model
-    ddp._assign_modules_buffers()
     masks = {id(slot.mask) for slot in slots}
-    return [name for name, buffer in ddp.named_module_buffers.items() if id(buffer) in masks]
+    return [name for name, buffer in ddp.module.named_buffers()
+            if name not in ddp.parameters_to_ignore and id(buffer) in masks]
 
 
 RUNS = {

@@ -10,12 +10,21 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import BlockNet, TinyNet, make_loader, make_trainer
-from pytorch_lightning.callbacks import ModelCheckpoint
+from conftest import BlockNet, TinyNet, assert_masks_hold, make_loader, make_trainer
+from pytorch_lightning.callbacks import BackboneFinetuning, Callback, ModelCheckpoint
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sparse_training import BlockSparseLinear, SparsityCallback, SparsityConfig, SparsityEngine
+from sparse_training import (
+    BlockSparseLinear,
+    SemiStructuredLinear,
+    SparsityCallback,
+    SparsityConfig,
+    SparsityEngine,
+    densify,
+    make_permanent,
+    sparsify,
+)
 from sparse_training.kernels.bitpack import pack_mask, unpack_mask
 
 GMP = dict(pattern="unstructured", sparsity=0.5, schedule="gmp")
@@ -1326,3 +1335,344 @@ def test_count_compressed_checkpoints():
     total = len(RESUMES) + 1 + len(LOADS) + len(LOADED) + 2 + len(MASKS)
     assert (len(RESUMES), len(LOADS), len(LOADED), len(MASKS)) == (17, 8, 2, 4)
     assert total >= 15, total
+
+# == issue 22: fit-time misuse ==
+# Around a fit: optimizers that miss the sparse tensors (compress swaps layers at setup),
+# swaps and make_permanent while an engine trains, the engine stepped without attach(),
+# sparsify rules that prune nothing. Each raises naming the value and the fix before the
+# change, or is handled as docs/enforcement.md and docs/block_sparse.md say.
+
+class CapturedParams(BlockNet):
+    """The optimizer is built from parameters captured in __init__, before setup."""
+
+    def __init__(self):
+        super().__init__()
+        self.captured = list(self.parameters())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.captured, lr=1e-2)
+
+
+class CopyOptimizer(TinyNet):
+    def configure_optimizers(self):  # another module's parameters
+        return torch.optim.AdamW(copy.deepcopy(self.net).parameters(), lr=1e-2)
+
+
+class HeadOnlyOptimizer(TinyNet):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.net[4].parameters(), lr=1e-2)
+
+
+class NoOptimizer(TinyNet):
+    def configure_optimizers(self):
+        return None
+
+
+class OwnOptimizerInStep(NoOptimizer):
+    """Manual optimization with an optimizer Lightning never sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        if not hasattr(self, "own"):
+            self.own = torch.optim.SGD(self.parameters(), lr=0.1)
+        self.manual_backward(super().training_step(batch, batch_idx))
+        self.own.step()
+
+
+class ForeignSecondOptimizer(TinyNet):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False  # Lightning's rule for two optimizers
+
+    def configure_optimizers(self):
+        return (torch.optim.AdamW(self.parameters(), lr=1e-2),
+                torch.optim.SGD([nn.Parameter(torch.randn(3, 5))], lr=0.1))
+
+
+class AfterSetup(Callback):
+    """The model as every callback's setup left it (compress swaps layers there)."""
+
+    def setup(self, trainer, pl_module, stage):
+        self.state = {k: v.clone() for k, v in pl_module.state_dict().items()}
+        self.buffers = sorted(name for name, _ in pl_module.named_buffers())
+
+
+COMPRESS = dict(pattern="block:16x16", sparsity=0.75, compress=True)
+MISSING = "parameters of the sparse layers require grad but are in no optimizer"
+FIX = r"\. Build the optimizers in configure_optimizers from self.parameters\(\)"
+
+FIT_START = [  # (settings, model, message): a ValueError at fit start, nothing changed since setup
+    (COMPRESS, CapturedParams,
+     r"optimizer 0 \(AdamW\) holds 4 parameters that are not the model's \(shapes \(64, 16\), "
+     rf"\(64,\), \(64, 64\), \(64,\)\); 4 {MISSING}: net.0.values, net.0.bias, net.2.values, "
+     rf"net.2.bias{FIX} \(compress swaps layers at setup, before it\)"),
+    (dict(), CopyOptimizer, rf"optimizer 0 \(AdamW\) holds 6 parameters that are not the "
+                            rf"model's .*; 3 {MISSING}: net.0.weight, net.2.weight, net.4.weight"),
+    (dict(), HeadOnlyOptimizer, rf"^SparsityCallback: 2 {MISSING}: net.0.weight, net.2.weight"
+                                rf"{FIX}.* freeze \(requires_grad_\(False\)\) or deny"),
+    (dict(), NoOptimizer, r"3 parameters of the sparse layers require grad but are in no "
+                          r"optimizer \(configure_optimizers returned None\): net.0.weight"),
+    (dict(), OwnOptimizerInStep, r"in no optimizer \(configure_optimizers returned None\)"),
+    (dict(), ForeignSecondOptimizer, r"^SparsityCallback: optimizer 1 \(SGD\) holds 1 "
+                                     r"parameters that are not the model's \(shapes \(3, 5\)\)"
+                                     rf"{FIX}"),
+]
+
+
+@pytest.mark.parametrize(("settings", "model_class", "message"), FIT_START,
+                         ids=[m.__name__ for _, m, _ in FIT_START])
+def test_optimizers_that_miss_the_sparse_tensors_raise_at_fit_start(settings, model_class,
+                                                                    message):
+    model, sparse, after_setup = model_class(), SparsityCallback(**settings), AfterSetup()
+    with pytest.raises(ValueError, match=message):
+        make_trainer([sparse, after_setup], max_epochs=1).fit(model, make_loader(n=32))
+    assert sparse.engine is None
+    assert sorted(name for name, _ in model.named_buffers()) == after_setup.buffers
+    assert all(torch.equal(after_setup.state[k], v) for k, v in model.state_dict().items())
+
+
+class MidFit(Callback):
+    """Calls ``action(model)`` after the second batch, recording the model just before."""
+
+    def __init__(self, action):
+        self.action, self.state, self.buffers = action, None, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 1:
+            self.state = {k: v.clone() for k, v in pl_module.state_dict().items()}
+            self.buffers = {n: b.clone() for n, b in pl_module.named_buffers()}
+            self.action(pl_module)
+
+
+TRAINED = "would swap modules of a {} that a SparsityEngine is training .* call it after "
+AFTER_FIT = r"trainer.fit returns \(SparsityCallback detaches its engine when the fit ends\)"
+MID_FIT = [  # (settings, model, action, message): a RuntimeError, the model as it was
+    (dict(), TinyNet, make_permanent, "^make_permanent " + TRAINED.format("TinyNet") + AFTER_FIT),
+    (dict(), TinyNet, lambda m: make_permanent(m.net), "^make_permanent " + TRAINED.format(
+        "TinyNet")),
+    (COMPRESS, BlockNet, make_permanent, "^make_permanent " + TRAINED.format("BlockNet")),
+    (COMPRESS, BlockNet, densify, "^densify " + TRAINED.format("BlockNet")),
+    (dict(), TinyNet, lambda m: sparsify(m, {r"net\.4": {"pattern": "block:16x16",
+                                                         "density": 0.5}}),
+     "^sparsify " + TRAINED.format("TinyNet")),
+]
+
+
+@pytest.mark.parametrize(("settings", "model_class", "action", "message"), MID_FIT,
+                         ids=[f"{i}-{m[:20]}" for i, (*_, m) in enumerate(MID_FIT)])
+def test_swaps_while_an_engine_trains_raise_and_work_after_fit(settings, model_class, action,
+                                                               message):
+    model, mid_fit = model_class(), MidFit(action)
+    with pytest.raises(RuntimeError, match=message):
+        make_trainer([SparsityCallback(**settings), mid_fit], max_epochs=1).fit(
+            model, make_loader(n=48))
+    assert all(torch.equal(mid_fit.state[k], v) for k, v in model.state_dict().items())
+    buffers = dict(model.named_buffers())
+    assert buffers.keys() == mid_fit.buffers.keys()
+    assert all(torch.equal(mid_fit.buffers[k], v) for k, v in buffers.items())
+    action(model)  # the failed fit detached its engine (on_exception): allowed now
+
+
+def small_engine(model: nn.Module | None = None):
+    model = model or nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 8))
+    engine = SparsityEngine(model, SparsityConfig("2:4"))
+    engine.start(10)
+    return model, engine, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _attached(engine, optimizer):
+    engine.attach(optimizer)
+
+
+def _attached_then_detached(engine, optimizer):
+    engine.attach(optimizer)
+    engine.detach()
+
+
+def _sparsified(model):
+    sparsify(model, {r"^2$": {"pattern": "block:16x16", "density": 0.5}}, verbose=False)
+    return model
+
+
+NO_ATTACH = r"no optimizer is attached to this SparsityEngine: call engine.attach\(optimizer\)"
+ENGINE_STEPS = [  # (model, preparation, misuse, message): a RuntimeError, nothing changed
+    (None, None, lambda m, e, o: e.on_step_start(0),
+     NO_ATTACH + r" before the training loop .*; for masks without training, engine.prune\(\)$"),
+    (None, _attached_then_detached, lambda m, e, o: e.on_step_start(0), NO_ATTACH),
+    (None, _attached, lambda m, e, o: e.before_optimizer_step(
+        torch.optim.AdamW(m.parameters()), 0),
+     r"before_optimizer_step got a AdamW that is not attached to this SparsityEngine: call "
+     r"engine.attach\(optimizer\) once before training"),
+    (None, lambda e, o: make_permanent(e.model), lambda m, e, o: e.attach(o),
+     r"masks or compressed layers are no longer in its model \(make_permanent, densify\): "
+     r"build a new SparsityEngine"),
+    (None, _attached, lambda m, e, o: make_permanent(m), "^make_permanent " + TRAINED.format(
+        "Sequential") + r"trainer.fit returns .* or after engine.detach\(\)"),
+    (None, _attached, lambda m, e, o: make_permanent(nn.ModuleList([m])),
+     "^make_permanent " + TRAINED.format("Sequential")),
+    (None, _attached, lambda m, e, o: sparsify(m, {r"^0$": {"pattern": "2:4"}}),
+     "^sparsify " + TRAINED.format("Sequential")),
+    (_sparsified, _attached, lambda m, e, o: densify(m), "^densify " + TRAINED.format(
+        "Sequential")),
+]
+
+
+@pytest.mark.parametrize(("model", "prepare", "misuse", "message"), ENGINE_STEPS,
+                         ids=[f"{i}-{m[:24]}" for i, (*_, m) in enumerate(ENGINE_STEPS)])
+def test_engine_misuse_without_lightning_raises_before_any_change(model, prepare, misuse,
+                                                                  message):
+    model = None if model is None else model(nn.Sequential(nn.Linear(16, 8), nn.ReLU(),
+                                                           nn.Linear(8, 32)))
+    model, engine, optimizer = small_engine(model)
+    if prepare is not None:
+        prepare(engine, optimizer)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    with pytest.raises(RuntimeError, match=message):
+        misuse(model, engine, optimizer)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert buffers.keys() == dict(model.named_buffers()).keys()
+    assert all(torch.equal(buffers[k], b) for k, b in model.named_buffers())
+
+
+SPARSIFY_RULES = [  # (Linear shapes (in, out), rules, message): a ValueError, nothing swapped
+    ([(16, 32)], {".": {"pattern": "block:64x64", "sparsity": 0.9}},
+     r"rule '\.' can make none of the Linears it matches sparse \(nothing was swapped\):\n  "
+     r"0: block 64x64 covers the whole 32x16 weight: sparsity 0.9 keeps 1 of 1 blocks \("
+     r"nothing pruned; use smaller blocks or a higher sparsity\)"),
+    ([(32, 32)], {".": {"pattern": "block:16x16", "density": 0.9}},
+     r"0: the 32x32 weight has 4 blocks of 16x16: density 0.9 keeps 4 of 4 blocks"),
+    ([(16, 10)], {".": {"pattern": "2:4"}},
+     r"rule '\.' can make none .*\n  0: 2:4: out_features must be a positive multiple of 4 "
+     r"\(2:4 groups\), got 10"),
+    ([(6, 8)], {".": {"pattern": "2:4:2d"}}, r"0: 2:4:2d: weight of shape \(8, 6\) cannot "
+                                             r"take pattern '2:4:2d': 6 input features are not "
+                                             r"a multiple of M = 4"),
+    ([(64, 64), (16, 32)], {"0": {"pattern": "block:16x16", "density": 0.5},
+                            "1": {"pattern": "block:64x64", "sparsity": 0.5}},
+     r"rule '1' can make none .*\n  1: block 64x64 covers the whole 32x16 weight: sparsity "
+     r"0.5 keeps 1 of 1"),
+]
+
+
+def linears(shapes) -> nn.Module:
+    return nn.ModuleList([nn.Linear(i, o) for i, o in shapes])
+
+
+@pytest.mark.parametrize(("shapes", "rules", "message"), SPARSIFY_RULES,
+                         ids=[f"{i}-{m[-28:]}" for i, (*_, m) in enumerate(SPARSIFY_RULES)])
+def test_sparsify_rules_that_prune_nothing_raise_before_any_swap(shapes, rules, message):
+    model = linears(shapes)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=message):
+        sparsify(model, rules, verbose=False)
+    assert all(type(m) is nn.Linear for m in model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+SPARSIFY_HANDLED = [  # (shapes, rules, decisions): the Linears that cannot be sparse stay
+    ([(16, 32), (32, 256)], {".": {"pattern": "block:64x64", "sparsity": 0.9}},
+     ["skipped: block 64x64 covers the whole 32x16 weight: sparsity 0.9 keeps 1 of 1 blocks "
+      "(nothing pruned; use smaller blocks or a higher sparsity)", "compressed"]),
+    ([(16, 32), (32, 10)], {".": {"pattern": "2:4"}},
+     ["compressed", "skipped: 2:4: out_features must be a positive multiple of 4 (2:4 "
+                    "groups), got 10"]),
+    ([(16, 32)], {".": {"pattern": "block:64x64", "density": 1.0}}, ["compressed"]),  # asked
+]
+
+
+@pytest.mark.parametrize(("shapes", "rules", "decisions"), SPARSIFY_HANDLED,
+                         ids=[str(d)[:30] for *_, d in SPARSIFY_HANDLED])
+def test_sparsify_skips_the_linears_a_rule_cannot_make_sparse(shapes, rules, decisions):
+    model = linears(shapes)
+    dense = copy.deepcopy(model)
+    rows = sparsify(model, rules, verbose=False)
+    assert [row["decision"] for row in rows] == decisions
+    for row, layer, reference in zip(rows, model, dense, strict=True):
+        if row["decision"] == "compressed":  # as sparse as its row says
+            assert isinstance(layer, (BlockSparseLinear, SemiStructuredLinear))
+            kept = layer.to_dense().weight.ne(0).double().mean()
+            assert float(kept) == pytest.approx(row["density"])
+        else:  # untouched
+            x = torch.randn(layer.in_features, 5).T  # non-contiguous
+            assert type(layer) is nn.Linear and torch.equal(layer(x), reference(x))
+
+
+class FrozenMiddle(TinyNet):
+    """net.2 frozen and left out of the optimizer: it keeps its (pruned) weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.net[2].requires_grad_(False)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+class WithBackbone(pl.LightningModule):
+    """BackboneFinetuning's layout: the optimizer starts with the head; the callback adds the
+    unfrozen backbone as a new parameter group at epoch 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU())
+        self.head = nn.Linear(32, 4)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.head(self.backbone(x)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.head.parameters(), lr=1e-2)
+
+
+def _backbone_trained_and_masked(model, sparse, trainer, start):
+    (optimizer,) = trainer.optimizers
+    assert len(optimizer.param_groups) == 2  # the backbone's group came at epoch 1
+    assert_masks_hold(sparse.engine, trainer.optimizers)
+    for name in ("backbone.0.weight", "backbone.2.weight"):
+        weight = model.get_parameter(name)
+        assert not torch.equal(weight, start[name])  # it trained after the unfreeze
+        assert (weight == 0).float().mean() == 0.5
+
+
+def _frozen_kept(model, sparse, trainer, start):
+    weight = model.net[2].weight
+    assert torch.equal(weight, start["net.2.weight"] * model.net[2].weight_mask)
+    assert not torch.equal(model.net[0].weight, start["net.0.weight"])
+    assert_masks_hold(sparse.engine, trainer.optimizers)
+
+
+def _captured_trained(model, sparse, trainer, start):
+    assert not torch.equal(model.net[2].weight, start["net.2.weight"])
+    assert_masks_hold(sparse.engine, trainer.optimizers)
+    assert sparse.engine.sparsity == pytest.approx(0.75)
+
+
+FIT_HANDLED = [  # (settings, model, extra callbacks, epochs, check): trains as documented
+    (dict(pattern="unstructured", sparsity=0.5), WithBackbone,
+     lambda: [BackboneFinetuning(unfreeze_backbone_at_epoch=1)], 2, _backbone_trained_and_masked),
+    (dict(pattern="unstructured", sparsity=0.5), FrozenMiddle, list, 1, _frozen_kept),
+    ({**COMPRESS, "compress": False}, CapturedParams, list, 1, _captured_trained),
+]
+
+
+@pytest.mark.parametrize(("settings", "model_class", "callbacks", "epochs", "check"),
+                         FIT_HANDLED, ids=[m.__name__ for _, m, *_ in FIT_HANDLED])
+def test_fit_time_cases_handled_as_documented(settings, model_class, callbacks, epochs, check):
+    model, sparse = model_class(), SparsityCallback(**settings)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = make_trainer([sparse, *callbacks()], max_epochs=epochs)
+    trainer.fit(model, make_loader(n=48))
+    check(model, sparse, trainer, start)
+
+
+def test_count_fit_misuse():
+    """This section's cases (issue 22 asks for >= 15 here)."""
+    sizes = [len(FIT_START), len(MID_FIT), len(ENGINE_STEPS), len(SPARSIFY_RULES),
+             len(SPARSIFY_HANDLED), len(FIT_HANDLED)]
+    assert sizes == [6, 5, 8, 5, 3, 3]
+    assert sum(sizes) >= 15

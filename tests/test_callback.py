@@ -4,7 +4,7 @@
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import MaskAudit, TinyNet, TwoOptimizerNet, make_loader, make_trainer
+from conftest import BlockNet, MaskAudit, TinyNet, TwoOptimizerNet, make_loader, make_trainer
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
@@ -87,12 +87,32 @@ def test_setup_table_lists_every_candidate(lightning_log):
     sparse = SparsityCallback("2:4", deny=["net.4"], dense_ratio=0.5)
     make_trainer([sparse], max_epochs=1).fit(WithEmbedding(), make_loader())
     table = lightning_log.text
-    assert "1 of 4 weight tensors selected; mask updates at steps 0 (one update)" in table
+    assert ("1 masked-dense and 0 compressed of 4 weight tensors; mask updates at steps 0 "
+            "(one update)") in table
     assert "type Embedding not in layer_types" in table
     assert "deny 'net.4'" in table
     assert "dense_ratio 0.5: block 'net.0' is one of the first 1 of 2 blocks" in table
     assert [slot.name for slot in sparse.engine.slots] == ["net.2.weight"]
-    assert "SparsityCallback: 50.00% of 1,024 weights in 1 tensors are zero" in table
+    assert ("SparsityCallback: 50.00% of 1,024 weights in 1 masked-dense and 0 compressed "
+            "tensors are zero") in table
+
+
+def test_fit_start_and_end_lines_count_masked_and_compressed_tensors(lightning_log):
+    """compress=True: net.0 compressed, net.2 masked-dense (a forward hook keeps it from the
+    swap), net.4 not selected (4 rows); both lines count each kind."""
+    model = BlockNet()
+    model.net[2].register_forward_hook(lambda *args: None)
+    sparse = SparsityCallback(pattern="block:16x16", sparsity=0.75, compress=True)
+    make_trainer([sparse], max_epochs=1).fit(model, make_loader(n=32))
+    assert [s.name for s in sparse.engine.slots] == ["net.2.weight"]
+    assert [s.name for s in sparse.engine.compressed] == ["net.0.values"]
+    text = lightning_log.text
+    assert ("SparsityCallback: 1 masked-dense and 1 compressed of 3 weight tensors; mask "
+            "updates at steps 0 (one update)") in text
+    weights = 64 * 16 + 64 * 64
+    assert (f"SparsityCallback: 75.00% of {weights:,} weights in 1 masked-dense and 1 "
+            f"compressed tensors are zero (target now 75.00%, final 75.00%)") in text
+    assert "weight tensors selected" not in text
 
 
 def test_overrides_and_log_layers():

@@ -10,9 +10,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import two_process_problem  # noqa: E402
+
+from sparse_training import SparsityConfig, SparsityEngine, sparsify  # noqa: E402
+from sparse_training.ranks import keep_masks_out_of_buffer_broadcast  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("ddp_regrowth.py")
 
@@ -24,6 +31,8 @@ def ddp_results(request, tmp_path_factory):
                     f"it can run")
     out = tmp_path_factory.mktemp(f"ddp-{request.param}")
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE")}
+    # the checkout under test, not an installed copy of the package
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parents[1]), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, str(SCRIPT), str(out), request.param], env=env,
                           timeout=900, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -64,6 +73,18 @@ def test_compressed_2_4_layers_train_identically_on_every_rank(ddp_results):
     assert ranks[0]["mismatch_caught"] and ranks[1]["mismatch_caught"]
 
 
+@pytest.mark.parametrize("run", ["rigl-compressed", "2:4-compressed", "rigl"])
+def test_ddp_broadcasts_no_buffers_where_the_masks_are_all_there_are(ddp_results, run):
+    """BlockNet's compressed layers exist at the wrap and their masks are its only buffers:
+    DDP, which broadcast them before every forward, would send the empty list left after
+    ignoring them (torch: INTERNAL ASSERT FAILED, !tensors.empty()); broadcasting is off.
+    The runs above train to the end on both ranks, so no forward crashed."""
+    for rank in (0, 1):
+        rows = json.loads((ddp_results / f"{run}_rank{rank}.json").read_text())["rows"]
+        assert len(rows) == 1 + 8
+        assert [row["broadcast_buffers"] for row in rows] == [False] * len(rows)
+
+
 def test_rigl_resumes_from_a_checkpoint_exactly(ddp_results):
     """Stopped after the first epoch with a checkpoint and resumed in a new Trainer: the
     same masks, regrowth steps and parameters as the run that never stopped, on each rank."""
@@ -72,3 +93,31 @@ def test_rigl_resumes_from_a_checkpoint_exactly(ddp_results):
         parts = json.loads((ddp_results / f"rigl-resumed_rank{rank}.json").read_text())
         assert parts["stopped"] == whole[:5]
         assert parts["resumed"] == whole[4:]
+
+
+@pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
+                    reason="needs torch.distributed with gloo")
+@pytest.mark.parametrize("other_buffers", [False, True])
+def test_buffer_broadcast_is_off_only_where_the_masks_are_all_the_buffers(tmp_path,
+                                                                          other_buffers):
+    """One process (a world of 1 over gloo), a model wrapped while it holds a compressed
+    layer's mask: with no other buffer DDP's broadcast is turned off (it would send an empty
+    list and torch would assert); a BatchNorm's statistics keep it on, the masks left out."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        layers = [nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)]
+        model = nn.Sequential(*layers, *([nn.BatchNorm1d(8)] if other_buffers else []))
+        sparsify(model, {"^0$": {"pattern": "block:16x16", "density": 0.5}}, verbose=False)
+        ddp = DistributedDataParallel(model)
+        engine = SparsityEngine(model, SparsityConfig("2:4"))  # 2.weight's mask, after the wrap
+        keep_masks_out_of_buffer_broadcast(ddp, [*engine.slots, *engine.compressed])
+        assert ddp.broadcast_buffers is other_buffers
+        x = torch.randn(16, 5).T  # non-contiguous
+        ddp(x).square().mean().backward()  # it broadcast an empty list here
+        assert model[0].values.grad is not None
+        ddp._assign_modules_buffers()  # what DDP lists at a broadcast
+        stats = ["3.running_mean", "3.running_var", "3.num_batches_tracked"]
+        assert list(ddp.named_module_buffers) == (stats if other_buffers else [])
+    finally:
+        dist.destroy_process_group()

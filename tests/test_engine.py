@@ -120,6 +120,7 @@ def test_state_dict_round_trip_and_plain_model_state():
     model = mlp()
     engine = SparsityEngine(model, SparsityConfig("2:4"))
     engine.start(5)
+    engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
     engine.on_step_start(0)
     assert set(model.state_dict()) == set(mlp().state_dict())  # masks stay out of it
     saved, weights = engine.state_dict(), model.state_dict()
@@ -135,6 +136,7 @@ def test_a_state_that_does_not_fit_changes_nothing():
     model = mlp()
     engine = SparsityEngine(model, SparsityConfig("2:4"))
     engine.start(5)
+    engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
     engine.on_step_start(0)
     saved = engine.state_dict()
     saved["masks"]["2.weight"]["shape"] = [3, 3]
@@ -152,9 +154,15 @@ def test_make_permanent_folds_and_removes_masks():
     model = mlp()
     engine = SparsityEngine(model, SparsityConfig("unstructured", sparsity=0.5))
     engine.start(1)
+    engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
     engine.on_step_start(0)
     x = torch.randn(4, 16)
     expected = model(x)
+    with pytest.raises(RuntimeError, match="make_permanent would swap modules of a Sequential "
+                                           "that a SparsityEngine is training"):
+        make_permanent(model)  # mid-training: the optimizer hooks read the masks
+    assert model[0].weight_mask.dtype == torch.bool
+    engine.detach()
     make_permanent(model)
     assert not any(name.endswith("_mask") for name, _ in model.named_buffers())
     assert not engine.installed

@@ -10,8 +10,10 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.core.optimizer import _MockOptimizer
 from pytorch_lightning.strategies import FSDPStrategy
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
 from torch.optim import Optimizer
 
 from sparse_training.callbacks.resume import read_callback_states, resume_path
@@ -19,9 +21,10 @@ from sparse_training.compression import compress_selected, dtype_name
 from sparse_training.compression import format_rows as format_compression
 from sparse_training.config import SparsityConfig, settings_signature
 from sparse_training.engine import SparsityEngine
+from sparse_training.patcher import COMPRESSED_LAYERS
 from sparse_training.ranks import keep_masks_out_of_buffer_broadcast
 from sparse_training.schedules import GRADUAL
-from sparse_training.selection import format_table
+from sparse_training.selection import format_table, plan_model
 from sparse_training.sharding import FSDP1_PROBLEM
 from sparse_training.state import check_mask_settings, check_settings, check_state
 
@@ -144,6 +147,9 @@ class SparsityCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if isinstance(trainer.strategy, FSDPStrategy):
             raise ValueError(f"SparsityCallback cannot mask under FSDPStrategy: {FSDP1_PROBLEM}")
+        optimizers = [o for o in trainer.optimizers if not isinstance(o, _MockOptimizer)]
+        if problem := optimizer_problem(pl_module, self.config, optimizers):
+            raise ValueError(f"SparsityCallback: {problem}")
         restored, self._restored = self._restored, None
         engine = self.engine
         if engine is None or not engine.bound_to(pl_module):
@@ -168,8 +174,8 @@ class SparsityCallback(Callback):
         total = None if math.isinf(total) else int(total)
         engine.start(total)
         self._warn_about_schedule(total)
-        rank_zero_info(f"SparsityCallback: {len(engine.slots)} of {len(engine.plans)} weight "
-                       f"tensors selected; {engine.updater.describe(total)}\n"
+        rank_zero_info(f"SparsityCallback: {_counts(engine)} of {len(engine.plans)} weight "
+                       f"tensors; {engine.updater.describe(total)}\n"
                        + format_table(engine.plans))
         self._unused_checked = False
         scaler = getattr(trainer.precision_plugin, "scaler", None)
@@ -239,9 +245,8 @@ class SparsityCallback(Callback):
         weights = sum(s.plan.numel for s in engine.slots) + sum(
             s.numel for s in engine.compressed)
         rank_zero_info(f"SparsityCallback: {engine.sparsity:.2%} of {weights:,} weights in "
-                       f"{len(engine.tensor_sparsity)} tensors are zero "
-                       f"({len(engine.compressed)} compressed; target now {engine.target:.2%},"
-                       f" final {engine.final_sparsity:.2%}); last mask update at step "
+                       f"{_counts(engine)} tensors are zero (target now {engine.target:.2%}, "
+                       f"final {engine.final_sparsity:.2%}); last mask update at step "
                        f"{engine.updater.last_update}")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -292,6 +297,51 @@ class SparsityCallback(Callback):
             self._engine().load_state_dict(state_dict)
         else:  # the usual order: installed at on_fit_start, once the model is final
             self._restored = dict(state_dict)
+
+
+def _counts(engine: SparsityEngine) -> str:
+    """``"4 masked-dense and 13 compressed"``: the tensors the engine keeps sparse."""
+    return f"{len(engine.slots)} masked-dense and {len(engine.compressed)} compressed"
+
+
+def optimizer_problem(model: nn.Module, config: SparsityConfig,
+                      optimizers: list[Optimizer]) -> str | None:
+    """Why ``optimizers`` do not train ``model``'s sparse tensors, or None.
+
+    Two ways to train the wrong tensors without a word: an optimizer holding parameters
+    that are not the model's (captured before ``compress`` swapped layers at ``setup``, or
+    another module's), and a selected weight or a compressed layer's parameter that requires
+    grad but is in no optimizer (its pruned weights, or the compressed values, would never
+    be updated by an attached optimizer).
+    """
+    owned = {id(p) for p in model.parameters()}
+    held: set[int] = set()
+    problems = []
+    for index, optimizer in enumerate(optimizers):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        held.update(map(id, params))
+        foreign = [tuple(p.shape) for p in params if id(p) not in owned]
+        if foreign:
+            shown = ", ".join(map(str, foreign[:4])) + (", ..." if len(foreign) > 4 else "")
+            problems.append(f"optimizer {index} ({type(optimizer).__name__}) holds "
+                            f"{len(foreign)} parameters that are not the model's (shapes "
+                            f"{shown})")
+    tensors, plans = plan_model(model, config)
+    trained = [(p.name, t.param) for p, t in zip(plans, tensors, strict=True) if p.selected]
+    trained += [(f"{name}.{attr}", param) for name, layer in model.named_modules()
+                if isinstance(layer, COMPRESSED_LAYERS)
+                for attr, param in layer.named_parameters(recurse=False)]
+    missing = [name for name, param in trained if param.requires_grad and id(param) not in held]
+    if missing:
+        shown = ", ".join(missing[:6]) + (", ..." if len(missing) > 6 else "")
+        where = "no optimizer" if held else "no optimizer (configure_optimizers returned None)"
+        problems.append(f"{len(missing)} parameters of the sparse layers require grad but are "
+                        f"in {where}: {shown}")
+    if not problems:
+        return None
+    return ("; ".join(problems) + ". Build the optimizers in configure_optimizers from "
+            "self.parameters() (compress swaps layers at setup, before it), and freeze "
+            "(requires_grad_(False)) or deny the sparse tensors no optimizer should train")
 
 
 def _settings_docs() -> str:
