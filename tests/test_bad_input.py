@@ -1548,9 +1548,8 @@ SPARSIFY_RULES = [  # (Linear shapes (in, out), rules, message): a ValueError, n
     ([(16, 10)], {".": {"pattern": "2:4"}},
      r"rule '\.' can make none .*\n  0: 2:4: out_features must be a positive multiple of 4 "
      r"\(2:4 groups\), got 10"),
-    ([(6, 8)], {".": {"pattern": "2:4:2d"}}, r"0: 2:4:2d: weight of shape \(8, 6\) cannot "
-                                             r"take pattern '2:4:2d': 6 input features are not "
-                                             r"a multiple of M = 4"),
+    ([(6, 8)], {".": {"pattern": "2:4:2d"}}, r"0: 2:4:2d: in_features must be a positive "
+                                             r"multiple of 4 \(2:4 groups\), got 6"),
     ([(64, 64), (16, 32)], {"0": {"pattern": "block:16x16", "density": 0.5},
                             "1": {"pattern": "block:64x64", "sparsity": 0.5}},
      r"rule '1' can make none .*\n  1: block 64x64 covers the whole 32x16 weight: sparsity "

@@ -223,8 +223,9 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(SETTINGS))
-@pytest.mark.parametrize("compile_mode", [None, *COMPILE_MODES])
+@pytest.mark.parametrize("name, compile_mode", [
+    *[("block 64x64 90%", mode) for mode in (None, *COMPILE_MODES)],
+    ("block 32x32 50%", None), ("2:4", None), ("2:4", "default"), ("2:4", "reduce-overhead")])
 def test_trainer_compressed_bert_trains_and_matches_eager(name, compile_mode, tmp_path):
     """compress=True on HF BERT through pl.Trainer (bf16-mixed), eager and compiled: the
     swapped layers are there, the losses are finite and a compiled run follows the eager
