@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from sparse_training.kernels.semi_structured import (
-    DTYPES,
+    SPARSE_ROUTE_DTYPES,
     TOKEN_MULTIPLE,
     PackedWeight,
     PathChoice,
@@ -195,8 +195,9 @@ class SemiStructuredLinear(nn.Module):
         dtype = self._compute_dtype(x)
         if problem := cusparselt_problem(x.device):
             return problem
-        if dtype not in DTYPES:
-            return f"{dtype} (cuSPARSELt takes bf16 or fp16; use bf16-mixed or bf16 weights)"
+        if dtype not in SPARSE_ROUTE_DTYPES:
+            return (f"{dtype}: the sparse route takes bf16 (cuSPARSELt's search failed on fp16 "
+                    f"operands; use bf16-mixed or bf16 weights)")
         if problem := shape_problem(self.out_features, self.in_features):
             return problem
         tokens = x.numel() // self.in_features

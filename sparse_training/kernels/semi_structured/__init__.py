@@ -12,6 +12,7 @@ from sparse_training.kernels.semi_structured.cusparselt import (
     DTYPES,
     SPARSE_MIN_FEATURES,
     SPARSE_MIN_TOKENS,
+    SPARSE_ROUTE_DTYPES,
     TOKEN_MULTIPLE,
     PackedWeight,
     cusparselt_problem,
@@ -26,7 +27,7 @@ from sparse_training.kernels.semi_structured.reference import (
     weight_grad_reference,
 )
 
-__all__ = ["DTYPES", "SPARSE_MIN_FEATURES", "SPARSE_MIN_TOKENS", "TOKEN_MULTIPLE", "PackedWeight",
+__all__ = ["DTYPES", "SPARSE_ROUTE_DTYPES", "SPARSE_MIN_FEATURES", "SPARSE_MIN_TOKENS", "TOKEN_MULTIPLE", "PackedWeight",
            "PathChoice", "cached_choices", "choose_paths", "cusparselt_problem",
            "envelope_problem", "forward_reference", "input_grad_reference",
            "semi_structured_linear", "shape_problem", "weight_grad_reference"]

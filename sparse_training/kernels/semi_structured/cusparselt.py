@@ -43,7 +43,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-DTYPES = (torch.bfloat16, torch.float16)
+DTYPES = (torch.bfloat16, torch.float16)  # what cuSPARSELt packs and multiplies
+# what the 2:4 layer's sparse route takes: on an H100 (torch 2.11, cuSPARSELt 0.8) the
+# algorithm search of an fp16 operand failed with "internal error when calling
+# cusparseLtMatmulSearch" at 128->256 with 128 tokens and at 1024x1024 with 2048 tokens,
+# and the CUDA context died with it; bf16 ran at every shape measured (BERT-large, LLM)
+SPARSE_ROUTE_DTYPES = (torch.bfloat16,)
 SPARSE_MULTIPLE = 16  # rows and columns of the packed operand (bf16/fp16)
 TOKEN_MULTIPLE = 8  # columns of the dense operand
 # The envelope inside which cuSPARSELt is called: conservative starting values, to be
