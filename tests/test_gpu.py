@@ -125,7 +125,7 @@ def test_compiled_block_sparse_layer_matches_eager(mode):
         x = torch.randn(64, 2, 200, device="cuda").transpose(0, 1)  # non-contiguous
         with torch.autocast("cuda", torch.bfloat16):
             want = eager(x)
-            got = compiled(x)
+            got = compiled(x).clone()  # reduce-overhead: outlive the graph's output buffer
         want.float().square().mean().backward()
         got.float().square().mean().backward()
         assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2), step
@@ -145,7 +145,7 @@ def test_compiled_semi_structured_layer_matches_eager(mode):
         torch.compiler.cudagraph_mark_step_begin()
         x = torch.randn(96, 256, device="cuda")
         with torch.autocast("cuda", torch.bfloat16):
-            want, got = layer(x), compiled(x)
+            want, got = layer(x), compiled(x).clone()
         want.float().sum().backward()
         got.float().sum().backward()
         assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2), step
@@ -258,7 +258,8 @@ def test_trainer_compressed_bert_trains_and_matches_eager(name, compile_mode, tm
         if isinstance(layer, (BlockSparseLinear, SemiStructuredLinear)):
             want = (layer.to_dense().weight if isinstance(layer, BlockSparseLinear)
                     else layer.weight * layer.mask)
-            assert torch.equal(dense[f"{name_}.weight"].cuda(), want.detach())
+            # the Trainer hands the model back on the CPU after fit
+            assert torch.equal(dense[f"{name_}.weight"], want.detach().cpu())
 
 
 def test_auto_compresses_large_blocks_on_a_gpu_trainer(lightning_log):
