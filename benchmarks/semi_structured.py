@@ -47,7 +47,7 @@ SHAPES = {  # name: (in, out), token counts
     "bert-base down 3072->768": ((3072, 768), (4096, 16384)),
     "bert-large up 1024->4096": ((1024, 4096), (4096, 16384)),
     "bert-large down 4096->1024": ((4096, 1024), (4096, 16384)),
-    # 16.8M weights: compress="auto" leaves 2:4 masked-dense under 32M (AUTO_MIN_WEIGHTS_2_4)
+    # 16.8M weights (compress="auto" never compresses 2:4: docs/semi_structured.md)
     "mid up 2048->8192": ((2048, 8192), (4096, 16384)),
     "mid down 8192->2048": ((8192, 2048), (4096, 16384)),
     "llm attention 4096->4096": ((4096, 4096), (4096, 16384)),
