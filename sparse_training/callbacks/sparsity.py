@@ -21,11 +21,11 @@ from sparse_training.compression import compress_selected, dtype_name
 from sparse_training.compression import format_rows as format_compression
 from sparse_training.config import SparsityConfig, settings_signature
 from sparse_training.engine import SparsityEngine
-from sparse_training.patcher import COMPRESSED_LAYERS
+from sparse_training.patcher import COMPRESSED_LAYERS, replace_module
 from sparse_training.ranks import keep_masks_out_of_buffer_broadcast
 from sparse_training.schedules import GRADUAL
 from sparse_training.selection import format_table, plan_model
-from sparse_training.sharding import FSDP1_PROBLEM
+from sparse_training.sharding import FSDP1_PROBLEM, is_sharded
 from sparse_training.state import check_mask_settings, check_settings, check_state
 
 MIN_GRADUAL_UPDATES = 3  # fewer and a gradual schedule is a few jumps: warn
@@ -83,6 +83,7 @@ class SparsityCallback(Callback):
         self._restored: dict[str, Any] | None = None
         self._unused_checked = False
         self._fitting = False  # between on_fit_start and teardown
+        self._swapped: list[tuple[str, nn.Module]] = []  # (name, Linear) swapped at setup
 
     @classmethod
     def from_config(cls, source: str | Path | Mapping[str, Any]) -> SparsityCallback:
@@ -113,7 +114,12 @@ class SparsityCallback(Callback):
         if not self.config.compress:
             return
         device, dtype = trainer.strategy.root_device, compute_dtype(trainer.precision)
+        before = dict(pl_module.named_modules())
         rows = compress_selected(pl_module, self.config, device, dtype, saved)
+        # kept until the optimizers are checked at fit start, to put back if they are wrong
+        self._swapped = [(name, before[name]) for name, module in pl_module.named_modules()
+                         if isinstance(module, COMPRESSED_LAYERS) and before.get(name) is not
+                         module]
         target = f"{device}, {dtype_name(dtype)} compute" if dtype is not None else device
         rank_zero_info(f"SparsityCallback: training paths (compress={self.config.compress!r} "
                        f"for {target})\n" + format_compression(rows))
@@ -148,7 +154,9 @@ class SparsityCallback(Callback):
         if isinstance(trainer.strategy, FSDPStrategy):
             raise ValueError(f"SparsityCallback cannot mask under FSDPStrategy: {FSDP1_PROBLEM}")
         optimizers = [o for o in trainer.optimizers if not isinstance(o, _MockOptimizer)]
+        swapped, self._swapped = self._swapped, []
         if problem := optimizer_problem(pl_module, self.config, optimizers):
+            _put_back(pl_module, swapped)
             raise ValueError(f"SparsityCallback: {problem}")
         restored, self._restored = self._restored, None
         engine = self.engine
@@ -342,6 +350,18 @@ def optimizer_problem(model: nn.Module, config: SparsityConfig,
     return ("; ".join(problems) + ". Build the optimizers in configure_optimizers from "
             "self.parameters() (compress swaps layers at setup, before it), and freeze "
             "(requires_grad_(False)) or deny the sparse tensors no optimizer should train")
+
+
+def _put_back(model: nn.Module, swapped: list[tuple[str, nn.Module]]) -> None:
+    """Undo ``setup``'s swaps: the original Linears, on the device and in the dtype the
+    strategy gave the compressed layers that replaced them (a fit that stops at its start
+    leaves the model as it was). Sharded layers (FSDP2) stay compressed."""
+    for name, original in swapped:
+        layer = model.get_submodule(name)
+        weight = getattr(layer, layer.trained_weight)
+        if is_sharded(weight):
+            continue  # fully_shard owns the layer now
+        replace_module(model, name, original.to(device=weight.device, dtype=weight.dtype))
 
 
 def _settings_docs() -> str:
