@@ -66,6 +66,24 @@ def check_density(density: float) -> float:
     return float(density)
 
 
+def blocks_kept(grid: tuple[int, int], density: float, shape: tuple[int, int],
+                block: tuple[int, int]) -> int:
+    """``max(1, kept_count(blocks, 1 - density))`` of the ``grid``'s blocks.
+
+    Raises:
+        ValueError: ``density < 1`` keeps every block (a grid of few blocks): the layer
+            would be dense, labelled sparse.
+    """
+    blocks = grid[0] * grid[1]
+    nnz = max(1, kept_count(blocks, 1.0 - density))
+    if nnz == blocks and density < 1:
+        raise ValueError(
+            f"density {density} keeps {nnz} of {blocks} blocks of {block[0]}x{block[1]} in "
+            f"the {shape[0]}x{shape[1]} weight: nothing would be sparse; use smaller blocks or "
+            f"a lower density")
+    return nnz
+
+
 def _check_features(**features: int) -> None:
     for name, value in features.items():
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
@@ -138,7 +156,7 @@ class BlockSparseLinear(nn.Module):
         block = check_block(block)
         grid = block_grid(out_features, in_features, block)
         if block_mask is None:
-            nnz = max(1, kept_count(grid[0] * grid[1], 1.0 - check_density(density)))
+            nnz = blocks_kept(grid, check_density(density), (out_features, in_features), block)
             block_mask = top_blocks(torch.rand(grid, device=device), nnz)
         else:
             check_block_mask(block_mask, grid)
@@ -290,7 +308,7 @@ class BlockSparseLinear(nn.Module):
         weight = linear.weight.detach()
         grid = block_grid(*weight.shape, block)
         if density is not None:
-            nnz = max(1, kept_count(grid[0] * grid[1], 1.0 - check_density(density)))
+            nnz = blocks_kept(grid, check_density(density), tuple(weight.shape), block)
             block_mask = top_blocks(block_norms(weight, block), nnz)
         elif isinstance(mask, Tensor) and mask.dtype == torch.bool and mask.shape == weight.shape:
             block_mask = _blocks_of_mask(mask.to(weight.device), block)

@@ -211,7 +211,8 @@ def compress_selected(model: nn.Module, config: SparsityConfig,
                                    what + ("" if masks is None else ", the checkpoint's mask")))
     if config.compress is True and not swaps and not any(
             isinstance(m, COMPRESSED_LAYERS) for m in model.modules()):
-        lines = "\n".join(f"  {r.name}: {r.reason}" for r in rows) or "  (no tensor selected)"
+        lines = "\n".join(f"  {r.name}: {r.reason}" for r in rows) or "\n".join(
+            f"  {p.name}: not selected: {p.reason}" for p in plans)  # why none was selected
         raise ValueError(f"compress=True but no selected tensor can train compressed; "
                          f"use compress='auto' or False. Per tensor:\n{lines}")
     for name, layer in swaps:

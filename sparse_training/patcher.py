@@ -38,7 +38,13 @@ from typing import Any
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sparse_training.block_sparse import BlockSparseLinear, check_block, check_density
+from sparse_training.block_sparse import (
+    BlockSparseLinear,
+    blocks_kept,
+    check_block,
+    check_density,
+)
+from sparse_training.kernels.block_sparse import block_grid
 from sparse_training.patterns import Pattern, parse_pattern
 from sparse_training.semi_structured import SemiStructuredLinear
 
@@ -270,16 +276,18 @@ def _compressed(linear: nn.Linear, parsed: tuple[Pattern, tuple[int, int] | None
             return SemiStructuredLinear.from_dense(linear, pattern.transposable)
         except ValueError as err:  # features that are not multiples of 4
             return f"{pattern.spec}: {err}"
-    layer = BlockSparseLinear.from_dense(linear, block, density=density)
-    blocks = layer.block_mask.numel()
-    if density == 1 or layer.nnz < blocks:
-        return layer
-    (r, c), shape = block, f"{linear.out_features}x{linear.in_features}"
-    where = (f"block {r}x{c} covers the whole {shape} weight" if blocks == 1
-             else f"the {shape} weight has {blocks} blocks of {r}x{c}")
-    asked = "sparsity" if "sparsity" in rule else "density"
-    return (f"{where}: {asked} {rule[asked]} keeps {layer.nnz} of {blocks} blocks (nothing "
-            f"pruned; use smaller blocks or a higher sparsity)")
+    shape = (linear.out_features, linear.in_features)
+    grid = block_grid(*shape, block)
+    try:
+        blocks_kept(grid, density, shape, block)
+    except ValueError:  # the rule prunes, but rounding keeps every block
+        blocks, (r, c) = grid[0] * grid[1], block
+        where = (f"block {r}x{c} covers the whole {shape[0]}x{shape[1]} weight" if blocks == 1
+                 else f"the {shape[0]}x{shape[1]} weight has {blocks} blocks of {r}x{c}")
+        asked = "sparsity" if "sparsity" in rule else "density"
+        return (f"{where}: {asked} {rule[asked]} keeps {blocks} of {blocks} blocks (nothing "
+                f"pruned; use smaller blocks or a higher sparsity)")
+    return BlockSparseLinear.from_dense(linear, block, density=density)
 
 
 def densify(model: nn.Module) -> int:

@@ -1675,3 +1675,38 @@ def test_count_fit_misuse():
              len(SPARSIFY_HANDLED), len(FIT_HANDLED)]
     assert sizes == [6, 5, 8, 5, 3, 3]
     assert sum(sizes) >= 15
+
+
+# == issue 22: layers that would be dense labelled sparse ==
+# A block layer whose density rounds to every block of a small grid, and compress=True where
+# no tensor is selected: errors that name the weight, the blocks and the fix.
+
+DENSE_AS_SPARSE = [  # (call, message)
+    (lambda: BlockSparseLinear.from_dense(nn.Linear(16, 32), (64, 64), density=0.1),
+     r"density 0.1 keeps 1 of 1 blocks of 64x64 in the 32x16 weight: nothing would be sparse; "
+     r"use smaller blocks or a lower density"),
+    (lambda: BlockSparseLinear(16, 32, (16, 16), density=0.8),
+     r"density 0.8 keeps 2 of 2 blocks of 16x16 in the 32x16 weight"),
+    (lambda: make_trainer([SparsityCallback(pattern="block:16x16", sparsity=0.6, compress=True,
+                                            deny=["net.2"])], max_epochs=1).fit(
+        _square_net(), make_loader(n=32)),
+     r"compress=True but no selected tensor can train compressed; .*\n  net.0.weight: not "
+     r"selected: pattern 'block:16x16' at sparsity 0.6 keeps none of its 1 blocks"),
+]
+
+
+def _square_net() -> TinyNet:
+    model = TinyNet()
+    model.net = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    return model
+
+
+@pytest.mark.parametrize(("call", "message"), DENSE_AS_SPARSE,
+                         ids=[m[:30] for _, m in DENSE_AS_SPARSE])
+def test_layers_that_would_be_dense_are_refused(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_count_dense_as_sparse():
+    assert len(DENSE_AS_SPARSE) == 3
