@@ -44,10 +44,10 @@ COMPRESS = ("auto", True, False)
 # weights per matrix the kernels' launches cost more than they save)
 AUTO_MIN_WEIGHTS = 16 * 2**20
 AUTO_MAX_DENSITY = {128: 0.5, 64: 0.25}
-# 2:4 compressed layers: no faster than masked-dense end to end, with more memory
+# 2:4 compressed layers: no faster than masked-dense end to end
 AUTO_2_4_REASON = ("auto: 2:4 layers trained no faster than masked-dense end to end (H100, "
-                   "Llama-8B-shaped: 134.8 vs 132.0 ms/step; BERT-base 0.83x of dense) and "
-                   "take more memory; compress=True forces them")
+                   "Llama-8B-shaped: 134.8 vs 132.0 ms/step; BERT-base 0.83x of dense); "
+                   "compress=True forces them")
 
 
 @dataclass(frozen=True)
