@@ -24,12 +24,12 @@ def masked_dense_masks(**settings) -> dict[int, torch.Tensor]:
     return {i: model.net[i].weight_mask for i in (0, 2)}
 
 
-def test_compress_true_trains_compressed_from_setup_and_reports_forward_sparsity():
+def test_compress_true_trains_compressed_from_setup_and_reports_forward_sparsity(tmp_path):
     expected = masked_dense_masks(**SETTINGS)
     pl.seed_everything(0, verbose=False)
     model = BlockNet()
     trainer = make_trainer([SparsityCallback(**SETTINGS, compress=True, log_layers=True)],
-                           max_epochs=1, logger=pl.loggers.CSVLogger("logs"))
+                           max_epochs=1, logger=pl.loggers.CSVLogger(tmp_path))
     trainer.fit(model, make_loader())
     for i in (0, 2):
         layer = model.net[i]
