@@ -153,6 +153,9 @@ class BlockSparseLinear(nn.Module):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  *, block_mask: Tensor | None = None) -> None:
         _check_features(in_features=in_features, out_features=out_features)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"dtype must be a floating-point torch.dtype (the layer trains its "
+                             f"values), got {dtype!r}")
         block = check_block(block)
         grid = block_grid(out_features, in_features, block)
         if block_mask is None:
@@ -271,6 +274,9 @@ class BlockSparseLinear(nn.Module):
                              f"set_block_mask keeps the count (build a new layer to change it)")
         if values is None:
             values = gather_blocks(self.values, self.block_sources(mask))
+        elif not isinstance(values, Tensor):
+            raise ValueError(f"values must be a tensor [nnz, R, C] = "
+                             f"{tuple(self.values.shape)}, got {type(values).__name__}")
         elif tuple(values.shape) != tuple(self.values.shape):
             raise ValueError(f"values shape {tuple(values.shape)} != (nnz, R, C) = "
                              f"{tuple(self.values.shape)}")

@@ -121,9 +121,13 @@ def slower_reason(shape: tuple[int, int], pattern: Pattern, density: float,
                 f"faster in bf16 and fp16 only")
     block = (pattern.block_rows, pattern.block_cols)
     max_density = AUTO_MAX_DENSITY.get(min(block))
-    if max_density is None or density > max_density:
-        return (f"auto: block {block[0]}x{block[1]} at density {density:.2f} is slower than "
-                f"dense (compressed wins at <= 0.5 with 128x128, <= 0.25 with 64x64)")
+    if max_density is None:
+        return (f"auto: block {block[0]}x{block[1]} was not measured faster than dense (auto "
+                f"compresses 128x128 blocks at density <= 0.5 and 64x64 at <= 0.25)")
+    if density > max_density:
+        return (f"auto: block {block[0]}x{block[1]} at density {density:.4g} > {max_density} "
+                f"is slower than dense (compressed wins at <= 0.5 with 128x128, <= 0.25 with "
+                f"64x64)")
     return None
 
 

@@ -218,6 +218,7 @@ def sparsify(model: nn.Module, rules: Mapping[str, Mapping[str, Any]], *,
             anything is swapped.
         RuntimeError: ``model`` is being trained by an attached engine.
     """
+    _check_model(model, "sparsify")
     check_not_in_training(model, "sparsify")
     if not isinstance(rules, Mapping) or not rules:
         raise ValueError(f"rules must be a non-empty dict of regex -> {{'pattern': "
@@ -290,6 +291,13 @@ def _compressed(linear: nn.Linear, parsed: tuple[Pattern, tuple[int, int] | None
     return BlockSparseLinear.from_dense(linear, block, density=density)
 
 
+def _check_model(model: Any, what: str) -> None:
+    """Raise ``ValueError`` unless ``model`` is an ``nn.Module``."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{what} takes the model (an nn.Module) whose layers it swaps, got "
+                         f"{type(model).__name__}")
+
+
 def densify(model: nn.Module) -> int:
     """Replace every compressed layer of ``model`` (``BlockSparseLinear``,
     ``SemiStructuredLinear``) by its ``to_dense()`` ``nn.Linear``, in place (a layer shared
@@ -299,6 +307,7 @@ def densify(model: nn.Module) -> int:
         ValueError: ``model`` itself is a compressed layer (call its ``to_dense``).
         RuntimeError: ``model`` is being trained by an attached engine.
     """
+    _check_model(model, "densify")
     if isinstance(model, COMPRESSED_LAYERS):
         raise ValueError(f"densify swaps submodules in place; for a {type(model).__name__} "
                          f"itself call model.to_dense()")

@@ -1695,6 +1695,70 @@ DENSE_AS_SPARSE = [  # (call, message)
 ]
 
 
+REVIEW_ERRORS = [  # (call, message): found in review, each a ValueError or a clear refusal
+    (lambda: BlockSparseLinear(32, 48, (16, 16), dtype=torch.int32),
+     r"dtype must be a floating-point torch.dtype \(the layer trains its values\), got "
+     r"torch.int32"),
+    (lambda: _set_block_mask_values([1.0]),
+     r"values must be a tensor \[nnz, R, C\] = \(1, 16, 16\), got list"),
+    (lambda: sparsify("model", {".": {"pattern": "2:4"}}),
+     r"sparsify takes the model \(an nn.Module\) whose layers it swaps, got str"),
+    (lambda: densify(None), r"densify takes the model \(an nn.Module\) .* got NoneType"),
+    (lambda: _topology_with_nnz(8), r"nnz 8 is not a kept count of a 2x3 block grid \(0 to 6\)"),
+    (lambda: _topology_with_nnz(-1), r"nnz -1 is not a kept count"),
+    (lambda: _second_derivative(BlockSparseLinear(32, 48, (16, 16), density=0.5), "values"),
+     r"second derivatives \(backward with create_graph=True, a gradient penalty\)"),
+    (lambda: _second_derivative(SemiStructuredLinear(32, 16), "weight"),
+     r"second derivatives \(backward with create_graph=True, a gradient penalty\)"),
+    (lambda: _autocast_int_input(), r"dtype"),
+]
+
+
+def _set_block_mask_values(values):
+    layer = BlockSparseLinear(32, 48, (16, 16))
+    layer.set_block_mask(layer.block_mask.clone(), values=values)
+
+
+def _topology_with_nnz(nnz: int):
+    from sparse_training.kernels.block_sparse import BlockTopology
+
+    return BlockTopology.from_block_mask(torch.ones(2, 3, dtype=torch.bool), 32, 48, (16, 16),
+                                         nnz=nnz)
+
+
+def _second_derivative(layer: nn.Module, weight: str):
+    """A gradient penalty through the layer: the second derivative is refused, not zero."""
+    x = torch.randn(3, 32, requires_grad=True)
+    y = layer(x)
+    (g,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+    return torch.autograd.grad(y.sum() + g.pow(2).sum(), getattr(layer, weight))
+
+
+def _autocast_int_input():
+    """An integer input under autocast stays an integer (autocast casts floats only) and is
+    refused, as nn.Linear refuses it."""
+    layer = BlockSparseLinear(32, 48, (16, 16), density=0.5)
+    with torch.autocast("cpu", torch.bfloat16):
+        return layer(torch.ones(3, 32, dtype=torch.int64))
+
+
+@pytest.mark.parametrize(("call", "message"), REVIEW_ERRORS,
+                         ids=[m[:30] for _, m in REVIEW_ERRORS])
+def test_review_cases_raise_clearly(call, message):
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        call()
+
+
+def test_float64_under_autocast_stays_float64():
+    """As F.linear under autocast: float64 operands are not cast to the autocast dtype."""
+    layer = BlockSparseLinear(32, 48, (16, 16), density=0.5, dtype=torch.float64)
+    x = torch.randn(3, 32, dtype=torch.float64)
+    with torch.autocast("cpu", torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, x @ layer.to_dense().weight.T + layer.bias)
+
+
 def _square_net() -> TinyNet:
     model = TinyNet()
     model.net = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -1709,4 +1773,4 @@ def test_layers_that_would_be_dense_are_refused(call, message):
 
 
 def test_count_dense_as_sparse():
-    assert len(DENSE_AS_SPARSE) == 3
+    assert (len(DENSE_AS_SPARSE), len(REVIEW_ERRORS)) == (3, 9)

@@ -118,10 +118,12 @@ CUDA, CPU, BF16, FP32 = torch.device("cuda", 0), torch.device("cpu"), torch.bflo
     ("block:128x128", (4096, 14336), 0.1, CUDA, BF16, None),
     ("block:128x128", (4096, 4096), 0.5, CUDA, torch.float16, None),
     ("block:64x64", (4096, 4096), 0.25, CUDA, BF16, None),
-    ("block:128x128", (4096, 14336), 0.75, CUDA, BF16, "block 128x128 at density 0.75 is "
+    ("block:128x128", (4096, 14336), 0.75, CUDA, BF16, "block 128x128 at density 0.75 > 0.5 is "
                                                         "slower than dense"),
-    ("block:64x64", (4096, 4096), 0.5, CUDA, BF16, "block 64x64 at density 0.50 is slower"),
-    ("block:32x32", (4096, 4096), 0.1, CUDA, BF16, "block 32x32 at density 0.10 is slower"),
+    ("block:64x64", (4096, 4096), 0.5, CUDA, BF16, "block 64x64 at density 0.5 > 0.25 is slower"),
+    ("block:64x64", (4096, 4096), 0.2501, CUDA, BF16, "at density 0.2501 > 0.25 is slower"),
+    ("block:32x32", (4096, 4096), 0.1, CUDA, BF16, "block 32x32 was not measured faster than "
+                                                   "dense"),
     ("block:64x64", (4096, 4096), 0.25, CPU, BF16, "on cpu the compressed layer multiplies"),
     ("block:64x64", (1024, 4096), 0.25, CUDA, BF16, "1024x4096 is under 16,777,216 weights"),
     ("block:128x128", (4096, 14336), 0.1, CUDA, FP32, "fp32 compute; the block kernels were "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from sparse_training.kernels._autograd import refuse_create_graph
 from sparse_training.kernels._triton import HAS_TRITON, kernels_run_on
 from sparse_training.kernels.block_sparse import reference
 from sparse_training.kernels.block_sparse.topology import (
@@ -21,6 +22,8 @@ from sparse_training.kernels.block_sparse.topology import (
     BlockTopology,
     check_operands,
 )
+
+_AUTOCAST = (torch.float32, torch.bfloat16, torch.float16)  # what autocast casts
 
 if HAS_TRITON:
     from sparse_training.kernels.block_sparse import kernels
@@ -89,6 +92,7 @@ class BlockSparseLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
+        refuse_create_graph("block_sparse_linear")
         x, values = ctx.saved_tensors
         topology = ctx.topology
         needs = ctx.needs_input_grad  # (x, values, topology, bias)
@@ -184,8 +188,10 @@ def block_sparse_linear(x: Tensor, values: Tensor, topology: BlockTopology,
     device_type = x.device.type  # meta, for one, has no autocast
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
-        x, values, bias = (t.to(dtype) if isinstance(t, Tensor) else t  # others: refused
-                           for t in (x, values, bias))                  # by the checks
+        # as autocast casts F.linear's operands: the 32- and 16-bit floats (others, int and
+        # float64, stay as they are and meet the checks)
+        x, values, bias = (t.to(dtype) if isinstance(t, Tensor) and t.dtype in _AUTOCAST
+                           else t for t in (x, values, bias))
     flat = x.reshape(-1, x.shape[-1])
     if torch.compiler.is_compiling():
         index_tensors = [getattr(topology, name) for name in INDEX_FIELDS]

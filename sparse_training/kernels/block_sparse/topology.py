@@ -108,6 +108,10 @@ class BlockTopology:
         block_mask = block_mask.bool()
         if nnz is None:
             nnz = int(block_mask.sum())
+        elif not 0 <= nnz <= block_mask.numel():  # (a count that does not match the mask
+            raise ValueError(                     # pads or cuts the indices: give it right)
+                f"nnz {nnz} is not a kept count of a {grid[0]}x{grid[1]} block grid (0 to "
+                f"{block_mask.numel()}); pass the mask's number of True entries")
         kept = torch.nonzero_static(block_mask, size=nnz).to(torch.int32)
         kept_t = torch.nonzero_static(block_mask.t(), size=nnz).to(torch.int32)
         positions = kept_positions(block_mask)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from sparse_training.kernels._autograd import refuse_create_graph
 from sparse_training.kernels.semi_structured.cusparselt import PackedWeight
 
 
@@ -35,6 +36,7 @@ class SemiStructuredLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
+        refuse_create_graph("semi_structured_linear")
         x, mask, weight_c = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         needs_x, needs_w, _, needs_b, _, _ = ctx.needs_input_grad
