@@ -199,7 +199,12 @@ def compress_selected(model: nn.Module, config: SparsityConfig,
             reason = None
         entries.append((plan, reason, f"{module_name}.{layer_class.trained_weight}", module))
     skipped = {p.name.rpartition(".")[0]: p.reason for p in plans if not p.selected}
-    masks = None if saved is None else _saved_masks(saved, entries, skipped)
+    # layers the model already holds compressed take the checkpoint's masks in the engine
+    held = {f"{name}.{m.trained_weight}" for name, m in model.named_modules()
+            if isinstance(m, COMPRESSED_LAYERS)}
+    masks = None if saved is None else _saved_masks(
+        {k: v for k, v in saved.items() if k not in held} if isinstance(saved, dict) else saved,
+        entries, skipped)
     rows, swaps = [], []
     for index, (plan, reason, key, module) in enumerate(entries):
         if reason is None and masks is not None and key not in masks:

@@ -382,3 +382,25 @@ def test_layers_rebuilt_by_configure_model_get_a_new_engine():
     assert sparse.engine is not first
     assert sparse.engine.slots[0].param is model.net[0].weight
     assert (model.net[0].weight == 0).float().mean() == 0.5
+
+
+def test_a_validate_from_a_checkpoint_leaves_no_state_for_a_later_fit(tmp_path):
+    """Lightning restores callback states for validate/test too: a later fit without
+    ckpt_path runs its own schedule, not the checkpoint's."""
+    gmp = dict(pattern="unstructured", sparsity=0.75, schedule="gmp", frequency=1)
+    make_trainer([SparsityCallback(**gmp), ModelCheckpoint(dirpath=tmp_path, save_last=True)],
+                 max_epochs=1, enable_checkpointing=True).fit(ValidatedNet(), make_loader(n=64))
+    sparse = SparsityCallback(**gmp)
+    make_trainer([sparse], max_epochs=2).validate(ValidatedNet(), make_loader(n=64),
+                                                  ckpt_path=tmp_path / "last.ckpt",
+                                                  verbose=False)
+    make_trainer([sparse], max_epochs=2).fit(ValidatedNet(), make_loader(n=64))
+    fresh = SparsityCallback(**gmp)
+    make_trainer([fresh], max_epochs=2).fit(ValidatedNet(), make_loader(n=64))
+    assert sparse.engine.updater.schedule.end == fresh.engine.updater.schedule.end
+
+
+class ValidatedNet(TinyNet):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val", nn.functional.cross_entropy(self(x), y))

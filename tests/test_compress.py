@@ -9,7 +9,13 @@ from conftest import BlockNet, assert_same_training, expanded, make_loader, make
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 
-from sparse_training import BlockSparseLinear, SparsityCallback, SparsityConfig, make_permanent
+from sparse_training import (
+    BlockSparseLinear,
+    SparsityCallback,
+    SparsityConfig,
+    make_permanent,
+    sparsify,
+)
 from sparse_training.compression import compress_selected, slower_reason
 from sparse_training.patterns import parse_pattern
 
@@ -218,3 +224,33 @@ def test_compress_true_on_layers_the_kernels_cannot_take_names_each_reason():
     with pytest.raises(ValueError, match=r"net.0.weight: block 4x4: the kernels take blocks"):
         make_trainer([callback], max_epochs=1).fit(model, make_loader())
     assert type(model.net[0]) is nn.Linear
+
+
+class PreSparsified(BlockNet):
+    """A model that compresses its second layer itself, in ``__init__``."""
+
+    def __init__(self):
+        super().__init__()
+        sparsify(self, {r"net\.2$": {"pattern": "block:16x16", "sparsity": 0.75}},
+                 verbose=False)
+
+
+@pytest.mark.parametrize("compress", [False, "auto", True])
+def test_a_model_holding_compressed_layers_resumes_exactly(tmp_path, compress):
+    """Layers the model already holds compressed take the checkpoint's masks (they are not
+    layers the checkpoint compressed that cannot compress now)."""
+    settings = dict(SETTINGS, compress=compress)
+
+    def run(epochs, seed, **kwargs):
+        pl.seed_everything(seed, verbose=False)
+        model = PreSparsified()
+        callbacks = [SparsityCallback(**settings), *kwargs.pop("callbacks", [])]
+        make_trainer(callbacks, max_epochs=epochs, enable_checkpointing=len(callbacks) > 1
+                     ).fit(model, make_loader(), **kwargs)
+        return model
+
+    uninterrupted = run(2, 0)
+    run(1, 0, callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)])
+    resumed = run(2, 1, ckpt_path=tmp_path / "last.ckpt")
+    for key, value in uninterrupted.state_dict().items():
+        assert torch.equal(resumed.state_dict()[key], value), key

@@ -108,6 +108,7 @@ class SparsityCallback(Callback):
         ``configure_optimizers`` (the optimizers see compressed parameters), deciding
         ``"auto"`` for the strategy's root device and the precision's compute dtype; on
         resume with the checkpoint's layers and masks, so its state_dict loads exactly."""
+        self._restored = None  # a state Lightning restores comes after setup, for this run
         if stage != "fit":
             return
         saved = self._checkpoint_compressed(trainer)
@@ -155,10 +156,10 @@ class SparsityCallback(Callback):
             raise ValueError(f"SparsityCallback cannot mask under FSDPStrategy: {FSDP1_PROBLEM}")
         optimizers = [o for o in trainer.optimizers if not isinstance(o, _MockOptimizer)]
         swapped, self._swapped = self._swapped, []
+        restored, self._restored = self._restored, None  # this fit's, whatever follows
         if problem := optimizer_problem(pl_module, self.config, optimizers):
             _put_back(pl_module, swapped)
             raise ValueError(f"SparsityCallback: {problem}")
-        restored, self._restored = self._restored, None
         engine = self.engine
         if engine is None or not engine.bound_to(pl_module):
             if engine is not None:
@@ -259,6 +260,7 @@ class SparsityCallback(Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._fitting = False
+        self._restored, self._swapped = None, []  # a stage's restored state ends with it
         if self.engine is not None:
             self.engine.detach()
 
