@@ -250,7 +250,15 @@ def _compressed_problem(mask: Tensor, form: LayerForm) -> str | None:
 
 def _changes(saved: dict[str, Any], current: dict[str, Any], keys: Sequence[str]) -> list[str]:
     return [f"{k}={saved.get(k)!r} in the checkpoint, {current[k]!r} now" for k in keys
-            if saved.get(k) != current[k]]
+            if not _same(k, saved.get(k), current[k])]
+
+
+def _same(key: str, saved: Any, current: Any) -> bool:
+    """Whether a setting's saved and current values make the same masks; ``compress`` True
+    and ``"auto"`` do on resume (the checkpoint's compressed layers are kept either way)."""
+    if key == "compress" and {type(saved), type(current)} <= {bool, str}:
+        return saved == current or {saved, current} == {True, "auto"}
+    return saved == current
 
 
 def check_mask_settings(saved: dict[str, Any], current: dict[str, Any]) -> None:

@@ -1102,8 +1102,6 @@ RESUMES = [  # (change to the checkpoint, settings, model class, stage it raises
     (None, dict(sparsity=0.5), BlockNet, "setup",
      r"sparsity=0.75 in the checkpoint, 0.5 now"),
     (None, dict(compress=False), BlockNet, "setup", r"compress=True in the checkpoint, False now"),
-    (None, dict(compress="auto"), BlockNet, "setup",
-     r"compress=True in the checkpoint, 'auto' now"),
     (None, dict(pattern="2:4", sparsity=None), BlockNet, "setup",
      r"pattern='block:16x16' in the checkpoint, '2:4' now"),
     (_write_truncated, {}, BlockNet, "setup",
@@ -1335,7 +1333,7 @@ def test_corrupted_masks_at_the_right_length_are_refused(tmp_path, settings, mut
 def test_count_compressed_checkpoints():
     """This section's cases: resumes, loads (errors and documented behavior), masks."""
     total = len(RESUMES) + 1 + len(LOADS) + len(LOADED) + 2 + len(MASKS)
-    assert (len(RESUMES), len(LOADS), len(LOADED), len(MASKS)) == (17, 8, 2, 4)
+    assert (len(RESUMES), len(LOADS), len(LOADED), len(MASKS)) == (16, 8, 2, 4)
     assert total >= 15, total
 
 # == issue 22: fit-time misuse ==

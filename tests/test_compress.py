@@ -226,6 +226,16 @@ def test_compress_true_on_layers_the_kernels_cannot_take_names_each_reason():
     assert type(model.net[0]) is nn.Linear
 
 
+def test_compress_true_and_auto_resume_each_other(tmp_path):
+    """On resume the checkpoint decides which layers are compressed: a compress=True
+    checkpoint resumed with compress='auto' (which on the CPU would compress nothing) is
+    the uninterrupted run."""
+    uninterrupted = fit(2)
+    fit(1, callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)])
+    resumed = fit(2, ckpt_path=tmp_path / "last.ckpt", init_seed=1, compress="auto")
+    assert_same_training(*uninterrupted, *resumed)
+
+
 class PreSparsified(BlockNet):
     """A model that compresses its second layer itself, in ``__init__``."""
 
