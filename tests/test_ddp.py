@@ -3,6 +3,7 @@ RigL (hook and fused steps) and SET masked-dense, RigL on compressed block layer
 2:4 compressed layers, compared at every step, and RigL resumed from a checkpoint taken
 after its first epoch."""
 
+import gc
 import json
 import os
 import subprocess
@@ -105,6 +106,7 @@ def test_buffer_broadcast_is_off_only_where_the_masks_are_all_the_buffers(tmp_pa
     list and torch would assert); a BatchNorm's statistics keep it on, the masks left out."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1)
+    ddp = None
     try:
         layers = [nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)]
         model = nn.Sequential(*layers, *([nn.BatchNorm1d(8)] if other_buffers else []))
@@ -120,4 +122,8 @@ def test_buffer_broadcast_is_off_only_where_the_masks_are_all_the_buffers(tmp_pa
         stats = ["3.running_mean", "3.running_var", "3.num_batches_tracked"]
         assert list(ddp.named_module_buffers) == (stats if other_buffers else [])
     finally:
+        # DDP's reducer holds the process group: freed after it, gloo's destructor waits on
+        # its threads forever (seen as a hang at this test's end)
+        del ddp
+        gc.collect()
         dist.destroy_process_group()
