@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from sparse_training.kernels._autograd import AUTOCAST_DTYPES
 from sparse_training.kernels.semi_structured import (
     SPARSE_ROUTE_DTYPES,
     TOKEN_MULTIPLE,
@@ -69,7 +70,6 @@ from sparse_training.masks import pattern_mask
 
 _OPTIMIZER_STEPS = [0]  # optimizer steps taken in this process, once counting starts
 _COUNTING: list = []  # the global hook's handle, registered by the first layer
-AUTOCAST_INPUTS = (torch.float32, torch.bfloat16, torch.float16)  # autocast casts these
 
 
 def _count_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
@@ -253,9 +253,9 @@ class SemiStructuredLinear(nn.Module):
             raise ValueError(f"{self._owner()}: the input's last dimension must be "
                              f"in_features = {self.in_features}, got {got}")
         if torch.is_autocast_enabled(x.device.type):
-            if x.dtype not in AUTOCAST_INPUTS:
+            if x.dtype not in AUTOCAST_DTYPES:
                 raise ValueError(f"{self._owner()}: input dtype {x.dtype}: autocast casts only "
-                                 f"{', '.join(map(str, AUTOCAST_INPUTS))}; cast the input")
+                                 f"{', '.join(map(str, AUTOCAST_DTYPES))}; cast the input")
             return torch.get_autocast_dtype(x.device.type)
         if x.dtype != self.weight.dtype:
             raise ValueError(f"{self._owner()}: input dtype {x.dtype} is not the weight's "

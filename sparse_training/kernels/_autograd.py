@@ -1,8 +1,10 @@
-"""What the kernels' autograd Functions share."""
+"""What the kernels' autograd Functions and the layers around them share."""
 
 from __future__ import annotations
 
 import torch
+
+AUTOCAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what autocast casts
 
 
 def refuse_create_graph(op: str) -> None:

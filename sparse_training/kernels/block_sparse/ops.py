@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sparse_training.kernels._autograd import refuse_create_graph
+from sparse_training.kernels._autograd import AUTOCAST_DTYPES, refuse_create_graph
 from sparse_training.kernels._triton import HAS_TRITON, kernels_run_on
 from sparse_training.kernels.block_sparse import reference
 from sparse_training.kernels.block_sparse.topology import (
@@ -22,8 +22,6 @@ from sparse_training.kernels.block_sparse.topology import (
     BlockTopology,
     check_operands,
 )
-
-_AUTOCAST = (torch.float32, torch.bfloat16, torch.float16)  # what autocast casts
 
 if HAS_TRITON:
     from sparse_training.kernels.block_sparse import kernels
@@ -190,7 +188,7 @@ def block_sparse_linear(x: Tensor, values: Tensor, topology: BlockTopology,
         dtype = torch.get_autocast_dtype(device_type)
         # as autocast casts F.linear's operands: the 32- and 16-bit floats (others, int and
         # float64, stay as they are and meet the checks)
-        x, values, bias = (t.to(dtype) if isinstance(t, Tensor) and t.dtype in _AUTOCAST
+        x, values, bias = (t.to(dtype) if isinstance(t, Tensor) and t.dtype in AUTOCAST_DTYPES
                            else t for t in (x, values, bias))
     flat = x.reshape(-1, x.shape[-1])
     if torch.compiler.is_compiling():
