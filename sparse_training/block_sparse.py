@@ -192,10 +192,17 @@ class BlockSparseLinear(nn.Module):
         ``values``, so no host synchronization) and cached until the mask changes through
         :meth:`set_block_mask`, ``load_state_dict`` or a device move."""
         if self._topology is None:
-            self._topology = BlockTopology.from_block_mask(
-                self.block_mask, self.out_features, self.in_features, self.block,
-                nnz=self.values.shape[0])
+            self._topology = self._build_topology()
         return self._topology
+
+    @torch.compiler.disable
+    def _build_topology(self) -> BlockTopology:
+        """Built eagerly, also when the first call is traced by ``torch.compile``: index
+        tensors a compiled graph made and the layer kept would live in the CUDA-graph
+        memory pool (``mode="reduce-overhead"``) and be overwritten by the next replay."""
+        return BlockTopology.from_block_mask(self.block_mask, self.out_features,
+                                             self.in_features, self.block,
+                                             nnz=self.values.shape[0])
 
     @property
     def nnz(self) -> int:

@@ -108,11 +108,20 @@ def test_block_sparse_op_any_strides_and_poisoned_tails(dtype, block, shape, tok
         assert (got - want).norm() <= tol * want.norm() + 1e-6
 
 
+def fresh_compiler() -> None:
+    """Forget the compiled graphs and CUDA-graph trees of earlier tests (a failed
+    reduce-overhead test must not leave its graphs' memory pool to the next)."""
+    import torch._inductor.cudagraph_trees
+
+    torch._dynamo.reset()
+    torch._inductor.cudagraph_trees.reset_cudagraph_trees()
+
+
 @pytest.mark.parametrize("mode", COMPILE_MODES)
 def test_compiled_block_sparse_layer_matches_eager(mode):
     """A model of BlockSparseLinear layers (tails in both dimensions) under torch.compile
     gives eager's outputs and gradients, including a non-contiguous input."""
-    torch._dynamo.reset()
+    fresh_compiler()
     torch.manual_seed(0)
     dense = nn.Sequential(nn.Linear(200, 136), nn.GELU(), nn.Linear(136, 72)).cuda()
     eager = nn.Sequential(BlockSparseLinear.from_dense(dense[0], (64, 64), density=0.5),
@@ -136,7 +145,7 @@ def test_compiled_block_sparse_layer_matches_eager(mode):
 
 @pytest.mark.parametrize("mode", COMPILE_MODES)
 def test_compiled_semi_structured_layer_matches_eager(mode):
-    torch._dynamo.reset()
+    fresh_compiler()
     torch.manual_seed(0)
     layer = SemiStructuredLinear.from_dense(nn.Linear(256, 128)).cuda()
     twin = copy.deepcopy(layer)
@@ -233,7 +242,7 @@ def test_trainer_compressed_bert_trains_and_matches_eager(name, compile_mode, tm
     """compress=True on HF BERT through pl.Trainer (bf16-mixed), eager and compiled: the
     swapped layers are there, the losses are finite and a compiled run follows the eager
     one; its checkpoint loads with the plain, strict load_from_checkpoint."""
-    torch._dynamo.reset()
+    fresh_compiler()
     runs = {}
     for mode in dict.fromkeys([None, compile_mode]):
         model = TinyQA(mode)
