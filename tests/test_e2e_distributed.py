@@ -36,6 +36,8 @@ def test_cpu_mode_trains_dense_and_compressed_on_one_and_two_ranks(tmp_path):
     if problem := two_process_problem("cpu"):
         pytest.skip(problem)
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE")}
+    # this checkout's package, not an installed one (the script's folder is benchmarks/)
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parents[1]), env.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--model", "tiny", "--accelerator", "cpu", "--gpus", "1",
          "2", "--warmup", "1", "--steps", "2", "--variants", *VARIANTS, "--out", str(tmp_path)],

@@ -61,6 +61,8 @@ def sharded(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"fsdp-{request.param}")
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"  # else Lightning gives rank 0 one thread, rank 1 all
+    # this checkout's package, not an installed one (the script's folder is tests/)
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parents[1]), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, str(SCRIPT), str(out), request.param], env=env,
                           timeout=600, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -169,6 +171,15 @@ def test_compressed_values_sharded_along_kept_blocks_train_and_resume_exactly(sh
     for rank in (rank0, rank1):
         assert _logical(rank["compressed-stopped"]) == _logical(rank["compressed"][:5])
         assert _logical(rank["compressed-resumed"]) == _logical(rank["compressed"][4:])
+
+
+def test_compressed_layers_built_in_configure_model_train_as_those_built_before(sharded):
+    """Layers that join the model in configure_model, compressed there before fully_shard
+    (SparsityCallback.compress), train exactly as the layers setup swapped: the same
+    whole masks, weights and local blocks at every step, on both ranks."""
+    (rank0, rank1), _ = sharded
+    for rank in (rank0, rank1):
+        assert rank["compressed in configure_model"] == rank["compressed"]
 
 
 def test_sharded_masks_checked_across_ranks_and_made_permanent(sharded):
