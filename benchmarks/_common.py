@@ -76,6 +76,25 @@ def busy_ms(events) -> float:
     return total / 1e3
 
 
+def communication_ms(events, steps: int) -> dict[str, float]:
+    """Per step of a profile of ``steps`` steps, in ms: GPU busy (union of the device
+    activity), compute (the same without NCCL's kernels), NCCL kernel time, and the exposed
+    communication, the time NCCL kernels run with no compute kernel beside them (busy -
+    compute)."""
+    device = device_activity(events)
+    nccl = [e for e in device if "nccl" in e.name.lower()]
+    busy = busy_ms(device) / steps
+    compute = busy_ms([e for e in device if e not in nccl]) / steps
+    return {"gpu_busy_ms": busy, "compute_busy_ms": compute,
+            "nccl_ms": sum(e.time_range.elapsed_us() for e in nccl) / 1e3 / steps,
+            "exposed_nccl_ms": busy - compute}
+
+
+# on the lent NCCL machines multicast (NVLink SHARP) must stay off: set where missing
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}
+
+
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus written."""
     src = torch.randn(nbytes // 4, device="cuda")

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from _common import busy_ms, device_activity
+from _common import NO_MULTICAST, communication_ms, device_activity
 from bert_step import DENY, QuestionAnswering, RepeatedBatch, make_batch
 from pytorch_lightning.callbacks import Callback
 from torch.utils.data import DataLoader
@@ -51,8 +51,6 @@ from transformers import BertConfig
 from sparse_training import SparsityCallback
 
 DEVICES = (1, 2)
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                "NVSHMEM_DISABLE_NVLS": "1"}
 COMPRESSED = dict(compress=True, fused=True, deny=DENY)  # schedule: "oneshot" at step 0
 VARIANTS: dict[str, Callable[[str], dict | None]] = {  # block "RxC" -> callback settings
     "dense": lambda block: None,
@@ -102,19 +100,14 @@ class StepTimer(Callback):
 
 
 def profile_row(events, steps: int, wall_ms: float) -> dict:
-    """Per profiled step: wall ms (profiler on), GPU busy ms (union of kernels and copies),
-    the same without NCCL's kernels (compute), NCCL kernel ms, the communication not
-    hidden behind compute (busy - compute), and the 8 kernels with the most time."""
-    device = device_activity(events)
-    nccl = [e for e in device if "nccl" in e.name.lower()]
+    """Per profiled step: wall ms (profiler on), the communication split
+    (:func:`communication_ms`: GPU busy, compute, NCCL, exposed NCCL) and the 8 kernels with
+    the most time."""
     kernels: dict[str, float] = {}
-    for event in device:
+    for event in device_activity(events):
         kernels[event.name[:80]] = (kernels.get(event.name[:80], 0.0)
                                     + event.time_range.elapsed_us() / 1e3 / steps)
-    busy, compute = busy_ms(device) / steps, busy_ms([e for e in device if e not in nccl]) / steps
-    return {"wall_ms": wall_ms, "gpu_busy_ms": busy, "compute_busy_ms": compute,
-            "nccl_ms": sum(e.time_range.elapsed_us() for e in nccl) / 1e3 / steps,
-            "exposed_nccl_ms": busy - compute,
+    return {"wall_ms": wall_ms, **communication_ms(events, steps),
             "top_kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:8]),
             "sparse_routes": sparse_routes()}
 

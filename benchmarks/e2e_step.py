@@ -7,7 +7,8 @@
 Models: HF ``BertForQuestionAnswering(BertConfig())`` (bert-base, random init, 32 x 384
 tokens) or a Llama-3-8B-shaped ``LlamaForCausalLM`` from a config (hidden 4096,
 intermediate 14336, 32 heads, 8 KV heads, vocab 32000, ``--layers`` decoder layers, 4 x 2048
-tokens); embeddings, the QA head and the LM head denied. Every variant is a
+tokens; ``tiny-llama``: hidden 128, 2 x 32 tokens, for CPU checks); embeddings, the QA
+head and the LM head denied. Every variant is a
 ``LightningModule`` around the HF model with the user's ``torch.optim.AdamW`` (``fused=True``
 for the dense baseline, torch's default elsewhere), ``pl.Trainer(accelerator="gpu",
 precision="bf16-mixed")`` and ``SparsityCallback`` with its public options; ``+compile``
@@ -33,8 +34,11 @@ import traceback
 from pathlib import Path
 
 DENY = {"bert-base": ["embeddings", "qa_outputs"], "tiny": ["embeddings", "qa_outputs"],
-        "llama": ["embed_tokens", "lm_head"]}
-BLOCK = {"bert-base": 64, "llama": 128, "tiny": 16}
+        "llama": ["embed_tokens", "lm_head"], "tiny-llama": ["embed_tokens", "lm_head"]}
+BLOCK = {"bert-base": 64, "llama": 128, "tiny": 16, "tiny-llama": 16}
+# hidden, intermediate, heads, KV heads, vocabulary; (batch, sequence) per step
+LLAMA_SHAPES = {"llama": ((4096, 14336, 32, 8, 32000), (4, 2048)),
+                "tiny-llama": ((128, 256, 4, 2, 256), (2, 32))}
 # name -> callback settings (None: dense); "+compile[:mode]" suffixes add torch.compile
 BASE_VARIANTS: dict[str, dict | None] = {
     "dense fused": None,
@@ -68,8 +72,8 @@ def settings_of(variant: str, model: str) -> tuple[dict | None, str | None, bool
     return settings, COMPILE_MODES.get(suffix), settings is None
 
 
-def build(model_name: str, layers: int):
-    """(HF model, one batch) on the CPU, seeded."""
+def build(model_name: str, layers: int, device: str = "cpu"):
+    """(HF model on ``device``, one batch on the CPU), seeded."""
     import torch
     from transformers import (
         BertConfig,
@@ -80,29 +84,56 @@ def build(model_name: str, layers: int):
 
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    if model_name == "llama":
-        config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                             num_key_value_heads=8, num_hidden_layers=layers, vocab_size=32000,
+    if model_name in LLAMA_SHAPES:
+        (hidden, intermediate, heads, kv_heads, vocab), (batch, seq) = LLAMA_SHAPES[model_name]
+        config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate,
+                             num_attention_heads=heads, num_key_value_heads=kv_heads,
+                             num_hidden_layers=layers, vocab_size=vocab,
                              max_position_embeddings=4096)
-        ids = torch.randint(0, config.vocab_size, (4, 2048), generator=g)
-        return LlamaForCausalLM(config), {"input_ids": ids, "labels": ids}
+        ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g)
+        with torch.device(device):  # initialized where it trains: fast on a GPU
+            return LlamaForCausalLM(config), {"input_ids": ids, "labels": ids}
     if model_name == "bert-base":
         config, (batch, seq) = BertConfig(), (32, 384)
     else:
         config, (batch, seq) = BertConfig(hidden_size=64, num_hidden_layers=2,
                                           num_attention_heads=2, intermediate_size=128), (4, 32)
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g)
-    return BertForQuestionAnswering(config), {
+    with torch.device(device):
+        model = BertForQuestionAnswering(config)
+    return model, {
         "input_ids": ids, "attention_mask": torch.ones(batch, seq, dtype=torch.long),
         "start_positions": torch.randint(0, seq, (batch,), generator=g),
         "end_positions": torch.randint(0, seq, (batch,), generator=g)}
+
+
+def step_times(warmup: int, synchronize: bool):
+    """A Lightning callback that records in its ``ms`` list the milliseconds of every step
+    after the first ``warmup`` (step end to step end; the GPU synchronized at each step end
+    when ``synchronize``)."""
+    import torch
+    from pytorch_lightning.callbacks import Callback
+
+    class StepTimes(Callback):
+        def __init__(self):
+            self.ms: list[float] = []
+            self.last = None
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if synchronize:
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            if self.last is not None and trainer.global_step > warmup:
+                self.ms.append((now - self.last) * 1e3)
+            self.last = now
+
+    return StepTimes()
 
 
 def run_child(args: argparse.Namespace) -> dict:
     """One variant in this process: fit ``warmup + steps`` steps, time the last ``steps``."""
     import pytorch_lightning as pl
     import torch
-    from pytorch_lightning.callbacks import Callback
     from torch.utils.data import DataLoader
 
     from sparse_training import BlockSparseLinear, SemiStructuredLinear, SparsityCallback
@@ -127,20 +158,7 @@ def run_child(args: argparse.Namespace) -> dict:
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-5, fused=fused and gpu)
 
-    class StepTimes(Callback):
-        def __init__(self):
-            self.ms: list[float] = []
-            self.last = None
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if gpu:
-                torch.cuda.synchronize()
-            now = time.perf_counter()
-            if self.last is not None and trainer.global_step > args.warmup:
-                self.ms.append((now - self.last) * 1e3)
-            self.last = now
-
-    module, timer = Module(), StepTimes()
+    module, timer = Module(), step_times(args.warmup, gpu)
     callbacks: list = [timer]
     sparse = None
     if settings is not None:
@@ -181,7 +199,8 @@ def variants_for(args: argparse.Namespace) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["bert-base", "llama", "tiny"], default="bert-base")
+    parser.add_argument("--model", choices=["bert-base", "llama", "tiny", "tiny-llama"],
+                        default="bert-base")
     parser.add_argument("--layers", type=int, default=4, help="Llama decoder layers")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=8)

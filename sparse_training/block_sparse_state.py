@@ -3,18 +3,25 @@
 A layer saves ``nn.Linear``'s form, the dense ``weight`` (zeros at dropped blocks) and
 ``bias``; a layer with sharded ``values`` (FSDP2) saves the compact form, ``values``,
 ``block_mask`` and ``bias``. Loading takes either (:func:`compact_from`), checked in full
-before anything is copied.
+before anything is copied; :func:`dense_state_dict` turns the compact form into the dense one
+for a model with plain ``nn.Linear`` layers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from sparse_training.kernels._shards import is_sharded
-from sparse_training.kernels.block_sparse import BlockTopology, block_grid, dense_to_values
+from sparse_training.kernels.block_sparse import (
+    BlockTopology,
+    block_grid,
+    dense_to_values,
+    values_to_dense,
+)
 
 if TYPE_CHECKING:
     from sparse_training.block_sparse import BlockSparseLinear
@@ -101,3 +108,40 @@ def _check_compact(layer: BlockSparseLinear, values: Tensor | None, mask: Tensor
         what = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
         raise ValueError(f"{prefix}values has shape {what}, the layer's (nnz, R, C) = "
                          f"{expected}: a checkpoint of another layer")
+
+
+def dense_state_dict(state_dict: Mapping[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
+    """``state_dict`` with each compressed layer's compact form (``<name>.values`` and
+    ``<name>.block_mask``, what layers with sharded values save) replaced by the dense
+    ``<name>.weight`` (zeros at the dropped blocks) that ``model``'s ``nn.Linear`` of that
+    name takes; every other entry as it is. A consolidated FSDP2 checkpoint of compressed
+    layers then loads into the plain model: ``model.load_state_dict(dense_state_dict(sd,
+    model))``.
+
+    Raises:
+        ValueError: naming the key: a compact form whose name is not an ``nn.Linear`` of
+            ``model``, a ``block_mask`` that is not the Linear's block grid, or ``values``
+            not ``[kept blocks, R, C]``.
+    """
+    dense, modules = dict(state_dict), dict(model.named_modules())
+    for key in [k for k in state_dict if k.endswith(".values")]:
+        prefix = key[:-len("values")]
+        if prefix + "block_mask" not in state_dict:
+            continue  # not a compressed layer's
+        values, mask = state_dict[key], state_dict[prefix + "block_mask"]
+        layer = modules.get(prefix[:-1])
+        if not isinstance(layer, nn.Linear):
+            what = "no module" if layer is None else type(layer).__name__
+            raise ValueError(f"{prefix}values and {prefix}block_mask are a compressed layer's, "
+                             f"but {prefix[:-1]!r} in the model is {what}, not an nn.Linear")
+        shape, block = (layer.out_features, layer.in_features), tuple(values.shape[1:])
+        if values.dim() != 3 or not all(block):
+            raise ValueError(f"{key} has shape {tuple(values.shape)}, not [blocks, R, C]")
+        check_block_mask(mask, block_grid(*shape, block), prefix + "block_mask")
+        if int(mask.sum()) != values.shape[0]:
+            raise ValueError(f"{prefix}block_mask keeps {int(mask.sum())} blocks, {key} holds "
+                             f"{values.shape[0]}")
+        topology = BlockTopology.from_block_mask(mask, *shape, block, nnz=values.shape[0])
+        del dense[key], dense[prefix + "block_mask"]
+        dense[prefix + "weight"] = values_to_dense(values, topology).clone()
+    return dense

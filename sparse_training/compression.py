@@ -32,6 +32,7 @@ from sparse_training.patterns import Pattern
 from sparse_training.regrowth import random_scores
 from sparse_training.selection import TensorPlan, plan_model
 from sparse_training.semi_structured import SemiStructuredLinear
+from sparse_training.sharding import is_sharded
 from sparse_training.state import LayerForm, check_compressed
 
 if TYPE_CHECKING:
@@ -172,9 +173,9 @@ def compress_selected(model: nn.Module, config: SparsityConfig,
 
     Raises:
         ValueError: before anything is swapped: ``config.compress`` is True and nothing can
-            be (or already is) compressed (the rows say why); ``saved`` holds a layer that
-            cannot be compressed now, or a mask that does not fit its layer
-            (:func:`~sparse_training.state.check_compressed`).
+            be (or already is) compressed (the rows say why); a weight to compress on the
+            meta device; ``saved`` holds a layer that cannot be compressed now, or a mask
+            that does not fit its layer (:func:`~sparse_training.state.check_compressed`).
     """
     problem = fixed_count_problem(config)
     tensors, plans = plan_model(model, config)
@@ -207,6 +208,11 @@ def compress_selected(model: nn.Module, config: SparsityConfig,
     masks = None if saved is None else _saved_masks(
         {k: v for k, v in saved.items() if k not in held} if isinstance(saved, dict) else saved,
         entries, skipped)
+    if meta := [plan.name for plan, reason, _, module in entries
+                if reason is None and module.weight.is_meta]:
+        raise ValueError(f"{meta} are on the meta device: compressing keeps the blocks their "
+                         f"values choose; initialize the weights first (build the layers on "
+                         f"their device, or to_empty and reset_parameters)")
     rows, swaps = [], []
     for index, (plan, reason, key, module) in enumerate(entries):
         if reason is None and masks is not None and key not in masks:
@@ -229,6 +235,19 @@ def compress_selected(model: nn.Module, config: SparsityConfig,
     for name, layer in swaps:
         replace_module(model, name, layer)
     return rows
+
+
+def undo_swaps(model: nn.Module, swapped: list[tuple[str, nn.Module]]) -> None:
+    """Undo swaps of :func:`compress_selected` (``swapped``: each swapped module's name
+    and the Linear it replaced): the original Linears, on the device and in the dtype the
+    compressed layers have now (a fit that stops at its start leaves the model as it was).
+    Sharded layers (FSDP2) stay compressed."""
+    for name, original in swapped:
+        layer = model.get_submodule(name)
+        weight = getattr(layer, layer.trained_weight)
+        if is_sharded(weight):
+            continue  # fully_shard owns the layer now
+        replace_module(model, name, original.to(device=weight.device, dtype=weight.dtype))
 
 
 def _saved_masks(saved: Any, entries: list[tuple[TensorPlan, str | None, str, nn.Module]],

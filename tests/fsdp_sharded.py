@@ -63,15 +63,25 @@ WIDTHS = {"compressed": (16, 64, 32, 5)}  # the head (5 rows) cannot take 16x16 
 
 class ShardedNet(pl.LightningModule):
     """An MLP whose Linear (or compressed) layers ``configure_model`` shards with FSDP2
-    (when a device mesh is there); the head's 5 rows split unevenly, 3 and 2."""
+    (when a device mesh is there); the head's 5 rows split unevenly, 3 and 2. With
+    ``built_in_configure_model`` its layers join the module in ``configure_model``, which
+    compresses them there (``SparsityCallback.compress``) before sharding."""
 
-    def __init__(self, widths: tuple[int, ...] = (16, 32, 24, 5)) -> None:
+    def __init__(self, widths: tuple[int, ...] = (16, 32, 24, 5),
+                 built_in_configure_model: bool = False) -> None:
         super().__init__()
         first, second, third, head = widths
-        self.net = nn.Sequential(nn.Linear(first, second), nn.ReLU(), nn.Linear(second, third),
-                                 nn.ReLU(), nn.Linear(third, head))
+        net = nn.Sequential(nn.Linear(first, second), nn.ReLU(), nn.Linear(second, third),
+                            nn.ReLU(), nn.Linear(third, head))
+        self.pending = [net] if built_in_configure_model else []  # a list: no submodule
+        if not built_in_configure_model:
+            self.net = net
 
     def configure_model(self) -> None:
+        if self.pending:
+            self.net = self.pending.pop()
+            sparse = next(c for c in self.trainer.callbacks if isinstance(c, SparsityCallback))
+            sparse.compress(self)
         if self.device_mesh is None:  # one process: the reference run
             return
         from torch.distributed.fsdp import fully_shard
@@ -136,11 +146,12 @@ class Recorder(Callback):
 
 
 def fit(settings: dict, loader, callbacks=(), ckpt_path=None, accelerator="cpu",
-        widths: tuple[int, ...] = (16, 32, 24, 5), **trainer_args) -> Recorder:
+        widths: tuple[int, ...] = (16, 32, 24, 5), built_in_configure_model: bool = False,
+        **trainer_args) -> Recorder:
     """Train a fresh ShardedNet of ``widths`` for 2 epochs (FSDP2 over 2 processes unless
     ``trainer_args`` name another strategy); the Recorder of the run."""
     pl.seed_everything(0)
-    model = ShardedNet(widths)
+    model = ShardedNet(widths, built_in_configure_model)
     sparse = SparsityCallback(**settings)
     recorder = Recorder(sparse)
     if "strategy" not in trainer_args:
@@ -238,6 +249,8 @@ def main(out: Path, accelerator: str) -> None:
     compressed = {"settings": RUNS["compressed"], "widths": WIDTHS["compressed"],
                   "accelerator": accelerator}
     results["compressed"] = fit(**compressed, loader=make_loader(n=128)).rows
+    results["compressed in configure_model"] = fit(
+        **compressed, loader=make_loader(n=128), built_in_configure_model=True).rows
     results["compressed-stopped"] = fit(
         **compressed, loader=make_loader(n=128),
         callbacks=[SaveAndStop(out / "compressed.ckpt")]).rows

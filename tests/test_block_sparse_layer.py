@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from sparse_training import BlockSparseLinear, densify, sparsify
+from sparse_training.block_sparse_state import dense_state_dict
 from sparse_training.kernels.block_sparse import block_grid, block_norms, dense_to_values
 from sparse_training.masks import kept_count
 
@@ -335,3 +336,30 @@ def test_bad_rules_raise_before_any_swap(rules, message):
     after = model.state_dict()
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_dense_state_dict_loads_the_compact_form_into_the_plain_model():
+    """The compact form sharded layers save, made dense for plain Linears: each kept block
+    in place (a float64 reference that places them one by one), zeros elsewhere, the
+    other entries untouched; a model that cannot take it is named."""
+    torch.manual_seed(0)
+    layer = BlockSparseLinear(100, 72, (16, 32), density=0.4, dtype=torch.float64)  # tails
+    head = nn.Linear(72, 5, dtype=torch.float64)
+    compact = {"0.values": layer.values.detach(), "0.block_mask": layer.block_mask,
+               "0.bias": layer.bias.detach(), "2.weight": head.weight.detach(),
+               "2.bias": head.bias.detach()}
+    plain = nn.Sequential(nn.Linear(100, 72), nn.ReLU(), nn.Linear(72, 5)).double()
+    plain.load_state_dict(dense_state_dict(compact, plain))  # strict: every key fits
+    expected = torch.zeros(72, 100, dtype=torch.float64)
+    for k, (i, j) in enumerate(layer.block_mask.nonzero().tolist()):
+        rows, cols = expected[i * 16:(i + 1) * 16, j * 32:(j + 1) * 32].shape
+        expected[i * 16:(i + 1) * 16, j * 32:(j + 1) * 32] = layer.values[k, :rows, :cols]
+    assert torch.equal(plain[0].weight, expected) and torch.equal(plain[2].weight, head.weight)
+    x = torch.randn(3, 100, dtype=torch.float64)
+    torch.testing.assert_close(plain[0](x), layer(x))
+    with pytest.raises(ValueError, match=r"'1' in the model is ReLU, not an nn.Linear"):
+        dense_state_dict({"1.values": layer.values, "1.block_mask": layer.block_mask}, plain)
+    with pytest.raises(ValueError, match=r"0.block_mask shape \(4, 4\) != block grid \(5, 4\)"):
+        dense_state_dict({**compact, "0.block_mask": layer.block_mask[:4]}, plain)
+    with pytest.raises(ValueError, match=r"0.block_mask keeps \d+ blocks, 0.values holds \d+"):
+        dense_state_dict({**compact, "0.values": layer.values[1:]}, plain)

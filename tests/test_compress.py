@@ -264,3 +264,56 @@ def test_a_model_holding_compressed_layers_resumes_exactly(tmp_path, compress):
     resumed = run(2, 1, ckpt_path=tmp_path / "last.ckpt")
     for key, value in uninterrupted.state_dict().items():
         assert torch.equal(resumed.state_dict()[key], value), key
+
+
+class BuiltInConfigureModel(BlockNet):
+    """BlockNet whose layers come in ``configure_model`` (built in ``__init__``, held out
+    of the module until then), compressed there with ``SparsityCallback.compress`` when
+    ``compress_there``."""
+
+    def __init__(self, compress_there: bool = True) -> None:
+        super().__init__()
+        self.pending, self.compress_there = [self.net], compress_there  # a list: no submodule
+        del self.net
+
+    def configure_model(self) -> None:
+        if hasattr(self, "net"):
+            return
+        self.net = self.pending.pop()
+        if self.compress_there:
+            sparse = next(c for c in self.trainer.callbacks if isinstance(c, SparsityCallback))
+            sparse.compress(self)
+
+
+def test_layers_built_in_configure_model_compress_there_as_at_setup():
+    """compress(self) in configure_model trains the layers as the swap at setup does: the
+    same blocks, weights and optimizer state, bit for bit."""
+    runs = []
+    for model_class in (BlockNet, BuiltInConfigureModel):
+        pl.seed_everything(0, verbose=False)
+        model = model_class()
+        trainer = make_trainer([SparsityCallback(**SETTINGS, compress=True)], max_epochs=2)
+        trainer.fit(model, make_loader())
+        runs += [model, trainer]
+    assert isinstance(runs[2].net[2], BlockSparseLinear)
+    assert (4, 16, 16) in runs[2].optimizer_shapes  # the optimizer got the compressed values
+    assert_same_training(*runs)
+
+
+def test_compress_in_configure_model_is_needed_and_refuses_what_it_cannot_do():
+    sparse = SparsityCallback(**SETTINGS, compress=True)
+    model = BuiltInConfigureModel(compress_there=False)
+    with pytest.raises(ValueError, match=r"compress=True but the model had no weights at "
+                                         r"setup and configure_model compressed none"):
+        make_trainer([sparse], max_epochs=1).fit(model, make_loader())
+    assert type(model.net[0]) is nn.Linear and sparse.engine is None
+    with pytest.raises(RuntimeError, match=r"call it in configure_model with the "
+                                           r"LightningModule being fit"):
+        sparse.compress(BlockNet())  # no fit under way
+    with torch.device("meta"):
+        lazy = BlockNet()
+    with pytest.raises(ValueError, match=r"\['net.0.weight', 'net.2.weight'\] are on the meta "
+                                         r"device: .* initialize the weights first"):
+        compress_selected(lazy, SparsityConfig(**SETTINGS, compress=True))
+    assert type(lazy.net[0]) is nn.Linear
+    SparsityCallback(**SETTINGS, compress=False).compress(BlockNet())  # nothing to do

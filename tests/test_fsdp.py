@@ -19,6 +19,7 @@ parameters are 1-D shards), which is tested without it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -31,13 +32,15 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from sparse_training import SparsityCallback
+from sparse_training.block_sparse_state import dense_state_dict
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import make_loader, two_process_problem  # noqa: E402
-from fsdp_sharded import RUNS, WIDTHS, fit  # noqa: E402
+from fsdp_sharded import RUNS, WIDTHS, ShardedNet, fit  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("fsdp_sharded.py")
 ACCELERATORS = ["cpu", "gpu"]
+OUTS: dict[str, Path] = {}  # accelerator -> the folder of its runs' checkpoints
 
 
 def missing(accelerator: str) -> str | None:
@@ -58,9 +61,11 @@ def sharded(request, tmp_path_factory):
     """The two ranks' records of every run, and the accelerator."""
     if reason := missing(request.param):
         pytest.skip(reason)
-    out = tmp_path_factory.mktemp(f"fsdp-{request.param}")
+    out = OUTS[request.param] = tmp_path_factory.mktemp(f"fsdp-{request.param}")
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"  # else Lightning gives rank 0 one thread, rank 1 all
+    # this checkout's package, not an installed one (the script's folder is tests/)
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parents[1]), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, str(SCRIPT), str(out), request.param], env=env,
                           timeout=600, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -169,6 +174,41 @@ def test_compressed_values_sharded_along_kept_blocks_train_and_resume_exactly(sh
     for rank in (rank0, rank1):
         assert _logical(rank["compressed-stopped"]) == _logical(rank["compressed"][:5])
         assert _logical(rank["compressed-resumed"]) == _logical(rank["compressed"][4:])
+
+
+def test_sharded_compressed_checkpoint_consolidates_and_loads_into_the_plain_model(sharded):
+    """The distributed checkpoint the compressed run saved after its first epoch,
+    consolidated by torch's ``dcp_to_torch_save`` (Lightning's consolidate_checkpoint reads
+    FSDPStrategy's layout only), holds exactly the parameters the run had then (their
+    hash), and ``dense_state_dict`` loads it strictly into the model with plain Linear
+    layers: zeros outside the kept blocks."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    (rank0, _), accelerator = sharded
+    folder = OUTS[accelerator]
+    dcp_to_torch_save(folder / "compressed.ckpt", folder / "consolidated.pt")
+    state = torch.load(folder / "consolidated.pt", map_location="cpu",
+                       weights_only=False)["state_dict"]
+    digest = hashlib.sha256()  # as the runs hash their parameters, in the module's order
+    for key in ("net.0.values", "net.0.bias", "net.2.values", "net.2.bias", "net.4.weight",
+                "net.4.bias"):
+        digest.update(state[key].contiguous().numpy().tobytes())
+    assert digest.hexdigest() == rank0["compressed-stopped"][-1]["parameters"]
+    plain = ShardedNet(WIDTHS["compressed"])
+    plain.load_state_dict(dense_state_dict(state, plain))  # strict
+    for i in (0, 2):
+        kept = state[f"net.{i}.block_mask"].repeat_interleave(16, 0).repeat_interleave(16, 1)
+        weight = plain.net[i].weight
+        assert not weight[~kept].any() and weight[kept].count_nonzero() == kept.sum()
+
+
+def test_compressed_layers_built_in_configure_model_train_as_those_built_before(sharded):
+    """Layers that join the model in configure_model, compressed there before fully_shard
+    (SparsityCallback.compress), train exactly as the layers setup swapped: the same
+    whole masks, weights and local blocks at every step, on both ranks."""
+    (rank0, rank1), _ = sharded
+    for rank in (rank0, rank1):
+        assert rank["compressed in configure_model"] == rank["compressed"]
 
 
 def test_sharded_masks_checked_across_ranks_and_made_permanent(sharded):

@@ -17,16 +17,17 @@ from torch import nn
 from torch.optim import Optimizer
 
 from sparse_training.callbacks.resume import read_callback_states, resume_path
-from sparse_training.compression import compress_selected, dtype_name
+from sparse_training.compression import compress_selected, dtype_name, undo_swaps
 from sparse_training.compression import format_rows as format_compression
 from sparse_training.config import SparsityConfig, settings_signature
 from sparse_training.engine import SparsityEngine
-from sparse_training.patcher import COMPRESSED_LAYERS, replace_module
+from sparse_training.patcher import COMPRESSED_LAYERS
 from sparse_training.ranks import keep_masks_out_of_buffer_broadcast
 from sparse_training.schedules import GRADUAL
 from sparse_training.selection import format_table, plan_model
-from sparse_training.sharding import FSDP1_PROBLEM, is_sharded
+from sparse_training.sharding import FSDP1_PROBLEM
 from sparse_training.state import check_mask_settings, check_settings, check_state
+from sparse_training.tensors import find_weight_tensors
 
 MIN_GRADUAL_UPDATES = 3  # fewer and a gradual schedule is a few jumps: warn
 # the dtype of the layers' products under each Lightning precision (autocast's for mixed)
@@ -84,6 +85,8 @@ class SparsityCallback(Callback):
         self._unused_checked = False
         self._fitting = False  # between on_fit_start and teardown
         self._swapped: list[tuple[str, nn.Module]] = []  # (name, Linear) swapped at setup
+        # (module, device, compute dtype, checkpoint's masks) from setup to fit start
+        self._compressing: tuple[nn.Module, torch.device, torch.dtype | None, Any] | None = None
 
     @classmethod
     def from_config(cls, source: str | Path | Mapping[str, Any]) -> SparsityCallback:
@@ -107,20 +110,48 @@ class SparsityCallback(Callback):
         With ``compress``, swap the selected Linear layers for compressed ones here, before
         ``configure_optimizers`` (the optimizers see compressed parameters), deciding
         ``"auto"`` for the strategy's root device and the precision's compute dtype; on
-        resume with the checkpoint's layers and masks, so its state_dict loads exactly."""
+        resume with the checkpoint's layers and masks, so its state_dict loads exactly. A
+        model with no weights yet is swapped when its ``configure_model`` calls
+        :meth:`compress`."""
         self._restored = None  # a state Lightning restores comes after setup, for this run
         if stage != "fit":
             return
         saved = self._checkpoint_compressed(trainer)
         if not self.config.compress:
             return
-        device, dtype = trainer.strategy.root_device, compute_dtype(trainer.precision)
+        self._compressing = (pl_module, trainer.strategy.root_device,
+                             compute_dtype(trainer.precision), saved)
+        if find_weight_tensors(pl_module):
+            self.compress(pl_module)
+
+    def compress(self, pl_module: pl.LightningModule) -> None:
+        """Swap the selected Linear layers of ``pl_module``, the LightningModule being fit,
+        for compressed ones now (nothing with ``compress=False``).
+
+        ``setup`` calls it when the model has weights then. A model that builds its layers
+        in ``configure_model`` calls it there, once they are built and initialized (the
+        initial weights choose the kept blocks) and before ``fully_shard``, which then
+        shards the compressed values (docs/distributed.md has an example).
+
+        Raises:
+            RuntimeError: called outside ``setup`` and ``configure_model`` of a fit, or with
+                another module than the one being fit.
+            ValueError: weights on the meta device, or what ``setup``'s swap raises; before
+                anything is swapped.
+        """
+        if not self.config.compress:
+            return
+        if self._compressing is None or self._compressing[0] is not pl_module:
+            raise RuntimeError("SparsityCallback.compress(pl_module) swaps layers between "
+                               "setup and the optimizers: call it in configure_model with the "
+                               "LightningModule being fit")
+        _, device, dtype, saved = self._compressing
         before = dict(pl_module.named_modules())
         rows = compress_selected(pl_module, self.config, device, dtype, saved)
         # kept until the optimizers are checked at fit start, to put back if they are wrong
-        self._swapped = [(name, before[name]) for name, module in pl_module.named_modules()
-                         if isinstance(module, COMPRESSED_LAYERS) and before.get(name) is not
-                         module]
+        self._swapped += [(name, before[name]) for name, module in pl_module.named_modules()
+                          if isinstance(module, COMPRESSED_LAYERS) and before.get(name) is not
+                          module]
         target = f"{device}, {dtype_name(dtype)} compute" if dtype is not None else device
         rank_zero_info(f"SparsityCallback: training paths (compress={self.config.compress!r} "
                        f"for {target})\n" + format_compression(rows))
@@ -157,9 +188,16 @@ class SparsityCallback(Callback):
         optimizers = [o for o in trainer.optimizers if not isinstance(o, _MockOptimizer)]
         swapped, self._swapped = self._swapped, []
         restored, self._restored = self._restored, None  # this fit's, whatever follows
+        self._compressing = None
         if problem := optimizer_problem(pl_module, self.config, optimizers):
-            _put_back(pl_module, swapped)
+            undo_swaps(pl_module, swapped)
             raise ValueError(f"SparsityCallback: {problem}")
+        if self.config.compress is True and not any(
+                isinstance(m, COMPRESSED_LAYERS) for m in pl_module.modules()):
+            raise ValueError("SparsityCallback: compress=True but the model had no weights at "
+                             "setup and configure_model compressed none of the layers it "
+                             "built: call SparsityCallback.compress(self) there, before "
+                             "fully_shard (or use compress='auto' or False)")
         engine = self.engine
         if engine is None or not engine.bound_to(pl_module):
             if engine is not None:
@@ -261,6 +299,7 @@ class SparsityCallback(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._fitting = False
         self._restored, self._swapped = None, []  # a stage's restored state ends with it
+        self._compressing = None
         if self.engine is not None:
             self.engine.detach()
 
@@ -352,18 +391,6 @@ def optimizer_problem(model: nn.Module, config: SparsityConfig,
     return ("; ".join(problems) + ". Build the optimizers in configure_optimizers from "
             "self.parameters() (compress swaps layers at setup, before it), and freeze "
             "(requires_grad_(False)) or deny the sparse tensors no optimizer should train")
-
-
-def _put_back(model: nn.Module, swapped: list[tuple[str, nn.Module]]) -> None:
-    """Undo ``setup``'s swaps: the original Linears, on the device and in the dtype the
-    strategy gave the compressed layers that replaced them (a fit that stops at its start
-    leaves the model as it was). Sharded layers (FSDP2) stay compressed."""
-    for name, original in swapped:
-        layer = model.get_submodule(name)
-        weight = getattr(layer, layer.trained_weight)
-        if is_sharded(weight):
-            continue  # fully_shard owns the layer now
-        replace_module(model, name, original.to(device=weight.device, dtype=weight.dtype))
 
 
 def _settings_docs() -> str:
