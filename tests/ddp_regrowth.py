@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import BlockNet, SaveAndStop, TinyNet, make_loader  # noqa: E402
 
 from sparse_training import SparsityCallback  # noqa: E402
-from sparse_training.ranks import check_across_ranks, mask_checksum  # noqa: E402
+from sparse_training.engine.distributed import check_across_ranks, mask_checksum  # noqa: E402
 
 
 class Recorder(Callback):

@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import SaveAndStop, make_loader  # noqa: E402
 
 from sparse_training import SparsityCallback, SparsityConfig, SparsityEngine  # noqa: E402
-from sparse_training.block_sparse import BlockSparseLinear  # noqa: E402
-from sparse_training.ranks import mask_checksum  # noqa: E402
-from sparse_training.sharding import full, local  # noqa: E402
-from sparse_training.slots import make_permanent  # noqa: E402
+from sparse_training.engine.distributed import mask_checksum  # noqa: E402
+from sparse_training.engine.sharding import full, local  # noqa: E402
+from sparse_training.layers.block_sparse import BlockSparseLinear  # noqa: E402
+from sparse_training.layers.swap import make_permanent  # noqa: E402
 
 # every run: schedules in absolute steps, so a run stopped after one epoch resolves the
 # same steps as the whole run (8 optimizer steps: 128 samples, 2 ranks x 16 per batch)

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import two_process_problem  # noqa: E402
 
 from sparse_training import SparsityConfig, SparsityEngine, sparsify  # noqa: E402
-from sparse_training.ranks import keep_masks_out_of_buffer_broadcast  # noqa: E402
+from sparse_training.engine.distributed import keep_masks_out_of_buffer_broadcast  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("ddp_regrowth.py")
 

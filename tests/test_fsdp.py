@@ -61,6 +61,8 @@ def sharded(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"fsdp-{request.param}")
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"  # else Lightning gives rank 0 one thread, rank 1 all
+    # the checkout's package, not an installed one
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parents[1]), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, str(SCRIPT), str(out), request.param], env=env,
                           timeout=600, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -206,7 +208,7 @@ def test_setup_table_type_undoes_fsdp_and_parametrize_in_either_order():
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.utils import parametrize
 
-    from sparse_training.tensors import original_class
+    from sparse_training.engine.tensors import original_class
 
     layer = nn.Linear(4, 4)
     parametrize.register_parametrization(layer, "weight", nn.Identity())

@@ -17,16 +17,16 @@ from torch import nn
 from torch.optim import Optimizer
 
 from sparse_training.callbacks.resume import read_callback_states, resume_path
-from sparse_training.compression import compress_selected, dtype_name
-from sparse_training.compression import format_rows as format_compression
 from sparse_training.config import SparsityConfig, settings_signature
 from sparse_training.engine import SparsityEngine
-from sparse_training.patcher import COMPRESSED_LAYERS, replace_module
-from sparse_training.ranks import keep_masks_out_of_buffer_broadcast
-from sparse_training.schedules import GRADUAL
-from sparse_training.selection import format_table, plan_model
-from sparse_training.sharding import FSDP1_PROBLEM, is_sharded
-from sparse_training.state import check_mask_settings, check_settings, check_state
+from sparse_training.engine.distributed import keep_masks_out_of_buffer_broadcast
+from sparse_training.engine.protocol import CompressedLayer
+from sparse_training.engine.selection import format_table, plan_model
+from sparse_training.engine.sharding import FSDP1_PROBLEM, is_sharded
+from sparse_training.engine.state import check_mask_settings, check_settings, check_state
+from sparse_training.layers.compress import compress_selected, dtype_name
+from sparse_training.layers.swap import format_swaps, replace_module
+from sparse_training.pieces.schedules import Gradual
 
 MIN_GRADUAL_UPDATES = 3  # fewer and a gradual schedule is a few jumps: warn
 # the dtype of the layers' products under each Lightning precision (autocast's for mixed)
@@ -53,7 +53,7 @@ class SparsityCallback(Callback):
     gradient clipping), where regrowth also reads the dense gradients; pruned weights are
     zeroed after every optimizer step that ran. Under ``ModelParallelStrategy`` (FSDP2,
     ``fully_shard`` in ``configure_model``) the masks are those of the whole tensors and
-    each rank enforces its shard (:mod:`sparse_training.sharding`); ``FSDPStrategy``
+    each rank enforces its shard (:mod:`sparse_training.engine.sharding`); ``FSDPStrategy``
     (FSDP1) is refused. The masks and the schedule's progress go into Lightning's
     checkpoints as this callback's state; the model's ``state_dict`` stays plain. ``fit``
     ends with a one-line summary.
@@ -119,11 +119,11 @@ class SparsityCallback(Callback):
         rows = compress_selected(pl_module, self.config, device, dtype, saved)
         # kept until the optimizers are checked at fit start, to put back if they are wrong
         self._swapped = [(name, before[name]) for name, module in pl_module.named_modules()
-                         if isinstance(module, COMPRESSED_LAYERS) and before.get(name) is not
+                         if isinstance(module, CompressedLayer) and before.get(name) is not
                          module]
         target = f"{device}, {dtype_name(dtype)} compute" if dtype is not None else device
         rank_zero_info(f"SparsityCallback: training paths (compress={self.config.compress!r} "
-                       f"for {target})\n" + format_compression(rows))
+                       f"for {target})\n" + format_swaps(rows))
 
     def _checkpoint_compressed(self, trainer: pl.Trainer) -> dict[str, Any] | None:
         """The compressed masks of the checkpoint resumed (``{}``: it holds no
@@ -203,10 +203,10 @@ class SparsityCallback(Callback):
             rank_zero_warn(f"SparsityCallback: the schedule's last update (step {updates[-1]}) "
                            f"comes after the last training step ({total - 1}); the final "
                            f"sparsity will not be reached")
-        elif schedule.kind in GRADUAL and len(updates) < MIN_GRADUAL_UPDATES:
+        elif isinstance(schedule, Gradual) and len(updates) < MIN_GRADUAL_UPDATES:
             rank_zero_warn(f"SparsityCallback: only {len(updates)} mask updates fit between "
                            f"start={schedule.start} and end={schedule.end} at frequency="
-                           f"{schedule.frequency}: the {schedule.kind!r} schedule is a jump; "
+                           f"{schedule.frequency}: the {schedule.name!r} schedule is a jump; "
                            f"lower frequency for a gradual ramp")
 
     # -- steps ----------------------------------------------------------------------------
@@ -339,7 +339,7 @@ def optimizer_problem(model: nn.Module, config: SparsityConfig,
     tensors, plans = plan_model(model, config)
     trained = [(p.name, t.param) for p, t in zip(plans, tensors, strict=True) if p.selected]
     trained += [(f"{name}.{attr}", param) for name, layer in model.named_modules()
-                if isinstance(layer, COMPRESSED_LAYERS)
+                if isinstance(layer, CompressedLayer)
                 for attr, param in layer.named_parameters(recurse=False)]
     missing = [name for name, param in trained if param.requires_grad and id(param) not in held]
     if missing:
