@@ -31,7 +31,7 @@ def test_a_block_move_carries_values_and_optimizer_state_and_zeroes_new_blocks()
     for (i, j), (k, m) in zip(kept[:2], free[-2:], strict=True):  # two blocks move
         new_mask[i, j], new_mask[k, m] = False, True
 
-    layer.slot("layer.values").move(new_mask, [optimizer])
+    layer.slot("layer.values").set_mask(new_mask, [optimizer])
 
     assert torch.equal(layer.block_mask, new_mask)
     expected = BlockTopology.from_block_mask(new_mask, 40, 48, (16, 16), nnz=layer.nnz)

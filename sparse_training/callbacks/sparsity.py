@@ -173,7 +173,7 @@ class SparsityCallback(Callback):
                 engine.restart()
                 rank_zero_info("SparsityCallback: a new fit runs the schedule again from its "
                                "start, beginning with the current masks")
-        if not engine.slots and not engine.compressed:
+        if not engine.slots:
             raise ValueError("SparsityCallback selected no weight tensor (setup table below)\n"
                              + format_table(engine.plans))
         if trainer.ckpt_path is not None and restored is None:
@@ -192,8 +192,7 @@ class SparsityCallback(Callback):
             engine.loss_scale = lambda: float(scaler.get_scale())
         for optimizer in trainer.optimizers:
             engine.attach(optimizer)
-        keep_masks_out_of_buffer_broadcast(trainer.strategy.model,
-                                           [*engine.slots, *engine.compressed])
+        keep_masks_out_of_buffer_broadcast(trainer.strategy.model, engine.slots)
         self._fitting = True
 
     def _warn_about_schedule(self, total: int | None) -> None:
@@ -219,7 +218,8 @@ class SparsityCallback(Callback):
         engine = self._engine()
         if not self._unused_checked:
             self._unused_checked = True
-            unused = [s.name for s in engine._slots_of(optimizer) if s.param.grad is None]
+            unused = [s.name for s in engine._slots_of(optimizer)
+                      if not s.compressed and s.param.grad is None]
             if unused:
                 rank_zero_warn(f"SparsityCallback: {len(unused)} selected tensors got no "
                                f"gradient in the first step (unused by the loss, like a "
@@ -251,8 +251,7 @@ class SparsityCallback(Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         engine = self._engine()
-        weights = sum(s.plan.numel for s in engine.slots) + sum(
-            s.numel for s in engine.compressed)
+        weights = sum(s.numel for s in engine.slots)
         rank_zero_info(f"SparsityCallback: {engine.sparsity:.2%} of {weights:,} weights in "
                        f"{_counts(engine)} tensors are zero (target now {engine.target:.2%}, "
                        f"final {engine.final_sparsity:.2%}); last mask update at step "
@@ -311,7 +310,7 @@ class SparsityCallback(Callback):
 
 def _counts(engine: SparsityEngine) -> str:
     """``"4 masked-dense and 13 compressed"``: the tensors the engine keeps sparse."""
-    return f"{len(engine.slots)} masked-dense and {len(engine.compressed)} compressed"
+    return f"{len(engine.masked)} masked-dense and {len(engine.compressed)} compressed"
 
 
 def optimizer_problem(model: nn.Module, config: SparsityConfig,

@@ -21,7 +21,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sparse_training.engine.protocol import Slot
 from sparse_training.engine.sharding import FSDP1_PROBLEM, FullyShardedDataParallel, is_sharded
-from sparse_training.engine.slots import MaskedSlot
 from sparse_training.pieces.regrowth import Regrowth
 
 
@@ -122,8 +121,7 @@ def keep_masks_out_of_buffer_broadcast(wrapper: nn.Module,
             wrapper.broadcast_buffers = False
 
 
-def sharding_problem(model: nn.Module, slots: Sequence[MaskedSlot],
-                     compressed: Sequence[Slot], regrowth: Regrowth | None,
+def sharding_problem(model: nn.Module, slots: Sequence[Slot], regrowth: Regrowth | None,
                      dense_weights: bool) -> str | None:
     """Why the engine cannot serve this model's sharding, or None: FSDP1 modules, 2:4
     layers with sharded weights, regrowth on sharded compressed layers, SR-STE on sharded
@@ -131,7 +129,7 @@ def sharding_problem(model: nn.Module, slots: Sequence[MaskedSlot],
     if FullyShardedDataParallel is not None and any(
             isinstance(m, FullyShardedDataParallel) for m in model.modules()):
         return f"the model holds FullyShardedDataParallel modules: {FSDP1_PROBLEM}"
-    sharded_compressed = [s for s in compressed if is_sharded(s.param)]
+    sharded_compressed = [s for s in slots if s.compressed and is_sharded(s.param)]
     if two_four := [s.name for s in sharded_compressed if not s.movable]:
         return (f"2:4 layers {two_four} have sharded (FSDP2) weights, which their whole "
                 f"dense mask cannot follow yet; use pattern='2:4' on nn.Linear under FSDP")
@@ -140,7 +138,8 @@ def sharding_problem(model: nn.Module, slots: Sequence[MaskedSlot],
                 f"(FSDP2) values; regrow={regrowth.name!r} moves their blocks across shards, "
                 f"which sharded training does not support yet: use compress=False (masked "
                 f"blocks) for regrowth under FSDP")
-    if dense_weights and (sharded := [s.name for s in slots if s.sharded]):
+    if dense_weights and (sharded := [s.name for s in slots
+                                      if s.sharded and not s.compressed]):
         return (f"tensors {sharded} are sharded (FSDP2): SR-STE keeps dense weights beside "
                 f"them, which sharded training does not support yet")
     return None

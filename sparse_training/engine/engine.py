@@ -43,7 +43,7 @@ from sparse_training.engine.optimizer_hooks import (
     masked_gradients_step,
     use_fused,
 )
-from sparse_training.engine.protocol import CompressedLayer
+from sparse_training.engine.protocol import CompressedLayer, Slot
 from sparse_training.engine.selection import plan_model
 from sparse_training.engine.slot_set import SlotSet
 from sparse_training.engine.slots import MaskedSlot
@@ -79,8 +79,7 @@ class SparsityEngine(SlotSet):
         compressed_kinds = {type(m).__name__ for _, m in layers}
         super().__init__(
             slots=[MaskedSlot(p, t) for p, t in zip(self.plans, tensors, strict=True)
-                   if p.selected],
-            compressed=[m.slot(f"{name}.{m.trained_weight}") for name, m in layers],
+                   if p.selected] + [m.slot(f"{name}.{m.trained_weight}") for name, m in layers],
             streams={p.name: i for i, p in enumerate(
                 p for p in self.plans if p.selected or p.kind in compressed_kinds)},
             pooled_sparsity=config.sparsity, check_masks=config.check_masks)
@@ -89,18 +88,17 @@ class SparsityEngine(SlotSet):
         self._check_slots()
         self.updater = make_updater(config.parsed_schedule, config.parsed_score,
                                     config.parsed_regrowth, config.parsed_refinement)
-        restored = None if state is None else checked_masks(state, config, self.slots,
+        restored = None if state is None else checked_masks(state, config, self.masked,
                                                              self.compressed)
         self._take()
         if restored is not None:
             self._restore(state, *restored)
 
     def _check_slots(self) -> None:
-        if problem := sharding_problem(self.model, self.slots, self.compressed,
-                                       self.config.parsed_regrowth,
+        if problem := sharding_problem(self.model, self.slots, self.config.parsed_regrowth,
                                        self.config.parsed_refinement is not None):
             raise ValueError(problem)
-        for slot in self.slots:
+        for slot in self.masked:
             where = f"tensor {slot.name!r} ({slot.plan.kind})"
             if slot.param.is_meta:
                 raise ValueError(f"{where} is on the meta device: materialize the model "
@@ -126,7 +124,7 @@ class SparsityEngine(SlotSet):
 
     def _take(self) -> None:
         """Own the selected tensors and put their mask buffers on the model."""
-        for slot in self.slots:
+        for slot in self.masked:
             ownership.take(slot.param, self)
             slot.install()
         self.recount()
@@ -146,7 +144,7 @@ class SparsityEngine(SlotSet):
         ``make_permanent``, nor after ``configure_model`` built new layers)."""
         params = {id(p) for p in model.parameters()}
         return self.model is model and self.installed and all(
-            id(slot.param) in params for slot in (*self.slots, *self.compressed))
+            id(slot.param) in params for slot in self.slots)
 
     def _restore(self, state: dict[str, Any], masks: dict[str, Tensor],
                  compressed: dict[str, Tensor]) -> None:
@@ -155,10 +153,7 @@ class SparsityEngine(SlotSet):
         optimizer state follow) only where its mask differs (a swap at setup already made
         it the checkpoint's)."""
         self.updater.load_state_dict(state["updater"])
-        for slot in self.compressed:
-            if slot.name in compressed:
-                slot.set_mask(compressed[slot.name], self._attached)
-        self.set_masks(masks, step=None, broadcast=False, check=False)  # counts them all
+        self.set_masks({**masks, **compressed}, step=None, broadcast=False, check=False)
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, total_steps: int | None) -> None:
@@ -198,10 +193,9 @@ class SparsityEngine(SlotSet):
                                f"optimizer) once before training (its step would move pruned "
                                f"weights)")
         if len(optimizer.param_groups) != attached.groups:  # groups added since attach
-            attached.use(_of_optimizer(self.slots, optimizer),
-                         _of_optimizer(self.compressed, optimizer), len(optimizer.param_groups))
+            attached.use(_of_optimizer(self.slots, optimizer), len(optimizer.param_groups))
             attached.start(optimizer, self.updater.dense_state)
-        self.updater.before_step(self, [*attached.slots, *attached.compressed], step)
+        self.updater.before_step(self, attached.slots, step)
         if self.updater.masks_gradients and clipping:
             attached.zero_pruned_gradients()
 
@@ -226,7 +220,7 @@ class SparsityEngine(SlotSet):
         return self.overall(self.updater.target)
 
     # -- optimizers -------------------------------------------------------------------------
-    def _slots_of(self, optimizer: Optimizer) -> list[MaskedSlot]:
+    def _slots_of(self, optimizer: Optimizer) -> list[Slot]:
         if optimizer in self._attached:
             return self._attached[optimizer].slots
         return _of_optimizer(self.slots, optimizer)
@@ -252,9 +246,7 @@ class SparsityEngine(SlotSet):
             raise RuntimeError("this SparsityEngine's masks or compressed layers are no longer "
                                "in its model (make_permanent, densify): build a new "
                                "SparsityEngine for the model")
-        slots = self._slots_of(optimizer)
-        attached = Attached(slots, _of_optimizer(self.compressed, optimizer),
-                            len(optimizer.param_groups))
+        attached = Attached(self._slots_of(optimizer), len(optimizer.param_groups))
         fused = use_fused(self.config.fused, self.updater.dense_state, optimizer,
                           attached.enforced)  # raises before any change
         if not self._attached:
@@ -282,18 +274,15 @@ class SparsityEngine(SlotSet):
             ownership.hold_for_training(self.model, self, held=False)
         self._attached.clear()
         self.fused_optimizers.clear()
-        for compressed in self.compressed:
-            compressed.recording = False
-            compressed.clear_gradient()
-            if compressed.masked_dense:
-                compressed.layer.masks_gradient = True
         for slot in self.slots:
+            slot.detach()
+        for slot in self.masked:
             ownership.give_up(slot.param, self)
 
     @property
     def installed(self) -> bool:
         """Whether every mask buffer is still on the model (``make_permanent`` drops them)."""
-        return all(slot.installed for slot in self.slots)
+        return all(slot.installed for slot in self.masked)
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -301,7 +290,7 @@ class SparsityEngine(SlotSet):
         the updater's progress; random draws depend on (seed, step) only, so no generator
         state is needed."""
         return {"format": FORMAT, "settings": self.config.as_dict(),
-                "masks": pack_masks(self.slots), "compressed": pack_compressed(self.compressed),
+                "masks": pack_masks(self.masked), "compressed": pack_compressed(self.compressed),
                 "updater": self.updater.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -310,7 +299,7 @@ class SparsityEngine(SlotSet):
         Raises:
             ValueError: the state does not fit (see :mod:`sparse_training.engine.state`).
         """
-        self._restore(state, *checked_masks(state, self.config, self.slots, self.compressed))
+        self._restore(state, *checked_masks(state, self.config, self.masked, self.compressed))
 
 
 def _of_optimizer(slots: list, optimizer: Optimizer) -> list:

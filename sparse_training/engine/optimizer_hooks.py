@@ -24,7 +24,6 @@ from sparse_training.kernels import zero_pruned_
 if TYPE_CHECKING:
     from sparse_training.engine.protocol import Slot
     from sparse_training.engine.slot_set import SlotSet
-    from sparse_training.engine.slots import MaskedSlot
     from sparse_training.engine.updaters import ScheduledMasks
 
 _GRAD = operator.attrgetter("grad")
@@ -32,21 +31,19 @@ _GRAD = operator.attrgetter("grad")
 
 class Attached:
     """An optimizer's slots and the lists its per-step passes read, built once (the hot
-    path is a few C-level maps, not a Python loop over slots). ``compressed``: its
-    compressed layers' slots; regrowth moves the block layers' blocks, and the 2:4 layers'
-    dense weights (``masked_dense``) are masked with the masked slots: ``enforced``.
-    ``groups``: the optimizer's parameter groups when they were read."""
+    path is a few C-level maps, not a Python loop over slots): the ``enforced`` slots'
+    weights and gradients are masked (masked-dense tensors, 2:4 layers' dense weights),
+    the others keep their structure themselves (block layers). ``groups``: the optimizer's
+    parameter groups when they were read."""
 
-    def __init__(self, slots: list[MaskedSlot], compressed: list[Slot],
-                 groups: int) -> None:
+    def __init__(self, slots: list[Slot], groups: int) -> None:
         self.handles: list[RemovableHandle] = []
-        self.use(slots, compressed, groups)
+        self.use(slots, groups)
 
-    def use(self, slots: list[MaskedSlot], compressed: list[Slot],
-            groups: int) -> None:
+    def use(self, slots: list[Slot], groups: int) -> None:
         """Serve these slots from now on (the hooks keep this object)."""
-        self.slots, self.compressed, self.groups = slots, compressed, groups
-        self.enforced = [*slots, *(c for c in compressed if c.masked_dense)]
+        self.slots, self.groups = slots, groups
+        self.enforced = [s for s in slots if s.enforced]
         self.params = [s.param for s in self.enforced]
         # FSDP2's DTensors: their local shards are zeroed, looked up at every pass (FSDP
         # swaps a parameter's local tensor at its lazy init)
@@ -57,17 +54,12 @@ class Attached:
         self._by_param: dict[Tensor, Tensor] = {}
 
     def start(self, optimizer: Optimizer, dense_state: bool) -> None:
-        """From now on the optimizer's step masks the 2:4 layers' gradients (the layers need
-        not); unless the updater keeps ``dense_state`` (SR-STE), the state from dense steps
-        before and the weights are zeroed where pruned."""
-        for slot in self.enforced[len(self.slots):]:
-            slot.layer.masks_gradient = False
-        if not dense_state:
-            with torch.no_grad():
-                for slot in self.slots:
-                    for value in slot.state_tensors(optimizer):
-                        value.masked_fill_(~slot.mask, 0)
-                zero_pruned_([s.local_param for s in self.slots], [s.mask for s in self.slots])
+        """The optimizer trains the slots from now on (:meth:`Slot.attach
+        <sparse_training.engine.protocol.Slot.attach>`: unless the updater keeps
+        ``dense_state``, state and weights are zeroed where pruned; a 2:4 layer leaves
+        masking its gradient to the step)."""
+        for slot in self.slots:
+            slot.attach(optimizer, dense_state)
 
     @property
     def masks(self) -> list[Tensor]:

@@ -1,9 +1,10 @@
 """The slots of one model and every change to their masks: what an updater works on.
 
-:class:`SlotSet` holds the model's slots (:mod:`sparse_training.engine.slots`, and the
-compressed layers' own), installs new masks (zeroing pruned weights and, where positions
-restart, their optimizer state; checked across ranks), moves compressed layers' blocks,
-and counts the sparsity after every change. :class:`~sparse_training.engine.SparsityEngine`
+:class:`SlotSet` holds the model's slots in one list (the :class:`~sparse_training.engine.
+protocol.Slot` protocol: masked-dense tensors and compressed layers alike), installs new
+masks through them (each writes its weight and optimizer state under its mask; checked
+across ranks), makes their recorded dense gradients comparable (averaged over ranks and
+unscaled, here only), and counts the sparsity after every change. :class:`~sparse_training.engine.SparsityEngine`
 is a SlotSet with a lifecycle (selection, optimizer hooks, state); updaters
 (:mod:`sparse_training.engine.updaters`) see the SlotSet only.
 """
@@ -17,15 +18,18 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from sparse_training.engine.distributed import check_across_ranks
+from sparse_training.engine.distributed import average_across_ranks, check_across_ranks
+from sparse_training.engine.protocol import Slot
+from sparse_training.engine.sharding import local
 from sparse_training.engine.slots import MaskedSlot, whole_counts
 from sparse_training.kernels import zero_pruned_
 
 
 class SlotSet:
-    """The masked-dense ``slots`` and ``compressed`` layers' slots of one model.
+    """The slots of one model, masked-dense and compressed, in model order.
 
     Args:
+        slots: every slot (:class:`~sparse_training.engine.protocol.Slot`).
         streams: each tensor's random stream (its index in model order over masked and
             compressed tensors: a tensor draws the same scores either way).
         pooled_sparsity: the model-wide final sparsity, for tensors the global
@@ -35,29 +39,40 @@ class SlotSet:
     Attributes:
         loss_scale: the loss scale of the gradients at the optimizer step (an AMP
             GradScaler's; the Lightning callback sets it): recorded dense gradients are
-            divided by it.
+            divided by it (:meth:`reduce_dense_gradients`).
     """
 
-    def __init__(self, slots: list[MaskedSlot], compressed: list[Any], streams: dict[str, int],
+    def __init__(self, slots: list[Slot], streams: dict[str, int],
                  pooled_sparsity: float | None, check_masks: bool) -> None:
-        self.slots, self.compressed, self.streams = slots, compressed, streams
+        self.slots, self.streams = slots, streams
         self.pooled_sparsity, self.check_masks = pooled_sparsity, check_masks
         self._attached: dict[Optimizer, Any] = {}  # the optimizers whose state follows
         self._stats: dict[str, float] = {}  # counted by recount at every mask change
         self.loss_scale: Callable[[], float] = lambda: 1.0
 
     @property
+    def masked(self) -> list[MaskedSlot]:
+        """The masked-dense slots: the selected tensors, whose masks the schedule sets."""
+        return [s for s in self.slots if not s.compressed]
+
+    @property
+    def compressed(self) -> list[Slot]:
+        """The compressed layers' slots, which hold their own sparsity."""
+        return [s for s in self.slots if s.compressed]
+
+    @property
     def masked_final_sparsity(self) -> float:
         """The mean final target over the masked weights (schedules scale it)."""
-        total = sum(s.plan.numel for s in self.slots)
-        return sum(s.plan.numel * (self.pooled_sparsity if s.plan.sparsity is None
-                                   else s.plan.sparsity) for s in self.slots) / max(total, 1)
+        masked = self.masked
+        total = sum(s.numel for s in masked)
+        return sum(s.numel * (self.pooled_sparsity if s.plan.sparsity is None
+                              else s.plan.sparsity) for s in masked) / max(total, 1)
 
     def overall(self, masked: float) -> float:
         """``masked`` (a sparsity of the masked weights) with the compressed layers' zeros:
         the fraction over every selected and compressed weight."""
-        numel = sum(s.plan.numel for s in self.slots)
-        total = numel + sum(s.numel for s in self.compressed)
+        numel = sum(s.numel for s in self.masked)
+        total = sum(s.numel for s in self.slots)
         zeros = sum(self.tensor_sparsity[s.name] * s.numel for s in self.compressed)
         return (masked * numel + zeros) / total if total else 0.0
 
@@ -66,9 +81,7 @@ class SlotSet:
         for sharded tensors): a later read of :attr:`tensor_sparsity` communicates nothing,
         so one rank alone may read it."""
         kept, _ = whole_counts(self.slots)
-        self._stats = {s.name: 1.0 - k / s.plan.numel
-                       for s, k in zip(self.slots, kept, strict=True)}
-        self._stats.update({s.name: s.layer.sparsity for s in self.compressed})
+        self._stats = {s.name: s.sparsity(k) for s, k in zip(self.slots, kept, strict=True)}
 
     @property
     def tensor_sparsity(self) -> dict[str, float]:
@@ -79,54 +92,57 @@ class SlotSet:
     @property
     def sparsity(self) -> float:
         """Fraction of zeros over all selected and compressed weights."""
-        numel = sum(s.plan.numel for s in self.slots)
-        masked = sum(self.tensor_sparsity[s.name] * s.plan.numel for s in self.slots)
-        return self.overall(masked / numel if numel else 0.0)
+        masked = self.masked
+        numel = sum(s.numel for s in masked)
+        zeros = sum(self.tensor_sparsity[s.name] * s.numel for s in masked)
+        return self.overall(zeros / numel if numel else 0.0)
 
     @torch.no_grad()
     def set_masks(self, new_masks: dict[str, Tensor], step: int | None, broadcast: bool,
-                  reset_state: bool = True, check: bool = True) -> None:
-        """Install masks (keyed by tensor name; of the whole tensors, sharded ones too):
-        zero the pruned weights and, with ``reset_state``, every optimizer-state tensor
-        wherever a position is not kept in both the old and the new mask (pruned, or grown
-        and so starting from zero).
+                  reset_state: bool = True, check: bool = True,
+                  gradients: dict[str, Tensor] | None = None) -> None:
+        """Install masks (keyed by tensor name; of the whole tensors, sharded ones too; a
+        block layer's block grid) through each slot (:meth:`Slot.set_mask
+        <sparse_training.engine.protocol.Slot.set_mask>`): the weights follow, and, with
+        ``reset_state``, the optimizer state restarts wherever a position is not kept in
+        both the old and the new mask; a moved block takes its block of ``gradients``.
         Under torch.distributed, rank 0's masks are broadcast (``broadcast``) and checksums
-        compared (``check`` and :attr:`check_masks`; of the new whole masks of sharded
-        tensors)."""
+        compared (``check`` and :attr:`check_masks`) of the new masks and of every
+        unsharded masked-dense one."""
+        gradients = gradients or {}
         for slot in self.slots:
-            new = new_masks.get(slot.name)
-            if new is None:
-                continue
-            restart = slot.set_mask(new)
-            if reset_state:
-                for optimizer in self._attached:
-                    for value in slot.state_tensors(optimizer):
-                        value.masked_fill_(restart, 0)
+            if (new := new_masks.get(slot.name)) is not None:
+                slot.set_mask(new, self._attached, reset_state, gradients.get(slot.name))
         self.recount()
         if check:
-            check_across_ranks([s for s in self.slots if not s.sharded or s.name in new_masks],
+            check_across_ranks([s for s in self.slots if s.name in new_masks
+                                or not (s.sharded or s.compressed)],
                                step, broadcast, self.check_masks, new_masks)
 
-    def move_blocks(self, new_masks: dict[str, Tensor], step: int,
-                    gradients: dict[str, Tensor]) -> None:
-        """Move compressed layers' blocks to ``new_masks`` (block grids keyed by tensor
-        name, same counts): values, gradients and optimizer state follow kept blocks, new
-        ones start at zero with their block of the dense ``gradients``
-        (``BlockSparseSlot.move``); checksums compared across ranks."""
-        moved = [s for s in self.compressed if s.name in new_masks]
-        for slot in moved:
-            slot.move(new_masks[slot.name], self._attached, gradients.get(slot.name))
-        self.recount()
-        check_across_ranks(moved, step, False, self.check_masks)
+    @torch.no_grad()
+    def reduce_dense_gradients(self, slots: Iterable[Slot]) -> None:
+        """The dense gradients ``slots`` recorded (compressed layers: each rank's own
+        micro-batches, loss-scaled under AMP), averaged over the ranks as DDP averages
+        gradients and divided by the loss scale, in place: the one place where recorded
+        gradients become comparable to masked-dense ones (those DDP and the AMP unscaling
+        before ``on_before_optimizer_step`` have served)."""
+        recorded = [s.dense_gradient for s in slots if s.records_gradient]
+        recorded = [g for g in recorded if g is not None]
+        average_across_ranks(recorded)
+        scale = self.loss_scale()
+        for gradient in recorded:
+            gradient.div_(scale)
 
-    def zero_pruned_gradients(self, slots: Iterable[MaskedSlot]) -> None:
-        """Zero the gradients of pruned weights, one multi-tensor pass."""
-        pairs = [(s.local_grad, s.mask) for s in slots if s.param.grad is not None]
+    def zero_pruned_gradients(self, slots: Iterable[Slot]) -> None:
+        """Zero the gradients of the pruned weights of the enforced ``slots``, one
+        multi-tensor pass."""
+        pairs = [(local(s.param.grad), s.mask) for s in slots
+                 if s.enforced and s.param.grad is not None]
         if pairs:
             zero_pruned_(*zip(*pairs, strict=True))
 
-    def zero_pruned_weights(self, slots: Iterable[MaskedSlot]) -> None:
-        """Zero the pruned weights, one multi-tensor pass."""
-        slots = list(slots)
+    def zero_pruned_weights(self, slots: Iterable[Slot]) -> None:
+        """Zero the pruned weights of the enforced ``slots``, one multi-tensor pass."""
+        slots = [s for s in slots if s.enforced]
         with torch.no_grad():
-            zero_pruned_([s.local_param for s in slots], [s.mask for s in slots])
+            zero_pruned_([local(s.param) for s in slots], [s.mask for s in slots])

@@ -18,7 +18,7 @@ answers them through its own slot (:mod:`sparse_training.layers.storage`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -35,12 +35,13 @@ from sparse_training.engine.sharding import (
     totals_like,
 )
 from sparse_training.engine.tensors import WeightTensor
+from sparse_training.pieces.patterns import Pattern
 
 MASK_SUFFIX = "_mask"
 
 
 class MaskedSlot:
-    """A selected tensor in masked-dense form.
+    """A selected tensor in masked-dense form (a :class:`~sparse_training.engine.protocol.Slot`).
 
     Args:
         plan: the tensor's row of the setup table.
@@ -48,6 +49,8 @@ class MaskedSlot:
     """
 
     compressed = False
+    enforced = True  # the optimizer hooks keep its pruned weights and gradients zero
+    records_gradient = False  # its gradient is dense: the parameter's own
 
     def __init__(self, plan: TensorPlan, tensor: WeightTensor) -> None:
         self.plan, self.tensor = plan, tensor
@@ -59,6 +62,18 @@ class MaskedSlot:
     @property
     def name(self) -> str:
         return self.plan.name
+
+    @property
+    def numel(self) -> int:
+        return self.plan.numel
+
+    @property
+    def grid_pattern(self) -> Pattern:
+        return self.plan.pattern
+
+    @property
+    def input_dim(self) -> int:
+        return self.plan.input_dim
 
     @property
     def param(self) -> nn.Parameter:
@@ -115,16 +130,25 @@ class MaskedSlot:
             self.module.register_buffer(self.mask_key, mask, persistent=False)
 
     @torch.no_grad()
-    def set_mask(self, mask: Tensor) -> Tensor:
+    def set_mask(self, mask: Tensor, optimizers: Iterable[Optimizer] = (),
+                 reset_state: bool = True, gradient: Tensor | None = None) -> None:
         """Install ``mask``, the whole tensor's (this rank keeps its shard of it), and zero
-        the pruned weights; returns the local positions whose optimizer state must restart
-        (not kept in both the old and the new mask)."""
+        the pruned weights; with ``reset_state``, the state of ``optimizers`` restarts
+        (zero) wherever a position is not kept in both the old and the new mask (pruned,
+        or grown and so starting from zero). A grown weight's gradient is its own:
+        ``gradient`` is not needed."""
         if self.sharded:
             mask = shard_like(mask, self.param)
         restart = ~(mask & self.mask)
         self.mask.copy_(mask)
         self.local_param.masked_fill_(~self.mask, 0)
-        return restart
+        if reset_state:
+            for optimizer in optimizers:
+                for value in self.state_tensors(optimizer):
+                    value.masked_fill_(restart, 0)
+
+    def sparsity(self, kept: int) -> float:
+        return 1.0 - kept / self.numel
 
     @property
     def movable(self) -> bool:
@@ -147,6 +171,18 @@ class MaskedSlot:
         return None if grad is None else full(grad)
 
     @property
+    def gradient_ready(self) -> bool:
+        return self.param.grad is not None
+
+    def drop_scores(self) -> Tensor:
+        """The whole weight (drop ranks its ``|w|``)."""
+        return self.full_param()
+
+    def grow_scores(self, scores: Tensor) -> Tensor:
+        """``scores`` as they are: the mask is the weight's."""
+        return scores
+
+    @property
     def local_grad(self) -> Tensor | None:
         """The gradient's local shard (the gradient itself when not sharded)."""
         grad = self.param.grad
@@ -160,6 +196,18 @@ class MaskedSlot:
     def forward_weight(self) -> Tensor:
         """The tensor the forward pass uses (a parametrization evaluated)."""
         return self.tensor.forward_weight()
+
+    @torch.no_grad()
+    def attach(self, optimizer: Optimizer, dense_state: bool) -> None:
+        """Unless the updater keeps ``dense_state`` (SR-STE), zero the state of dense steps
+        before, and the weights, where pruned."""
+        if not dense_state:
+            for value in self.state_tensors(optimizer):
+                value.masked_fill_(~self.mask, 0)
+            self.local_param.masked_fill_(~self.mask, 0)
+
+    def detach(self) -> None:
+        """Nothing to give back: the mask buffer stays on the model."""
 
 
 def state_tensors(optimizer: Optimizer, param: Tensor) -> list[Tensor]:

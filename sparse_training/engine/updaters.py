@@ -3,14 +3,15 @@
 The engine calls its updater at four points of every optimizer step (jaxpruner's split of
 one updater into overridable steps):
 
-- ``on_step_start(slots, step)``: before the forward pass; scheduled mask updates;
-- ``before_step(slots, attached, step)``: after backward, before ``optimizer.step``, while
+- ``on_step_start(engine, step)``: before the forward pass; scheduled mask updates;
+- ``before_step(engine, slots, step)``: after backward, before ``optimizer.step``, while
   the gradients are still dense (regrowth reads them);
-- ``after_step(slots, attached)``: after an ``optimizer.step`` that ran;
-- ``on_step_end(slots)``: after the batch, whether or not the step ran.
+- ``after_step(engine, slots)``: after an ``optimizer.step`` that ran;
+- ``on_step_end(engine)``: after the batch, whether or not the step ran.
 
-``slots`` is the model's :class:`~sparse_training.engine.slot_set.SlotSet`. An updater is
-built from typed pieces (:func:`make_updater`), never from the settings:
+``engine`` is the model's :class:`~sparse_training.engine.slot_set.SlotSet` (all an updater
+sees of the engine), ``slots`` the slots of the optimizer stepping. An updater is built
+from typed pieces (:func:`make_updater`), never from the settings:
 
 - :class:`ScheduledMasks`: a schedule (:mod:`sparse_training.pieces.schedules`) and a score
   (:mod:`sparse_training.pieces.scores`): magnitude or seeded random masks, one-shot (ASP),
@@ -32,11 +33,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from sparse_training.engine.distributed import average_across_ranks
 from sparse_training.engine.slot_set import SlotSet
 from sparse_training.engine.slots import whole_counts
 from sparse_training.pieces.masks import global_masks, pattern_masks
-from sparse_training.pieces.patterns import parse_pattern
+from sparse_training.pieces.patterns import Pattern
 from sparse_training.pieces.regrowth import Regrowth, SparseRefinement, drop_and_grow
 from sparse_training.pieces.schedules import Schedule, parse_schedule
 from sparse_training.pieces.scores import Score
@@ -108,14 +108,14 @@ class ScheduledMasks:
                      created: bool) -> None:
         """Every mask at ``fraction`` of its tensor's final sparsity."""
         new_masks: dict[str, Tensor] = {}
-        pooled = [s for s in engine.slots if s.plan.sparsity is None]  # global distribution
+        pooled = [s for s in engine.masked if s.plan.sparsity is None]  # global distribution
         if pooled:
             masks = global_masks([s.full_param() for s in pooled], pooled[0].plan.pattern,
                                  engine.pooled_sparsity * fraction,
                                  [self.score(engine, s, step) for s in pooled],
                                  [s.plan.input_dim for s in pooled])
             new_masks.update({s.name: m for s, m in zip(pooled, masks, strict=True)})
-        fixed = [s for s in engine.slots if s.plan.sparsity is not None]
+        fixed = [s for s in engine.masked if s.plan.sparsity is not None]
         for (pattern, target), indices in _by_target(fixed).items():  # one ranking per shape
             group = [fixed[i] for i in indices]
             scores = [self.score(engine, s, step) for s in group]
@@ -181,13 +181,14 @@ class DropAndGrow(ScheduledMasks):
         return (step - start) // self.schedule.frequency
 
     def on_step_start(self, engine: SlotSet, step: int) -> bool:
-        """Scheduled updates; then compressed layers record the dense gradient (RigL) at
-        the steps where they are due to regrow."""
+        """Scheduled updates; then slots without a dense gradient of their own (compressed
+        block layers) record it at the steps where they are due to regrow."""
         changed = super().on_step_start(engine, step)
         period = self._period(step)
-        for slot in engine.compressed:
-            slot.recording = slot.movable and period is not None and (
-                self.regrown_period.get(slot.name, -1) < period)
+        for slot in engine.slots:
+            if slot.records_gradient:
+                slot.recording = period is not None and (
+                    self.regrown_period.get(slot.name, -1) < period)
         return changed
 
     def before_step(self, engine: SlotSet, slots: list[Slot], step: int) -> None:
@@ -197,16 +198,14 @@ class DropAndGrow(ScheduledMasks):
                 self._regrow_due(engine, slots, step, period)
         finally:  # a recorded gradient serves one step's update
             for slot in slots:
-                if slot.compressed:
+                if slot.records_gradient:
                     slot.clear_gradient()
 
     def _regrow_due(self, engine: SlotSet, slots: list[Slot], step: int,
                     period: int) -> None:
         due = [s for s in slots if self.regrown_period.get(s.name, -1) < period]
         # dense tensors have nothing to swap, unused ones no gradient: they count as done
-        # (a masked tensor's dense gradient is its gradient, gathered when sharded: not here)
-        swap = [s for s in due if s.movable and s.param.grad is not None
-                and (not s.compressed or s.dense_gradient is not None)]
+        swap = [s for s in due if s.movable and s.gradient_ready]
         kept, nonfinite = whole_counts(swap, gradients=True)
         if nonfinite:
             return  # an AMP overflow step: no swaps; the next step of the period retries
@@ -214,7 +213,7 @@ class DropAndGrow(ScheduledMasks):
             self.regrown_period[slot.name] = period
         if swap:
             self.regrow(engine, swap, step, kept)
-        if len(self.regrown_period) == len(engine.slots) + len(engine.compressed) and all(
+        if len(self.regrown_period) == len(engine.slots) and all(
                 p == period for p in self.regrown_period.values()):
             self._period_done = period
 
@@ -224,29 +223,17 @@ class DropAndGrow(ScheduledMasks):
         """Drop and grow in ``slots`` (``kept``: their masks' counts, if known)."""
         fraction = self.regrowth.fraction(step)
         kept = kept if kept is not None else whole_counts(slots)[0]
-        masked = [i for i, s in enumerate(slots) if not s.compressed]
-        compressed = [i for i, s in enumerate(slots) if s.compressed]
+        engine.reduce_dense_gradients(slots)
         new_masks = {}
-        for (pattern, _), indices in _by_target([slots[i] for i in masked]).items():
-            group = [slots[masked[i]] for i in indices]
-            masks = drop_and_grow([s.full_mask() for s in group], [s.full_param() for s in group],
-                                  [self.grow_score(engine, s, step) for s in group], pattern,
-                                  fraction, [kept[masked[i]] for i in indices],
-                                  [s.plan.input_dim for s in group])
+        for pattern, indices in _by_pattern(slots).items():  # one ranking per shape
+            group = [slots[i] for i in indices]
+            masks = drop_and_grow(
+                [s.full_mask() for s in group], [s.drop_scores() for s in group],
+                [s.grow_scores(self.grow_score(engine, s, step)) for s in group], pattern,
+                fraction, [kept[i] for i in indices], [s.input_dim for s in group])
             new_masks.update({s.name: m for s, m in zip(group, masks, strict=True)})
-        if new_masks:
-            engine.set_masks(new_masks, step, broadcast=False)
-        if compressed:  # on the block grids: one block is one entry
-            group = [slots[i] for i in compressed]
-            # each rank recorded its own micro-batches, loss-scaled under AMP
-            average_across_ranks([s.dense_gradient for s in group])
-            scale = engine.loss_scale()
-            gradients = {s.name: s.dense_gradient.div_(scale) for s in group}
-            scores = [s.block_scores(self.grow_score(engine, s, step)) for s in group]
-            masks = drop_and_grow([s.mask for s in group], [s.magnitudes() for s in group],
-                                  scores, _ENTRIES, fraction, [kept[i] for i in compressed])
-            engine.move_blocks({s.name: m for s, m in zip(group, masks, strict=True)}, step,
-                               gradients)
+        engine.set_masks(new_masks, step, broadcast=False, gradients={
+            s.name: s.dense_gradient for s in slots if s.records_gradient})
         self.last_regrow = step
 
     def state_dict(self) -> dict[str, Any]:
@@ -287,17 +274,17 @@ class SparseRefinedSTE(ScheduledMasks):
         due = self.schedule.latest_update_step(step)
         if due is None:
             return False
-        created = not self.dense
+        created, masked = not self.dense, engine.masked
         if created:
-            self.dense = {s.name: s.param.detach().clone() for s in engine.slots}
-        elif next(iter(self.dense.values())).device != engine.slots[0].param.device:
-            self.dense = {s.name: self.dense[s.name].to(s.param.device) for s in engine.slots}
+            self.dense = {s.name: s.param.detach().clone() for s in masked}
+        elif next(iter(self.dense.values())).device != masked[0].param.device:
+            self.dense = {s.name: self.dense[s.name].to(s.param.device) for s in masked}
         fraction = self.schedule.fraction(step)
-        for slot in engine.slots:
+        for slot in masked:
             slot.param.copy_(self.dense[slot.name])
         masks = {}
-        for (pattern, target), indices in _by_target(engine.slots).items():
-            group = [engine.slots[i] for i in indices]
+        for (pattern, target), indices in _by_target(masked).items():
+            group = [masked[i] for i in indices]
             found = pattern_masks([s.param for s in group], pattern, target * fraction,
                                   input_dims=[s.plan.input_dim for s in group])
             masks.update({s.name: m for s, m in zip(group, found, strict=True)})
@@ -308,20 +295,22 @@ class SparseRefinedSTE(ScheduledMasks):
         return True
 
     @torch.no_grad()
-    def before_step(self, engine: SlotSet, slots: list[MaskedSlot], step: int) -> None:
+    def before_step(self, engine: SlotSet, slots: list[Slot], step: int) -> None:
         if not self.dense:
             return
         for slot in slots:
-            dense = self.dense[slot.name]
+            dense = self.dense.get(slot.name)
+            if dense is None:  # a compressed layer's: no dense weights kept aside
+                continue
             if slot.param.grad is not None:
                 self.refinement(slot.param.grad, dense, slot.mask)
             slot.param.copy_(dense)
             self._dense_in_params.add(slot.name)
 
     @torch.no_grad()
-    def after_step(self, engine: SlotSet, slots: list[MaskedSlot]) -> None:
-        if self.dense:
-            for slot in slots:
+    def after_step(self, engine: SlotSet, slots: list[Slot]) -> None:
+        for slot in slots:
+            if slot.name in self.dense:  # not a compressed layer's
                 self.dense[slot.name].copy_(slot.param)
                 self._dense_in_params.discard(slot.name)
 
@@ -331,7 +320,7 @@ class SparseRefinedSTE(ScheduledMasks):
         weights."""
         if self._dense_in_params:
             engine.zero_pruned_weights(
-                [s for s in engine.slots if s.name in self._dense_in_params])
+                [s for s in engine.masked if s.name in self._dense_in_params])
             self._dense_in_params.clear()
 
     def state_dict(self) -> dict[str, Any]:
@@ -342,6 +331,14 @@ class SparseRefinedSTE(ScheduledMasks):
         self.dense = dict(state["dense"])  # moved to the weights' device at the next step
 
 
+def _by_pattern(slots: list[Slot]) -> dict[Pattern, list[int]]:
+    """Indices of ``slots`` grouped by the pattern regrowth applies to their masks."""
+    groups: dict[Pattern, list[int]] = {}
+    for i, slot in enumerate(slots):
+        groups.setdefault(slot.grid_pattern, []).append(i)
+    return groups
+
+
 def _by_target(slots: list[MaskedSlot]) -> dict[tuple[Any, float | None], list[int]]:
     """Indices of ``slots`` grouped by (pattern, final sparsity): what one ranking serves."""
     groups: dict[tuple[Any, float | None], list[int]] = {}
@@ -350,7 +347,6 @@ def _by_target(slots: list[MaskedSlot]) -> dict[tuple[Any, float | None], list[i
     return groups
 
 
-_ENTRIES = parse_pattern("unstructured")  # a compressed layer's block grid: entry by entry
 
 
 

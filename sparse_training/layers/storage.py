@@ -5,10 +5,10 @@ A compressed layer holds its own sparsity, so the engine never masks it; it read
 writes the layer through its slot. :class:`BlockSparseSlot` is a block grid whose kept
 blocks regrowth moves (their count never changes); :class:`SemiStructuredSlot` is a 2:4
 weight with a fixed mask, which the optimizer hooks mask as they mask a masked-dense one
-(:attr:`~CompressedSlot.masked_dense`).
+(``enforced``).
 
 The dense gradient RigL grows by does not exist in a compressed layer: while
-:attr:`~CompressedSlot.recording`, a forward hook adds ``dY^T X`` of each micro-batch to a
+:attr:`~BlockSparseSlot.recording`, a forward hook adds ``dY^T X`` of each micro-batch to a
 float32 buffer of the dense weight's shape (the update steps only: a dense-sized buffer and
 one dense matmul per micro-batch there, nothing at other steps). It ranks RigL's growth and
 is the first gradient of every grown block (RigL and SET).
@@ -29,6 +29,7 @@ from sparse_training.engine.protocol import CompressedLayer, LayerForm
 from sparse_training.engine.slots import state_tensors
 from sparse_training.kernels.block_sparse import dense_to_values
 from sparse_training.layers.blocks import gather_blocks
+from sparse_training.pieces.patterns import Pattern, parse_pattern
 
 
 class CompressedSlot:
@@ -43,19 +44,11 @@ class CompressedSlot:
     # the mask is replicated on every rank (a sharded block layer's values split along the
     # kept blocks; the engine refuses moving them, and 2:4 layers with sharded weights)
     sharded = False
-    movable = False  # whether regrowth moves its kept blocks
+    input_dim = 1
     unit = "entries"  # what one entry of the mask keeps
 
     def __init__(self, name: str, layer: CompressedLayer) -> None:
         self.name, self.layer = name, layer
-        self._gradient: Tensor | None = None
-        self._hook: RemovableHandle | None = None
-
-    @property
-    def masked_dense(self) -> bool:
-        """A dense weight with zeros, which the optimizer hooks mask as they mask
-        MaskedSlots (its gradient too, so the layer need not)."""
-        return not self.movable
 
     @property
     def module(self) -> nn.Module:
@@ -88,40 +81,19 @@ class CompressedSlot:
         """Entries of the dense weight."""
         return self.layer.out_features * self.layer.in_features
 
-    @property
-    def recording(self) -> bool:
-        return self._hook is not None
-
-    @recording.setter
-    def recording(self, on: bool) -> None:
-        if on and self._hook is None:
-            self._hook = self.layer.register_forward_hook(self._record)
-        elif not on and self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-
-    @property
-    def dense_gradient(self) -> Tensor | None:
-        """``sum over micro-batches of dY^T X`` since :meth:`clear_gradient`, float32, or
-        None if nothing was recorded (loss-scaled under AMP: a constant factor, which no
-        ranking sees)."""
-        return self._gradient
-
-    def clear_gradient(self) -> None:
-        self._gradient = None
-
-    def _record(self, module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
-        if output.requires_grad:
-            output.register_hook(functools.partial(self._accumulate, inputs[0].detach()))
-
-    def _accumulate(self, x: Tensor, grad_out: Tensor) -> None:
-        gradient = grad_out.reshape(-1, grad_out.shape[-1]).T.float() @ x.reshape(
-            -1, x.shape[-1]).float()
-        self._gradient = gradient if self._gradient is None else self._gradient.add_(gradient)
+    def sparsity(self, kept: int) -> float:
+        """The layer's own count (a block layer's overhanging blocks hold fewer entries)."""
+        return self.layer.sparsity
 
     def held(self) -> Tensor:
         """What each mask entry holds, zero where it holds nothing (see the subclasses)."""
         raise NotImplementedError
+
+    def attach(self, optimizer: Optimizer, dense_state: bool) -> None:
+        """Nothing to do: the layer keeps its structure under any optimizer."""
+
+    def detach(self) -> None:
+        """Nothing to give back."""
 
     @torch.no_grad()
     def restore_problem(self, mask: Tensor) -> str | None:
@@ -142,8 +114,17 @@ class BlockSparseSlot(CompressedSlot):
     each block's entries, as a masked block pattern does
     (:func:`~sparse_training.pieces.regrowth.drop_and_grow` on the block grid)."""
 
-    movable = True
+    movable = True  # regrowth moves its kept blocks
+    enforced = False  # only the kept blocks exist: nothing to mask
+    records_gradient = True  # RigL's dense gradient, recorded while due (module docstring)
+    grid_pattern = parse_pattern("unstructured")  # one block is one entry of the grid
+    mask_key = "block_mask"
     unit = "blocks"
+
+    def __init__(self, name: str, layer: CompressedLayer) -> None:
+        super().__init__(name, layer)
+        self._gradient: Tensor | None = None
+        self._hook: RemovableHandle | None = None
 
     @property
     def mask(self) -> Tensor:
@@ -155,7 +136,42 @@ class BlockSparseSlot(CompressedSlot):
         r, c = self.layer.block
         return LayerForm(f"block:{r}x{c}", tuple(self.mask.shape), self.layer.nnz)
 
-    def block_scores(self, scores: Tensor) -> Tensor:
+    @property
+    def recording(self) -> bool:
+        return self._hook is not None
+
+    @recording.setter
+    def recording(self, on: bool) -> None:
+        if on and self._hook is None:
+            self._hook = self.layer.register_forward_hook(self._record)
+        elif not on and self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    @property
+    def dense_gradient(self) -> Tensor | None:
+        """``sum over micro-batches of dY^T X`` since :meth:`clear_gradient`, float32, or
+        None if nothing was recorded (loss-scaled under AMP: a constant factor, which no
+        ranking sees)."""
+        return self._gradient
+
+    @property
+    def gradient_ready(self) -> bool:
+        return self.param.grad is not None and self._gradient is not None
+
+    def clear_gradient(self) -> None:
+        self._gradient = None
+
+    def _record(self, module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+        if output.requires_grad:
+            output.register_hook(functools.partial(self._accumulate, inputs[0].detach()))
+
+    def _accumulate(self, x: Tensor, grad_out: Tensor) -> None:
+        gradient = grad_out.reshape(-1, grad_out.shape[-1]).T.float() @ x.reshape(
+            -1, x.shape[-1]).float()
+        self._gradient = gradient if self._gradient is None else self._gradient.add_(gradient)
+
+    def grow_scores(self, scores: Tensor) -> Tensor:
         """Float32 ``(block_rows, block_cols)`` sums of ``|scores|`` (dense-shaped) over each
         block's entries inside the weight."""
         (r, c), (rows, cols) = self.layer.block, self.mask.shape
@@ -171,23 +187,27 @@ class BlockSparseSlot(CompressedSlot):
             self.param.detach().abs().float().sum((1, 2)))
         return grid
 
-    held = magnitudes
+    held = drop_scores = magnitudes
+
+    def forward_weight(self) -> Tensor:
+        """The dense weight, zeros at dropped blocks (differentiable in ``values``)."""
+        return self.layer.weight
+
+    def detach(self) -> None:
+        """Stop recording; drop what was recorded."""
+        self.recording = False
+        self.clear_gradient()
 
     @torch.no_grad()
-    def set_mask(self, mask: Tensor, optimizers: Iterable[Optimizer]) -> None:
-        """Keep the block grid ``mask`` (same count) where it differs from the layer's:
-        blocks move (:meth:`move`: values and optimizer state follow, new blocks start at
-        zero)."""
-        if not torch.equal(mask, self.mask):
-            self.move(mask, optimizers)
-
-    @torch.no_grad()
-    def move(self, mask: Tensor, optimizers: Iterable[Optimizer],
-             gradient: Tensor | None = None) -> None:
-        """Keep the blocks of ``mask`` (same count) between backward and the optimizer
-        step: a block kept before keeps its values, gradient and optimizer state; a newly
-        kept block starts with zero values and state and takes its block of the dense
-        ``gradient`` (zero without one), as a grown masked-dense weight does."""
+    def set_mask(self, mask: Tensor, optimizers: Iterable[Optimizer] = (),
+                 reset_state: bool = True, gradient: Tensor | None = None) -> None:
+        """Keep the blocks of the grid ``mask`` (same count) where it differs from the
+        layer's, between backward and the optimizer step: a block kept before keeps its
+        values, gradient and optimizer state; a newly kept block starts with zero values
+        and state and takes its block of the dense ``gradient`` (zero without one), as a
+        grown masked-dense weight does."""
+        if torch.equal(mask.to(self.mask.device), self.mask):
+            return
         sources = self.layer.block_sources(mask)
         self.layer.set_block_mask(mask, gather_blocks(self.param, sources))
         grad = self.param.grad
@@ -206,6 +226,9 @@ class SemiStructuredSlot(CompressedSlot):
     """A 2:4 :class:`~sparse_training.layers.semi_structured.SemiStructuredLinear`: a dense
     weight under a fixed mask, never moved."""
 
+    movable = False  # a fixed mask
+    enforced = True  # a dense weight with zeros: the hooks mask it as a MaskedSlot
+    records_gradient = False
     mask_key = "mask"  # the layer's dense mask buffer, which the optimizer hooks read
 
     @property
@@ -217,18 +240,52 @@ class SemiStructuredSlot(CompressedSlot):
     def form(self) -> LayerForm:
         return LayerForm(self.layer.pattern, tuple(self.dense_shape))
 
+    @property
+    def grid_pattern(self) -> Pattern:
+        return parse_pattern(self.layer.pattern)
+
+    @property
+    def dense_gradient(self) -> Tensor | None:
+        """The weight's gradient: the weight is dense."""
+        return self.param.grad
+
+    @property
+    def gradient_ready(self) -> bool:
+        return self.param.grad is not None
+
+    def forward_weight(self) -> Tensor:
+        """The weight under its mask."""
+        return self.layer.weight * self.mask
+
+    def drop_scores(self) -> Tensor:
+        return self.param.detach()
+
+    def grow_scores(self, scores: Tensor) -> Tensor:
+        return scores
+
     def held(self) -> Tensor:
         """The weight itself."""
         return self.param.detach()
 
     @torch.no_grad()
-    def set_mask(self, mask: Tensor, optimizers: Iterable[Optimizer]) -> None:
+    def set_mask(self, mask: Tensor, optimizers: Iterable[Optimizer] = (),
+                 reset_state: bool = True, gradient: Tensor | None = None) -> None:
         """Keep the 2:4 ``mask``: the layer zeroes its pruned weights
-        (``SemiStructuredLinear.set_mask``), and their optimizer state is zeroed."""
+        (``SemiStructuredLinear.set_mask``), and, with ``reset_state``, their optimizer
+        state restarts wherever a position is not kept in both masks."""
         if torch.equal(mask, self.mask):
             return
         restart = ~(mask & self.mask)
         self.layer.set_mask(mask)
-        for optimizer in optimizers:
-            for state in state_tensors(optimizer, self.param):
-                state.masked_fill_(restart, 0)
+        if reset_state:
+            for optimizer in optimizers:
+                for state in state_tensors(optimizer, self.param):
+                    state.masked_fill_(restart, 0)
+
+    def attach(self, optimizer: Optimizer, dense_state: bool) -> None:
+        """The optimizer step masks the gradient from now on: the layer need not."""
+        self.layer.masks_gradient = False
+
+    def detach(self) -> None:
+        """The layer masks its own gradient again."""
+        self.layer.masks_gradient = True
