@@ -1,8 +1,9 @@
 """Every setting of a sparse run, written once: :class:`SparsityConfig`.
 
-``SparsityCallback`` takes exactly these keyword arguments (its signature is this
-dataclass's), :meth:`SparsityConfig.load` reads them from YAML or a dict, and a
-LightningCLI YAML gives them as ``init_args``. Validation happens here, before anything
+``SparsityCallback`` takes exactly these keyword arguments (its signature is written out
+with the same names, types and defaults; a test keeps the two equal),
+:meth:`SparsityConfig.load` reads them from YAML or a dict, and a LightningCLI YAML gives
+them as ``init_args``. Validation happens here, before anything
 touches a model; every message names the bad value and the valid forms.
 """
 
@@ -10,10 +11,8 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import inspect
 import numbers
 import re
-import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -338,18 +337,6 @@ class SparsityConfig:
         return None
 
     @classmethod
-    def from_settings(cls, *args: Any, **settings: Any) -> SparsityConfig:
-        """``SparsityConfig(*args, **settings)``, an unknown key named with the nearest
-        valid one.
-
-        Raises:
-            TypeError: an unknown key.
-        """
-        if message := cls.unknown_setting(settings):
-            raise TypeError(message)
-        return cls(*args, **settings)
-
-    @classmethod
     def load(cls, source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
         """Read settings from a YAML file or a dict (OmegaConf); unknown keys are an error.
 
@@ -378,15 +365,3 @@ class SparsityConfig:
                               for (k, v), o in zip((self.overrides or {}).items(),
                                                    self.parsed_overrides.values(), strict=True)}
         return plain
-
-
-def settings_signature() -> tuple[inspect.Signature, dict[str, Any]]:
-    """The constructor signature (with ``self``) and resolved annotations of the settings,
-    for classes that take them as keyword arguments (``SparsityCallback``), so that
-    ``help()``, ``inspect`` and LightningCLI see every setting."""
-    signature = inspect.signature(SparsityConfig)
-    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    hints = typing.get_type_hints(SparsityConfig)
-    annotations = {k: hints[k] for k in SparsityConfig.names()}
-    return signature.replace(parameters=[self_param, *signature.parameters.values()],
-                             return_annotation=None), {**annotations, "return": None}

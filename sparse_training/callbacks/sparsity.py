@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from sparse_training.callbacks.resume import read_callback_states, resume_path
-from sparse_training.config import SparsityConfig, settings_signature
+from sparse_training.config import DEFAULT_LAYER_TYPES, LayerTypes, SparsityConfig
 from sparse_training.engine import SparsityEngine
 from sparse_training.engine.distributed import keep_masks_out_of_buffer_broadcast
 from sparse_training.engine.protocol import CompressedLayer
@@ -26,7 +26,12 @@ from sparse_training.engine.sharding import FSDP1_PROBLEM, is_sharded
 from sparse_training.engine.state import check_mask_settings, check_settings, check_state
 from sparse_training.layers.compress import compress_selected, dtype_name
 from sparse_training.layers.swap import format_swaps, replace_module
-from sparse_training.pieces.schedules import Gradual
+from sparse_training.pieces.regrowth import (
+    DEFAULT_ALPHA,
+    DEFAULT_REGROW_END,
+    DEFAULT_SR_STE_DECAY,
+)
+from sparse_training.pieces.schedules import Gradual, Step
 
 MIN_GRADUAL_UPDATES = 3  # fewer and a gradual schedule is a few jumps: warn
 # the dtype of the layers' products under each Lightning precision (autocast's for mixed)
@@ -45,10 +50,10 @@ class SparsityCallback(Callback):
     """Train sparse with any LightningModule: masks that hold, schedules, exact resume.
 
     Takes the settings of :class:`~sparse_training.SparsityConfig` as keyword arguments
-    (listed below). At the start of every ``fit`` (after ``configure_model``, so layers
-    built there count) the weight tensors are selected, a mask buffer is registered
-    beside each selected one and the setup table is logged with the resolved mask-update
-    steps. Masks are updated at the start of the optimizer steps the schedule names;
+    (documented there: ``help(SparsityConfig)``). At the start of every ``fit`` (after
+    ``configure_model``, so layers built there count) the weight tensors are selected, a
+    mask buffer is registered beside each selected one and the setup table is logged with
+    the resolved mask-update steps. Masks are updated at the start of the optimizer steps the schedule names;
     gradients are masked in ``on_before_optimizer_step`` (after AMP unscaling, before
     gradient clipping), where regrowth also reads the dense gradients; pruned weights are
     zeroed after every optimizer step that ran. Under ``ModelParallelStrategy`` (FSDP2,
@@ -77,8 +82,21 @@ class SparsityCallback(Callback):
         trainer.fit(model, loader)
     """
 
-    def __init__(self, *args: Any, **settings: Any) -> None:
-        self.config = SparsityConfig.from_settings(*args, **settings)
+    def __init__(self, pattern: str = "2:4", sparsity: float | None = None,
+                 schedule: str = "oneshot", start: Step = 0, end: Step | None = None,
+                 frequency: int = 100, allow: Sequence[str] | None = None,
+                 deny: Sequence[str] | None = None, dense_ratio: float = 0.0,
+                 overrides: Mapping[str, Mapping[str, str | float]] | None = None,
+                 distribution: str = "uniform", layer_types: LayerTypes = DEFAULT_LAYER_TYPES,
+                 log_layers: bool = False, score: str = "magnitude", regrow: str | None = None,
+                 regrow_fraction: float = DEFAULT_ALPHA, regrow_end: Step = DEFAULT_REGROW_END,
+                 sr_ste_decay: float = DEFAULT_SR_STE_DECAY, seed: int = 0,
+                 check_masks: bool = True, fused: bool | str = "auto",
+                 compress: bool | str = False, **unknown: Any) -> None:
+        if message := SparsityConfig.unknown_setting(unknown):
+            raise TypeError(message)
+        arguments = dict(locals())  # the settings, by the names of SparsityConfig's fields
+        self.config = SparsityConfig(**{name: arguments[name] for name in SparsityConfig.names()})
         self.engine: SparsityEngine | None = None
         self._restored: dict[str, Any] | None = None
         self._unused_checked = False
@@ -363,15 +381,3 @@ def _put_back(model: nn.Module, swapped: list[tuple[str, nn.Module]]) -> None:
         if is_sharded(weight):
             continue  # fully_shard owns the layer now
         replace_module(model, name, original.to(device=weight.device, dtype=weight.dtype))
-
-
-def _settings_docs() -> str:
-    text = SparsityConfig.__doc__ or ""
-    return text[text.index("    Args:"):text.index("    Raises:")] if "    Args:" in text else ""
-
-
-_signature, _annotations = settings_signature()
-SparsityCallback.__init__.__signature__ = _signature  # type: ignore[attr-defined]
-SparsityCallback.__init__.__annotations__ = _annotations
-SparsityCallback.__doc__ = (SparsityCallback.__doc__ or "").replace(
-    "    Raises:\n", _settings_docs() + "    Raises:\n", 1)
