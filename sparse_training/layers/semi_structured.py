@@ -32,14 +32,7 @@ Under :class:`~sparse_training.engine.SparsityEngine` (the callback) the optimiz
 masks the gradient instead and ``masks_gradient`` is False: the dense route is then
 exactly ``F.linear`` and costs what ``nn.Linear`` costs.
 
-Bytes per weight entry, for parameters of ``p`` bytes (4 for float32 master weights) and
-AdamW: every route dense: ``4 p + 1`` (weight, gradient, two moments, the bool mask), as a
-masked-dense ``nn.Linear`` under the engine; nothing else is kept. A sparse forward adds
-its packed copy, about 1.125 B at 16 bits, and the uint8 kept positions, 0.5 B; a sparse
-input gradient adds the same for the transpose. The first call of a sparse-eligible token
-count adds, while it measures, the packing transients
-(:mod:`~sparse_training.kernels.semi_structured.cusparselt`) and the weight cast to the
-compute dtype (2 B; none for bf16 weights).
+The bytes each route keeps per weight entry are tabled in ``docs/semi_structured.md``.
 """
 
 from __future__ import annotations
