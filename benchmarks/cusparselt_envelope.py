@@ -42,7 +42,7 @@ def child(start: int) -> None:
         search_algorithm,
         sparse_mm,
     )
-    from sparse_training.masks import pattern_mask
+    from sparse_training.pieces.masks import pattern_mask
 
     # probe outside the layer's envelope: what it guards is what is measured here
     cusparselt.SPARSE_MIN_FEATURES, cusparselt.SPARSE_MIN_TOKENS = 16, 8

@@ -145,7 +145,7 @@ def run_child(args: argparse.Namespace) -> dict | None:
     engine = sparse.engine if sparse else None
     return {"variant": args.child, "devices": args.devices, **timer.row,
             "sparsity": engine.sparsity if engine else None,
-            "masked_tensors": len(engine.slots) if engine else 0,
+            "masked_tensors": len(engine.masked) if engine else 0,
             "compressed_layers": len(engine.compressed) if engine else 0}
 
 

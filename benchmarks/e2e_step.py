@@ -183,7 +183,7 @@ def run_child(args: argparse.Namespace) -> dict:
         "variant": args.child, "ms": statistics.median(timer.ms) if timer.ms else None,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
         "compressed_layers": kinds,
-        "masked_dense_tensors": len(engine.slots) if engine is not None else 0,
+        "masked_dense_tensors": len(engine.masked) if engine is not None else 0,
         "sparsity": engine.sparsity if engine is not None else 0.0,
         "loss_first": losses[0], "loss_last": losses[-1],
         "finite": all(map(lambda v: v == v and abs(v) != float("inf"), losses)),

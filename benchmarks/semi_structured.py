@@ -40,7 +40,7 @@ from torch import nn
 from sparse_training.kernels.semi_structured import PackedWeight
 from sparse_training.kernels.semi_structured import paths as path_module
 from sparse_training.kernels.semi_structured.cusparselt import sparse_mm
-from sparse_training.semi_structured import SemiStructuredLinear
+from sparse_training.layers.semi_structured import SemiStructuredLinear
 
 SHAPES = {  # name: (in, out), token counts
     "bert-base up 768->3072": ((768, 3072), (4096, 16384)),

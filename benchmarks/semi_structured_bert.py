@@ -28,8 +28,8 @@ from torch import nn
 from sparse_training import SparsityConfig, SparsityEngine
 from sparse_training.kernels.semi_structured import cusparselt
 from sparse_training.kernels.semi_structured import paths as path_module
-from sparse_training.patcher import replace_module
-from sparse_training.semi_structured import SemiStructuredLinear
+from sparse_training.layers.semi_structured import SemiStructuredLinear
+from sparse_training.layers.swap import replace_module
 
 DTYPE = torch.bfloat16
 VARIANTS = {  # per mode, besides dense (bert_rows)

@@ -40,7 +40,7 @@ from semi_structured_bert import DTYPE, bert_large_config, bert_model, gpu_busy_
 from torch import nn
 
 from sparse_training.kernels.semi_structured.paths import wall_ms
-from sparse_training.semi_structured import SemiStructuredLinear
+from sparse_training.layers.semi_structured import SemiStructuredLinear
 
 BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync",
             "cudaEventSynchronize")

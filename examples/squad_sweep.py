@@ -42,7 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 from sparse_training import SparsityCallback, SparsityConfig, SparsityEngine
-from sparse_training.patcher import COMPRESSED_LAYERS
+from sparse_training.engine.protocol import CompressedLayer
 from sparse_training.permutations import permute_channels
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "squad.yaml"
@@ -134,7 +134,7 @@ def sparsity_of(encoder: torch.nn.Module) -> float:
     for module in encoder.modules():
         if isinstance(module, torch.nn.Linear):
             zeros, total = zeros + int((module.weight == 0).sum()), total + module.weight.numel()
-        elif isinstance(module, COMPRESSED_LAYERS):
+        elif isinstance(module, CompressedLayer):
             numel = module.out_features * module.in_features
             zeros, total = zeros + round(module.sparsity * numel), total + numel
     return zeros / total

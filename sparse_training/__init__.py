@@ -1,26 +1,43 @@
 """sparse_training: sparse training for PyTorch Lightning.
 
-The core (patterns, masks, tensors, selection, schedules, distributions, updaters, slots,
-state, ranks, engine, block_sparse, patcher) imports torch (and Triton where installed) only;
-``SparsityCallback`` is loaded from ``sparse_training.callbacks`` on first use.
+The package is built in layers; a module imports only from the layers below its own (and
+from its own folder), never up and never in a circle (``tests/test_layers.py`` checks every
+import)::
+
+    callbacks/     SparsityCallback: the thin Lightning side      (the only Lightning import)
+        |
+    layers/        BlockSparseLinear, SemiStructuredLinear, their   permutations/  ASP's
+        |          slots; the one swap path (sparsify, compress,    channel
+        |          densify, make_permanent)                         permutations
+        |
+    engine/        SparsityEngine: slots (the Slot protocol, masked-dense storage),
+        |          selection, updaters, optimizer hooks, state, distributed
+        |
+    config.py      SparsityConfig: every setting, strings parsed once into pieces
+        |
+    pieces/        patterns, masks, schedules, distributions, scores, regrowth (torch only)
+        |
+    kernels/       Triton kernels and their pure-torch references (nothing of the rest)
+
+``SparsityCallback`` is loaded from ``sparse_training.callbacks`` on first use, so
+``import sparse_training`` needs no Lightning.
 """
 
 from typing import Any
 
-from sparse_training.block_sparse import BlockSparseLinear
 from sparse_training.config import SparsityConfig
 from sparse_training.engine import SparsityEngine
-from sparse_training.masks import global_masks, pattern_mask
-from sparse_training.patcher import densify, sparsify
-from sparse_training.patterns import Pattern, parse_pattern
+from sparse_training.layers.block_sparse import BlockSparseLinear
+from sparse_training.layers.semi_structured import SemiStructuredLinear
+from sparse_training.layers.swap import densify, make_permanent, sparsify
 from sparse_training.permutations import (
     find_sites,
     kept_magnitude,
     permute_channels,
     search_permutation,
 )
-from sparse_training.semi_structured import SemiStructuredLinear
-from sparse_training.slots import make_permanent
+from sparse_training.pieces.masks import global_masks, pattern_mask
+from sparse_training.pieces.patterns import Pattern, parse_pattern
 
 __all__ = ["BlockSparseLinear", "Pattern", "SemiStructuredLinear", "SparsityCallback",
            "SparsityConfig", "SparsityEngine", "densify", "find_sites", "global_masks",

@@ -1,8 +1,9 @@
 """Every setting of a sparse run, written once: :class:`SparsityConfig`.
 
-``SparsityCallback`` takes exactly these keyword arguments (its signature is this
-dataclass's), :meth:`SparsityConfig.load` reads them from YAML or a dict, and a
-LightningCLI YAML gives them as ``init_args``. Validation happens here, before anything
+``SparsityCallback`` takes exactly these keyword arguments (its signature is written out
+with the same names, types and defaults; a test keeps the two equal),
+:meth:`SparsityConfig.load` reads them from YAML or a dict, and a LightningCLI YAML gives
+them as ``init_args``. Validation happens here, before anything
 touches a model; every message names the bad value and the valid forms.
 """
 
@@ -10,10 +11,8 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import inspect
 import numbers
 import re
-import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -21,23 +20,35 @@ from typing import Any
 
 from torch import nn
 
-from sparse_training.compression import COMPRESS, fixed_count_problem
-from sparse_training.distributions import DISTRIBUTIONS
-from sparse_training.masks import check_sparsity
-from sparse_training.patterns import Pattern, parse_pattern
-from sparse_training.regrowth import (
+from sparse_training.pieces.distributions import DISTRIBUTIONS, Distribution
+from sparse_training.pieces.masks import check_sparsity
+from sparse_training.pieces.patterns import Pattern, parse_pattern
+from sparse_training.pieces.regrowth import (
     DEFAULT_ALPHA,
     DEFAULT_REGROW_END,
     DEFAULT_SR_STE_DECAY,
-    REGROW,
+    Regrowth,
+    SparseRefinement,
 )
-from sparse_training.schedules import Schedule, Step, check_step
-from sparse_training.selection import DEFAULT_LAYER_TYPES, LayerOverride
+from sparse_training.pieces.schedules import Schedule, Step, check_step, parse_schedule
+from sparse_training.pieces.scores import GradientScore, MagnitudeScore, RandomScore, Score
 
 OVERRIDE_KEYS = ("sparsity", "pattern")
+COMPRESS = ("auto", True, False)
 SCORES = ("magnitude", "random")
+REGROW = ("rigl", "set", "sr-ste")
 FUSED = ("auto", True, False)
 LayerTypes = type[nn.Module] | str | Sequence[type[nn.Module] | str]
+DEFAULT_LAYER_TYPES: tuple[type[nn.Module], ...] = (
+    nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention, nn.RNNBase)
+
+
+@dataclass(frozen=True)
+class LayerOverride:
+    """Per-tensor settings from ``overrides``; None fields follow the model-wide ones."""
+
+    pattern: Pattern | None = None
+    sparsity: float | None = None
 
 
 def _is_real(value: Any) -> bool:
@@ -120,10 +131,10 @@ class SparsityConfig:
     """Every setting of a sparse run, validated at construction.
 
     Args:
-        pattern: see :mod:`sparse_training.patterns` ("2:4", "unstructured", "block:4x4",
+        pattern: see :mod:`sparse_training.pieces.patterns` ("2:4", "unstructured", "block:4x4",
             ...). Quote it in YAML: an unquoted 2:4 is read as the base-60 number 124.
         sparsity: target fraction of zeros per selected tensor; implied by N:M when None.
-        schedule: "oneshot" | "gmp" | "linear" | "constant" (:mod:`sparse_training.schedules`).
+        schedule: "oneshot" | "gmp" | "linear" | "constant" (:mod:`sparse_training.pieces.schedules`).
         start: first mask update, in optimizer steps (int) or as a fraction of training
             (float). 0 prunes at the first step; ASP's recipe (train dense, prune, fine-tune)
             prunes a trained model: load trained weights, or start later.
@@ -140,7 +151,7 @@ class SparsityConfig:
         log_layers: also log ``sparsity/<tensor>`` for every selected tensor.
         score: what the schedule's mask updates keep: "magnitude" (largest |w|) or
             "random" (a random mask seeded by (seed, step): static sparse training).
-        regrow: None | "rigl" | "set" | "sr-ste" (:mod:`sparse_training.regrowth`).
+        regrow: None | "rigl" | "set" | "sr-ste" (:mod:`sparse_training.pieces.regrowth`).
         regrow_fraction: alpha, the share of active weights swapped at the first update.
         regrow_end: no more regrowth from this step (int) or fraction (float) on.
         sr_ste_decay: lambda of SR-STE's decay of the pruned weights.
@@ -151,7 +162,7 @@ class SparsityConfig:
             CUDA for ``torch.optim.AdamW``, ``Adam`` and ``SGD``, True requires them (an
             error where they cannot serve), False never uses them.
         compress: train selected ``nn.Linear`` weights as compressed layers from setup
-            (:mod:`sparse_training.compression`; ``BlockSparseLinear`` for block patterns,
+            (:mod:`sparse_training.layers.compress`; ``BlockSparseLinear`` for block patterns,
             ``SemiStructuredLinear`` for 2:4): True wherever the kept count is fixed from
             the first step (an error otherwise), "auto" only where measured faster than
             masked-dense (blocks from 16M weights, 2:4 from 32M), False never.
@@ -185,6 +196,10 @@ class SparsityConfig:
     parsed_pattern: Pattern = field(init=False, repr=False, compare=False)
     parsed_schedule: Schedule = field(init=False, repr=False, compare=False)
     parsed_overrides: dict[str, LayerOverride] = field(init=False, repr=False, compare=False)
+    parsed_distribution: Distribution = field(init=False, repr=False, compare=False)
+    parsed_score: Score = field(init=False, repr=False, compare=False)
+    parsed_regrowth: Regrowth | None = field(init=False, repr=False, compare=False)
+    parsed_refinement: SparseRefinement | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen dataclass: normalized fields are set once, here
@@ -224,12 +239,44 @@ class SparsityConfig:
         set_(self, "parsed_pattern", pattern)
         set_(self, "parsed_overrides", _parse_overrides(self.overrides))
         self._check_overrides(pattern)
-        set_(self, "parsed_schedule", Schedule(self.schedule, self.start, self.end,
-                                               self.frequency))
-        if self.compress is True and (problem := fixed_count_problem(self)):
+        set_(self, "parsed_schedule", parse_schedule(self.schedule, self.start, self.end,
+                                                     self.frequency))
+        self._parse_pieces()
+        if self.compress is True and (problem := self.fixed_count_problem()):
             raise ValueError(f"compress=True trains a fixed set of blocks from the first step, "
                              f"but {problem}; use compress='auto' (masked-dense where it "
                              f"cannot) or False")
+
+    def _parse_pieces(self) -> None:
+        """The checked strings as the typed pieces the engine is built from."""
+        set_ = object.__setattr__
+        set_(self, "parsed_distribution", DISTRIBUTIONS[self.distribution])
+        seed = int(self.seed)
+        set_(self, "parsed_score", RandomScore(seed) if self.score == "random"
+             else MagnitudeScore())
+        grow = {"rigl": GradientScore(), "set": RandomScore(seed)}.get(self.regrow)
+        set_(self, "parsed_regrowth", None if grow is None else Regrowth(
+            self.regrow, grow, float(self.regrow_fraction),
+            check_step(self.regrow_end, "regrow_end")))
+        set_(self, "parsed_refinement", SparseRefinement(float(self.sr_ste_decay))
+             if self.regrow == "sr-ste" else None)
+
+    def fixed_count_problem(self) -> str | None:
+        """Why these settings do not fix the kept count from the first step (what a
+        compressed layer needs), or None; block sizes are checked per tensor, at the swap."""
+        pattern = self.parsed_pattern
+        if problem := pattern.compression_problem:
+            return problem
+        if pattern.is_nm and self.regrow is not None:
+            return (f"regrow={self.regrow!r} moves 2:4 entries; the 2:4 layer keeps a fixed "
+                    f"mask, so it trains masked-dense")
+        if self.schedule not in ("oneshot", "constant") or self.start != 0:
+            return (f"schedule={self.schedule!r} from start={self.start!r} reaches its "
+                    f"sparsity after the first step; it trains masked-dense "
+                    f"(docs/block_sparse.md)")
+        if self.distribution == "global":
+            return "distribution='global' sets per-tensor counts at the update, not at setup"
+        return None
 
     def _check_overrides(self, pattern: Pattern) -> None:
         """Each override must leave its tensors a definite target: a sparsity for a
@@ -290,18 +337,6 @@ class SparsityConfig:
         return None
 
     @classmethod
-    def from_settings(cls, *args: Any, **settings: Any) -> SparsityConfig:
-        """``SparsityConfig(*args, **settings)``, an unknown key named with the nearest
-        valid one.
-
-        Raises:
-            TypeError: an unknown key.
-        """
-        if message := cls.unknown_setting(settings):
-            raise TypeError(message)
-        return cls(*args, **settings)
-
-    @classmethod
     def load(cls, source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
         """Read settings from a YAML file or a dict (OmegaConf); unknown keys are an error.
 
@@ -330,15 +365,3 @@ class SparsityConfig:
                               for (k, v), o in zip((self.overrides or {}).items(),
                                                    self.parsed_overrides.values(), strict=True)}
         return plain
-
-
-def settings_signature() -> tuple[inspect.Signature, dict[str, Any]]:
-    """The constructor signature (with ``self``) and resolved annotations of the settings,
-    for classes that take them as keyword arguments (``SparsityCallback``), so that
-    ``help()``, ``inspect`` and LightningCLI see every setting."""
-    signature = inspect.signature(SparsityConfig)
-    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    hints = typing.get_type_hints(SparsityConfig)
-    annotations = {k: hints[k] for k in SparsityConfig.names()}
-    return signature.replace(parameters=[self_param, *signature.parameters.values()],
-                             return_annotation=None), {**annotations, "return": None}

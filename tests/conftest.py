@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from sparse_training import BlockSparseLinear
-from sparse_training.masks import as_matrix, kept_count, pool_blocks
+from sparse_training.pieces.masks import as_matrix, kept_count, pool_blocks
 
 
 class TinyNet(pl.LightningModule):

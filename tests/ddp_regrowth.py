@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import BlockNet, SaveAndStop, TinyNet, make_loader  # noqa: E402
 
 from sparse_training import SparsityCallback  # noqa: E402
-from sparse_training.ranks import check_across_ranks, mask_checksum  # noqa: E402
+from sparse_training.engine.distributed import check_across_ranks, mask_checksum  # noqa: E402
 
 
 class Recorder(Callback):
@@ -45,7 +45,7 @@ class Recorder(Callback):
         """Whether a rank that went its own way (rank 1 flips one mask bit) is caught, on
         every rank; here, not after the fit, which moves a GPU model to the CPU, where
         NCCL cannot reduce. The bit is flipped back."""
-        slots = [*self.sparse.engine.slots, *self.sparse.engine.compressed]
+        slots = self.sparse.engine.slots
         flipped = slots[0].mask.view(-1)[:1]
         if trainer.global_rank == 1:
             flipped ^= True
@@ -59,7 +59,7 @@ class Recorder(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         engine = self.sparse.engine
-        slots = [*engine.slots, *engine.compressed]
+        slots = engine.slots
         regrow = getattr(engine.updater, "last_regrow", None)  # None: no regrowth updater
         self.rows.append({"step": trainer.global_step, "last_regrow": regrow,
                           "checksums": [int(mask_checksum(slot.mask)) for slot in slots],

@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import SaveAndStop, make_loader  # noqa: E402
 
 from sparse_training import SparsityCallback, SparsityConfig, SparsityEngine  # noqa: E402
-from sparse_training.block_sparse import BlockSparseLinear  # noqa: E402
-from sparse_training.ranks import mask_checksum  # noqa: E402
-from sparse_training.sharding import full, local  # noqa: E402
-from sparse_training.slots import make_permanent  # noqa: E402
+from sparse_training.engine.distributed import mask_checksum  # noqa: E402
+from sparse_training.engine.sharding import full, local  # noqa: E402
+from sparse_training.layers.block_sparse import BlockSparseLinear  # noqa: E402
+from sparse_training.layers.swap import make_permanent  # noqa: E402
 
 # every run: schedules in absolute steps, so a run stopped after one epoch resolves the
 # same steps as the whole run (8 optimizer steps: 128 samples, 2 ranks x 16 per batch)
@@ -122,13 +122,13 @@ class Recorder(Callback):
     def record(self, trainer, pl_module) -> None:
         self._step = trainer.global_step
         engine = self.sparse.engine
-        masks = [slot.full_mask() for slot in engine.slots]
+        masks = [slot.full_mask() for slot in engine.masked]
         digest = hashlib.sha256()
         for param in pl_module.parameters():
             digest.update(full(param).detach().cpu().contiguous().numpy().tobytes())
-        zeros = all(not slot.local_param[~slot.mask].any() for slot in engine.slots)
+        zeros = all(not slot.local_param[~slot.mask].any() for slot in engine.masked)
         for optimizer in trainer.optimizers:
-            for slot in engine.slots:
+            for slot in engine.masked:
                 for value in optimizer.state.get(slot.param, {}).values():
                     if torch.is_tensor(value) and value.shape == slot.param.shape:
                         zeros &= not local(value)[~slot.mask].any()
@@ -138,9 +138,9 @@ class Recorder(Callback):
             "counts": [int(mask.sum()) for mask in masks],
             "parameters": digest.hexdigest(), "zeros_hold": bool(zeros),
             "block_checksums": [int(mask_checksum(slot.mask)) for slot in engine.compressed],
-            "local_shapes": [list(slot.mask.shape) for slot in engine.slots],
+            "local_shapes": [list(slot.mask.shape) for slot in engine.masked],
             "local_blocks": [local(slot.param).shape[0] for slot in engine.compressed],
-            "sharded": [slot.sharded for slot in engine.slots],
+            "sharded": [slot.sharded for slot in engine.masked],
             "fused": bool(engine.fused_optimizers),
             "kinds": [plan.kind for plan in engine.plans if plan.selected]})
 
@@ -219,9 +219,9 @@ def after_fit(recorder: Recorder) -> dict:
     computing another whole mask of a sharded tensor, and whether ``make_permanent``
     removes the shards' buffers."""
     engine = recorder.sparse.engine
-    whole = {slot.name: slot.full_mask() for slot in engine.slots}
+    whole = {slot.name: slot.full_mask() for slot in engine.masked}
     if recorder.rank == 1:  # a rank that went its own way must be caught
-        whole[engine.slots[0].name].view(-1)[0] ^= True
+        whole[engine.masked[0].name].view(-1)[0] ^= True
     try:
         engine.set_masks(whole, step=-1, broadcast=False, reset_state=False, check=True)
         caught = False

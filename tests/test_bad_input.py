@@ -829,7 +829,7 @@ def test_count_block_sparse_op():
 def _semi():
     """The 2:4 layer and its kernels module (imported here: this section is self-contained)."""
     from sparse_training.kernels.semi_structured import cusparselt, paths
-    from sparse_training.semi_structured import SemiStructuredLinear
+    from sparse_training.layers.semi_structured import SemiStructuredLinear
 
     return SemiStructuredLinear, cusparselt, paths
 
@@ -968,7 +968,7 @@ def test_semi_structured_refusals_change_nothing(change, message):
 def _envelope(monkeypatch, out_features, in_features, tokens, dtype=torch.bfloat16):
     """The reason a bf16 call takes cuBLAS, with cuSPARSELt pretended present, and the
     call's output (cuBLAS: any measuring or packing would fail on the CPU)."""
-    from sparse_training import semi_structured
+    from sparse_training.layers import semi_structured
 
     monkeypatch.setattr(semi_structured, "cusparselt_problem", lambda device: None)
     layer = semi_structured.SemiStructuredLinear(in_features, out_features, dtype=dtype)

@@ -16,9 +16,9 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from sparse_training import BlockSparseLinear, densify, sparsify
-from sparse_training.block_sparse_state import dense_state_dict
 from sparse_training.kernels.block_sparse import block_grid, block_norms, dense_to_values
-from sparse_training.masks import kept_count
+from sparse_training.layers.blocks import dense_state_dict
+from sparse_training.pieces.masks import kept_count
 
 OUT, IN, BLOCK = 40, 70, (16, 32)  # grid 3x3, both tails overhang (48x96 padded)
 # fp32 layer vs float64 truth: every output, input-gradient and weight-gradient entry is

@@ -104,7 +104,7 @@ def test_fit_start_and_end_lines_count_masked_and_compressed_tensors(lightning_l
     model.net[2].register_forward_hook(lambda *args: None)
     sparse = SparsityCallback(pattern="block:16x16", sparsity=0.75, compress=True)
     make_trainer([sparse], max_epochs=1).fit(model, make_loader(n=32))
-    assert [s.name for s in sparse.engine.slots] == ["net.2.weight"]
+    assert [s.name for s in sparse.engine.masked] == ["net.2.weight"]
     assert [s.name for s in sparse.engine.compressed] == ["net.0.values"]
     text = lightning_log.text
     assert ("SparsityCallback: 1 masked-dense and 1 compressed of 3 weight tensors; mask "

@@ -16,8 +16,8 @@ from sparse_training import (
     make_permanent,
     sparsify,
 )
-from sparse_training.compression import compress_selected, slower_reason
-from sparse_training.patterns import parse_pattern
+from sparse_training.layers.compress import compress_selected, slower_reason
+from sparse_training.pieces.patterns import parse_pattern
 
 SETTINGS = dict(pattern="block:16x16", sparsity=0.75)
 
@@ -180,19 +180,19 @@ def test_auto_at_setup_decides_for_the_strategys_device_and_the_precision(
     callback.setup(FakeTrainer(precision), model, "fit")
     assert isinstance(model.net[0], BlockSparseLinear) is compressed
     assert f"training paths ({header})" in lightning_log.text
-    assert ("BlockSparseLinear, 102 blocks" in lightning_log.text) is compressed
+    assert ("128x128  0.0996   102  compressed" in lightning_log.text) is compressed
 
 
 def test_compress_selected_decides_for_the_arguments_not_the_weights_device():
     config = SparsityConfig(pattern="block:128x128", sparsity=0.9, compress="auto")
     on_cpu = Big()
     (row,) = compress_selected(on_cpu, config)  # the weights' device and dtype: cpu
-    assert row.path == "masked-dense" and "on cpu" in row.reason
+    assert row.layer is None and "on cpu" in row.decision
     on_gpu = Big()
     (row,) = compress_selected(on_gpu, config, torch.device("cuda"), torch.bfloat16)
-    assert row.path == "compressed" and isinstance(on_gpu.net[0], BlockSparseLinear)
+    assert row.decision == "compressed" and isinstance(on_gpu.net[0], BlockSparseLinear)
     (row,) = compress_selected(Big(), config, torch.device("cuda"), torch.float32)
-    assert row.path == "masked-dense" and "fp32 compute" in row.reason
+    assert row.layer is None and "fp32 compute" in row.decision
 
 
 def test_make_permanent_gives_dense_linear_layers_with_the_zeros():

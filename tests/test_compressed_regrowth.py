@@ -9,8 +9,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 
 from sparse_training import BlockSparseLinear, SparsityCallback
 from sparse_training.kernels.block_sparse import BlockTopology, values_to_dense
-from sparse_training.masks import pattern_mask
-from sparse_training.slots import CompressedSlot
+from sparse_training.pieces.masks import pattern_mask
 
 REGROW = dict(pattern="block:16x16", sparsity=0.75, schedule="constant", frequency=2,
               regrow_fraction=0.5, regrow_end=1.0)
@@ -32,7 +31,7 @@ def test_a_block_move_carries_values_and_optimizer_state_and_zeroes_new_blocks()
     for (i, j), (k, m) in zip(kept[:2], free[-2:], strict=True):  # two blocks move
         new_mask[i, j], new_mask[k, m] = False, True
 
-    CompressedSlot("layer.values", layer).move(new_mask, [optimizer])
+    layer.slot("layer.values").set_mask(new_mask, [optimizer])
 
     assert torch.equal(layer.block_mask, new_mask)
     expected = BlockTopology.from_block_mask(new_mask, 40, 48, (16, 16), nnz=layer.nnz)

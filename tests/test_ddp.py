@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import two_process_problem  # noqa: E402
 
 from sparse_training import SparsityConfig, SparsityEngine, sparsify  # noqa: E402
-from sparse_training.ranks import keep_masks_out_of_buffer_broadcast  # noqa: E402
+from sparse_training.engine.distributed import keep_masks_out_of_buffer_broadcast  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("ddp_regrowth.py")
 
@@ -113,7 +113,7 @@ def test_buffer_broadcast_is_off_only_where_the_masks_are_all_the_buffers(tmp_pa
         sparsify(model, {"^0$": {"pattern": "block:16x16", "density": 0.5}}, verbose=False)
         ddp = DistributedDataParallel(model)
         engine = SparsityEngine(model, SparsityConfig("2:4"))  # 2.weight's mask, after the wrap
-        keep_masks_out_of_buffer_broadcast(ddp, [*engine.slots, *engine.compressed])
+        keep_masks_out_of_buffer_broadcast(ddp, engine.slots)
         assert ddp.broadcast_buffers is other_buffers
         x = torch.randn(16, 5).T  # non-contiguous
         ddp(x).square().mean().backward()  # it broadcast an empty list here

@@ -32,7 +32,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from sparse_training import SparsityCallback
-from sparse_training.block_sparse_state import dense_state_dict
+from sparse_training.layers.blocks import dense_state_dict
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import make_loader, two_process_problem  # noqa: E402
@@ -246,7 +246,7 @@ def test_setup_table_type_undoes_fsdp_and_parametrize_in_either_order():
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.utils import parametrize
 
-    from sparse_training.tensors import original_class
+    from sparse_training.engine.tensors import original_class
 
     layer = nn.Linear(4, 4)
     parametrize.register_parametrization(layer, "weight", nn.Identity())

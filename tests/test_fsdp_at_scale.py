@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from sparse_training.block_sparse import blocks_kept
+from sparse_training.layers.blocks import blocks_kept
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "fsdp_at_scale.py"
 sys.path.insert(0, str(SCRIPT.parent))

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from sparse_training.block_sparse import BlockSparseLinear
-from sparse_training.masks import (
+from sparse_training.layers.block_sparse import BlockSparseLinear
+from sparse_training.pieces.masks import (
     as_matrix,
     from_matrix,
     global_masks,
@@ -17,7 +17,7 @@ from sparse_training.masks import (
     pattern_mask,
     pattern_masks,
 )
-from sparse_training.patterns import parse_pattern
+from sparse_training.pieces.patterns import parse_pattern
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 

@@ -1,6 +1,6 @@
 import pytest
 
-from sparse_training.patterns import Pattern, parse_pattern
+from sparse_training.pieces.patterns import Pattern, parse_pattern
 
 
 @pytest.mark.parametrize(("spec", "expected"), [

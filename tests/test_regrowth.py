@@ -11,10 +11,10 @@ from pytorch_lightning.plugins import MixedPrecision
 from torch import nn
 
 from sparse_training import SparsityCallback
-from sparse_training.distributions import erk
-from sparse_training.masks import as_matrix, kept_count
-from sparse_training.patterns import parse_pattern
-from sparse_training.regrowth import cosine_fraction, drop_and_grow
+from sparse_training.pieces.distributions import ERK
+from sparse_training.pieces.masks import as_matrix, kept_count
+from sparse_training.pieces.patterns import parse_pattern
+from sparse_training.pieces.regrowth import cosine_fraction, drop_and_grow
 
 
 @settings(max_examples=60, deadline=None)
@@ -115,7 +115,7 @@ def test_cosine_fraction():
 @given(shapes=st.lists(st.tuples(st.integers(1, 64), st.integers(1, 64)), min_size=1,
                        max_size=6), sparsity=st.floats(0.0, 0.99))
 def test_erk_meets_the_target_within_one_weight_per_layer(shapes, sparsity):
-    targets = erk(shapes, sparsity)
+    targets = ERK()(shapes, sparsity)
     sizes = [a * b for a, b in shapes]
     kept = sum(kept_count(n, s) for n, s in zip(sizes, targets, strict=True))
     assert all(0.0 <= s < 1.0 or s == 0.0 for s in targets)
@@ -354,7 +354,7 @@ def test_sr_ste_masks_weights_after_a_skipped_step():
 
 
 def test_checksum_tells_masks_with_equal_index_sums_apart():
-    from sparse_training.ranks import mask_checksum
+    from sparse_training.engine.distributed import mask_checksum
 
     a, b = torch.tensor([1, 0, 0, 1], dtype=torch.bool), torch.tensor([0, 1, 1, 0],
                                                                       dtype=torch.bool)

@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-from sparse_training import semi_structured
 from sparse_training.kernels.semi_structured import (
     forward_reference,
     input_grad_reference,
@@ -19,8 +18,9 @@ from sparse_training.kernels.semi_structured import (
 )
 from sparse_training.kernels.semi_structured.ops import SemiStructuredLinearFunction
 from sparse_training.kernels.semi_structured.paths import decide
-from sparse_training.masks import pattern_mask
-from sparse_training.semi_structured import SemiStructuredLinear
+from sparse_training.layers import semi_structured
+from sparse_training.layers.semi_structured import SemiStructuredLinear
+from sparse_training.pieces.masks import pattern_mask
 
 
 def test_the_dense_path_matches_float64_references_and_masks_the_weight_gradient():

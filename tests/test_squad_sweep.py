@@ -104,8 +104,8 @@ def test_compressed_layers_count_in_the_reported_sparsity():
     """Block-sparse runs swap the encoder's Linears for BlockSparseLinear: their zeros count."""
     from transformers import BertConfig, BertForQuestionAnswering
 
-    from sparse_training.block_sparse import BlockSparseLinear
-    from sparse_training.patcher import replace_module
+    from sparse_training.layers.block_sparse import BlockSparseLinear
+    from sparse_training.layers.swap import replace_module
 
     encoder = BertForQuestionAnswering(BertConfig(
         hidden_size=32, num_hidden_layers=1, num_attention_heads=2,

@@ -13,7 +13,7 @@ from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 from torch.utils.data import DataLoader, TensorDataset
 
 from sparse_training import BlockSparseLinear, SparsityCallback, SparsityConfig, SparsityEngine
-from sparse_training.compression import compress_selected
+from sparse_training.layers.compress import compress_selected
 
 VOCAB, CLASSES = 32, 4
 
@@ -322,7 +322,7 @@ def test_overhanging_blocks_compress_to_the_blocks_masked_dense_keeps():
     engine = SparsityEngine(masked, SparsityConfig(**OVERHUNG))
     engine.prune()
     rows = compress_selected(compressed, SparsityConfig(**OVERHUNG, compress=True))
-    assert [r.path for r in rows] == ["compressed", "compressed"]
+    assert [r.decision for r in rows] == ["compressed", "compressed"]
     for slot in engine.slots:
         layer = compressed.get_submodule(slot.name.removesuffix(".weight"))
         assert isinstance(layer, BlockSparseLinear), slot.name

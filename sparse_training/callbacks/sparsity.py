@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,17 +17,22 @@ from torch import nn
 from torch.optim import Optimizer
 
 from sparse_training.callbacks.resume import read_callback_states, resume_path
-from sparse_training.compression import compress_selected, dtype_name, undo_swaps
-from sparse_training.compression import format_rows as format_compression
-from sparse_training.config import SparsityConfig, settings_signature
+from sparse_training.config import DEFAULT_LAYER_TYPES, LayerTypes, SparsityConfig
 from sparse_training.engine import SparsityEngine
-from sparse_training.patcher import COMPRESSED_LAYERS
-from sparse_training.ranks import keep_masks_out_of_buffer_broadcast
-from sparse_training.schedules import GRADUAL
-from sparse_training.selection import format_table, plan_model
-from sparse_training.sharding import FSDP1_PROBLEM
-from sparse_training.state import check_mask_settings, check_settings, check_state
-from sparse_training.tensors import find_weight_tensors
+from sparse_training.engine.distributed import keep_masks_out_of_buffer_broadcast
+from sparse_training.engine.protocol import CompressedLayer
+from sparse_training.engine.selection import format_table, plan_model
+from sparse_training.engine.sharding import FSDP1_PROBLEM
+from sparse_training.engine.state import check_mask_settings, check_settings, check_state
+from sparse_training.engine.tensors import find_weight_tensors
+from sparse_training.layers.compress import compress_selected, dtype_name, undo_swaps
+from sparse_training.layers.swap import format_swaps
+from sparse_training.pieces.regrowth import (
+    DEFAULT_ALPHA,
+    DEFAULT_REGROW_END,
+    DEFAULT_SR_STE_DECAY,
+)
+from sparse_training.pieces.schedules import Gradual, Step
 
 MIN_GRADUAL_UPDATES = 3  # fewer and a gradual schedule is a few jumps: warn
 # the dtype of the layers' products under each Lightning precision (autocast's for mixed)
@@ -46,15 +51,15 @@ class SparsityCallback(Callback):
     """Train sparse with any LightningModule: masks that hold, schedules, exact resume.
 
     Takes the settings of :class:`~sparse_training.SparsityConfig` as keyword arguments
-    (listed below). At the start of every ``fit`` (after ``configure_model``, so layers
-    built there count) the weight tensors are selected, a mask buffer is registered
-    beside each selected one and the setup table is logged with the resolved mask-update
-    steps. Masks are updated at the start of the optimizer steps the schedule names;
+    (documented there: ``help(SparsityConfig)``). At the start of every ``fit`` (after
+    ``configure_model``, so layers built there count) the weight tensors are selected, a
+    mask buffer is registered beside each selected one and the setup table is logged with
+    the resolved mask-update steps. Masks are updated at the start of the optimizer steps the schedule names;
     gradients are masked in ``on_before_optimizer_step`` (after AMP unscaling, before
     gradient clipping), where regrowth also reads the dense gradients; pruned weights are
     zeroed after every optimizer step that ran. Under ``ModelParallelStrategy`` (FSDP2,
     ``fully_shard`` in ``configure_model``) the masks are those of the whole tensors and
-    each rank enforces its shard (:mod:`sparse_training.sharding`); ``FSDPStrategy``
+    each rank enforces its shard (:mod:`sparse_training.engine.sharding`); ``FSDPStrategy``
     (FSDP1) is refused. The masks and the schedule's progress go into Lightning's
     checkpoints as this callback's state; the model's ``state_dict`` stays plain. ``fit``
     ends with a one-line summary.
@@ -78,8 +83,21 @@ class SparsityCallback(Callback):
         trainer.fit(model, loader)
     """
 
-    def __init__(self, *args: Any, **settings: Any) -> None:
-        self.config = SparsityConfig.from_settings(*args, **settings)
+    def __init__(self, pattern: str = "2:4", sparsity: float | None = None,
+                 schedule: str = "oneshot", start: Step = 0, end: Step | None = None,
+                 frequency: int = 100, allow: Sequence[str] | None = None,
+                 deny: Sequence[str] | None = None, dense_ratio: float = 0.0,
+                 overrides: Mapping[str, Mapping[str, str | float]] | None = None,
+                 distribution: str = "uniform", layer_types: LayerTypes = DEFAULT_LAYER_TYPES,
+                 log_layers: bool = False, score: str = "magnitude", regrow: str | None = None,
+                 regrow_fraction: float = DEFAULT_ALPHA, regrow_end: Step = DEFAULT_REGROW_END,
+                 sr_ste_decay: float = DEFAULT_SR_STE_DECAY, seed: int = 0,
+                 check_masks: bool = True, fused: bool | str = "auto",
+                 compress: bool | str = False, **unknown: Any) -> None:
+        if message := SparsityConfig.unknown_setting(unknown):
+            raise TypeError(message)
+        arguments = dict(locals())  # the settings, by the names of SparsityConfig's fields
+        self.config = SparsityConfig(**{name: arguments[name] for name in SparsityConfig.names()})
         self.engine: SparsityEngine | None = None
         self._restored: dict[str, Any] | None = None
         self._unused_checked = False
@@ -150,11 +168,11 @@ class SparsityCallback(Callback):
         rows = compress_selected(pl_module, self.config, device, dtype, saved)
         # kept until the optimizers are checked at fit start, to put back if they are wrong
         self._swapped += [(name, before[name]) for name, module in pl_module.named_modules()
-                          if isinstance(module, COMPRESSED_LAYERS) and before.get(name) is not
+                          if isinstance(module, CompressedLayer) and before.get(name) is not
                           module]
         target = f"{device}, {dtype_name(dtype)} compute" if dtype is not None else device
         rank_zero_info(f"SparsityCallback: training paths (compress={self.config.compress!r} "
-                       f"for {target})\n" + format_compression(rows))
+                       f"for {target})\n" + format_swaps(rows))
 
     def _checkpoint_compressed(self, trainer: pl.Trainer) -> dict[str, Any] | None:
         """The compressed masks of the checkpoint resumed (``{}``: it holds no
@@ -193,7 +211,7 @@ class SparsityCallback(Callback):
             undo_swaps(pl_module, swapped)
             raise ValueError(f"SparsityCallback: {problem}")
         if self.config.compress is True and not any(
-                isinstance(m, COMPRESSED_LAYERS) for m in pl_module.modules()):
+                isinstance(m, CompressedLayer) for m in pl_module.modules()):
             raise ValueError("SparsityCallback: compress=True but the model had no weights at "
                              "setup and configure_model compressed none of the layers it "
                              "built: call SparsityCallback.compress(self) there, before "
@@ -211,7 +229,7 @@ class SparsityCallback(Callback):
                 engine.restart()
                 rank_zero_info("SparsityCallback: a new fit runs the schedule again from its "
                                "start, beginning with the current masks")
-        if not engine.slots and not engine.compressed:
+        if not engine.slots:
             raise ValueError("SparsityCallback selected no weight tensor (setup table below)\n"
                              + format_table(engine.plans))
         if trainer.ckpt_path is not None and restored is None:
@@ -230,8 +248,7 @@ class SparsityCallback(Callback):
             engine.loss_scale = lambda: float(scaler.get_scale())
         for optimizer in trainer.optimizers:
             engine.attach(optimizer)
-        keep_masks_out_of_buffer_broadcast(trainer.strategy.model,
-                                           [*engine.slots, *engine.compressed])
+        keep_masks_out_of_buffer_broadcast(trainer.strategy.model, engine.slots)
         self._fitting = True
 
     def _warn_about_schedule(self, total: int | None) -> None:
@@ -241,10 +258,10 @@ class SparsityCallback(Callback):
             rank_zero_warn(f"SparsityCallback: the schedule's last update (step {updates[-1]}) "
                            f"comes after the last training step ({total - 1}); the final "
                            f"sparsity will not be reached")
-        elif schedule.kind in GRADUAL and len(updates) < MIN_GRADUAL_UPDATES:
+        elif isinstance(schedule, Gradual) and len(updates) < MIN_GRADUAL_UPDATES:
             rank_zero_warn(f"SparsityCallback: only {len(updates)} mask updates fit between "
                            f"start={schedule.start} and end={schedule.end} at frequency="
-                           f"{schedule.frequency}: the {schedule.kind!r} schedule is a jump; "
+                           f"{schedule.frequency}: the {schedule.name!r} schedule is a jump; "
                            f"lower frequency for a gradual ramp")
 
     # -- steps ----------------------------------------------------------------------------
@@ -257,7 +274,8 @@ class SparsityCallback(Callback):
         engine = self._engine()
         if not self._unused_checked:
             self._unused_checked = True
-            unused = [s.name for s in engine._slots_of(optimizer) if s.param.grad is None]
+            unused = [s.name for s in engine._slots_of(optimizer)
+                      if not s.compressed and s.param.grad is None]
             if unused:
                 rank_zero_warn(f"SparsityCallback: {len(unused)} selected tensors got no "
                                f"gradient in the first step (unused by the loss, like a "
@@ -289,8 +307,7 @@ class SparsityCallback(Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         engine = self._engine()
-        weights = sum(s.plan.numel for s in engine.slots) + sum(
-            s.numel for s in engine.compressed)
+        weights = sum(s.numel for s in engine.slots)
         rank_zero_info(f"SparsityCallback: {engine.sparsity:.2%} of {weights:,} weights in "
                        f"{_counts(engine)} tensors are zero (target now {engine.target:.2%}, "
                        f"final {engine.final_sparsity:.2%}); last mask update at step "
@@ -350,7 +367,7 @@ class SparsityCallback(Callback):
 
 def _counts(engine: SparsityEngine) -> str:
     """``"4 masked-dense and 13 compressed"``: the tensors the engine keeps sparse."""
-    return f"{len(engine.slots)} masked-dense and {len(engine.compressed)} compressed"
+    return f"{len(engine.masked)} masked-dense and {len(engine.compressed)} compressed"
 
 
 def optimizer_problem(model: nn.Module, config: SparsityConfig,
@@ -378,7 +395,7 @@ def optimizer_problem(model: nn.Module, config: SparsityConfig,
     tensors, plans = plan_model(model, config)
     trained = [(p.name, t.param) for p, t in zip(plans, tensors, strict=True) if p.selected]
     trained += [(f"{name}.{attr}", param) for name, layer in model.named_modules()
-                if isinstance(layer, COMPRESSED_LAYERS)
+                if isinstance(layer, CompressedLayer)
                 for attr, param in layer.named_parameters(recurse=False)]
     missing = [name for name, param in trained if param.requires_grad and id(param) not in held]
     if missing:
@@ -393,13 +410,3 @@ def optimizer_problem(model: nn.Module, config: SparsityConfig,
             "(requires_grad_(False)) or deny the sparse tensors no optimizer should train")
 
 
-def _settings_docs() -> str:
-    text = SparsityConfig.__doc__ or ""
-    return text[text.index("    Args:"):text.index("    Raises:")] if "    Args:" in text else ""
-
-
-_signature, _annotations = settings_signature()
-SparsityCallback.__init__.__signature__ = _signature  # type: ignore[attr-defined]
-SparsityCallback.__init__.__annotations__ = _annotations
-SparsityCallback.__doc__ = (SparsityCallback.__doc__ or "").replace(
-    "    Raises:\n", _settings_docs() + "    Raises:\n", 1)

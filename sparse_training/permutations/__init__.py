@@ -17,10 +17,10 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from sparse_training.patterns import parse_pattern
+from sparse_training.engine.slots import MASK_SUFFIX
 from sparse_training.permutations.search import kept_magnitude, search_permutation
 from sparse_training.permutations.sites import Site, find_sites
-from sparse_training.slots import MASK_SUFFIX
+from sparse_training.pieces.patterns import parse_pattern
 
 __all__ = ["Site", "find_sites", "kept_magnitude", "permute_channels", "search_permutation"]
 

@@ -8,7 +8,7 @@ the input channels regroups them: ``weight[:, perm]`` keeps
 
 and the network computes the same function once the producer's outputs are permuted
 alike (:mod:`sparse_training.permutations`). Weights are read through
-:func:`sparse_training.masks.as_matrix`, ``(rows, in)`` with Conv kernel taps as rows,
+:func:`sparse_training.pieces.masks.as_matrix`, ``(rows, in)`` with Conv kernel taps as rows,
 so the permutation acts on the dimension the N:M groups run along.
 """
 
@@ -19,7 +19,7 @@ import time
 import torch
 from torch import Tensor
 
-from sparse_training.masks import as_matrix
+from sparse_training.pieces.masks import as_matrix
 
 WINDOW_WORK = 2**30  # |x - t| terms in one window's first swap map: about 1 s on 2 CPU cores
 MAX_WINDOW = 4096  # columns; the swap map is (window x window) float64, 128 MiB at 4096
@@ -50,7 +50,7 @@ def kept_magnitude(weight: Tensor, n: int, m: int) -> float:
     """Sum of ``|w|`` that N:M magnitude pruning along the input dimension keeps.
 
     ``sum_rows sum_groups topN(|w[row, group]|)`` over groups of M consecutive input
-    channels, in float64: the magnitude that :func:`sparse_training.masks.pattern_mask`
+    channels, in float64: the magnitude that :func:`sparse_training.pieces.masks.pattern_mask`
     keeps for ``f"{n}:{m}"`` (which ranks in float32, so exact ties may differ).
 
     Raises:

@@ -252,7 +252,7 @@ def top_blocks(scores: Tensor, nnz: int) -> Tensor:
     """Bool mask of the ``nnz`` highest-scoring blocks (exact count; ties by ``topk``).
 
     NaN scores rank below every other score (``-inf`` included), the engine's rule
-    (:func:`sparse_training.masks.score_stack`): a block holding a NaN is kept only when
+    (:func:`sparse_training.pieces.masks.score_stack`): a block holding a NaN is kept only when
     fewer than ``nnz`` blocks have a number for a score.
 
     Raises:

@@ -10,7 +10,7 @@ Weights are read through their 2-D view ``(rows, in_features)`` (:func:`as_matri
 in NVIDIA ASP's ``(r, s, k, c)`` order, ``(prod(kernel) * out, in)``, so N:M groups run along
 input channels as in ASP. A weight stored input-first (HF ``Conv1D``'s ``(in, out)``,
 ``nn.ConvTranspose*d``'s ``(in, out, *kernel)``) is read with ``input_dim=0``
-(:func:`sparse_training.tensors.input_dim_of`).
+(:func:`sparse_training.engine.tensors.input_dim_of`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sparse_training.patterns import Pattern, parse_pattern
+from sparse_training.pieces.patterns import Pattern, parse_pattern
 
 NM_KERNEL_MAX_M = 32  # the Triton N:M kernel holds one group in registers
 

@@ -1,33 +1,49 @@
 """Mask regrowth: drop by magnitude, grow by a score, the same count back, inside the structure.
 
-Every regrowth algorithm is one call of :func:`drop_and_grow` with a different grow score
-(jaxpruner's split: "RigL is SET with a different grow score"):
+A regrowth rule is one frozen dataclass, :class:`Regrowth`, with one signature::
 
-- ``rigl``: grow where |dense gradient| is largest (Evci et al. 2020, "Rigging the Lottery").
-- ``set``: grow at random (Mocanu et al. 2018, "Sparse Evolutionary Training"); the random
-  stream is seeded by (seed, step, layer), so every process draws the same positions.
+    regrowth.fraction(step) -> float    # the share of active blocks swapped at step
+
+and its grow score (:mod:`sparse_training.pieces.scores`); every algorithm is one call of
+:func:`drop_and_grow` with a different grow score (jaxpruner's split: "RigL is SET with a
+different grow score"):
+
+- RigL, ``Regrowth("rigl", GradientScore())``: grow where |dense gradient| is largest
+  (Evci et al. 2020, "Rigging the Lottery").
+- SET, ``Regrowth("set", RandomScore(seed))``: grow at random (Mocanu et al. 2018, "Sparse
+  Evolutionary Training"); the random stream is seeded by (seed, step, tensor), so every
+  process draws the same positions.
 
 The share of active weights swapped at step t is the cosine decay of RigL,
 f(t) = alpha/2 (1 + cos(pi t / T_end)), alpha = 0.3 by default, and no swaps from T_end on.
 
 SR-STE (Zhou et al. 2021, "Learning N:M Fine-grained Structured Sparse Neural Networks From
-Scratch") is not a drop/grow rule: the engine keeps dense weights, recomputes the N:M mask
-from them every step, and adds the sparse-refined decay lambda (1 - mask) w to the
-straight-through gradient (:func:`sr_ste_gradient`).
+Scratch") is not a drop/grow rule but a refinement of the gradient,
+:class:`SparseRefinement`: the engine keeps dense weights, recomputes the N:M mask from them
+every step, and adds the sparse-refined decay lambda (1 - mask) w to the straight-through
+gradient.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
-from sparse_training.masks import as_matrix, expand_blocks, from_matrix, pool_blocks, score_stack
-from sparse_training.patterns import Pattern
+from sparse_training.pieces.masks import (
+    as_matrix,
+    expand_blocks,
+    from_matrix,
+    pool_blocks,
+    score_stack,
+)
+from sparse_training.pieces.patterns import Pattern
+from sparse_training.pieces.schedules import Step, to_steps
+from sparse_training.pieces.scores import Score
 
-REGROW = ("rigl", "set", "sr-ste")
 DEFAULT_ALPHA = 0.3  # RigL's drop fraction (Evci et al. 2020, Table 1 setting)
 DEFAULT_REGROW_END = 0.75  # RigL stops mask updates at 75% of training
 DEFAULT_SR_STE_DECAY = 2e-4  # lambda_W of Zhou et al. 2021
@@ -38,12 +54,41 @@ def cosine_fraction(step: int, end: int, alpha: float) -> float:
     return 0.0 if step >= end else alpha / 2 * (1 + math.cos(math.pi * step / end))
 
 
-def random_scores(shape: torch.Size, seed: int, step: int, layer: int,
-                  device: torch.device) -> Tensor:
-    """Uniform scores from a stream fixed by (seed, step, layer): equal on every rank."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(((seed * 1_000_003 + step) * 1_000_033 + layer) % 2**63)
-    return torch.rand(shape, generator=generator, device=device)
+@dataclass(frozen=True)
+class Regrowth:
+    """Drop and grow until ``end``: the cosine-decayed share of the active blocks swapped,
+    the smallest ``|w|`` out, the largest ``grow`` score in.
+
+    Attributes:
+        name: the setting that names it (``"rigl"``, ``"set"``), for messages.
+        grow: the grow score.
+        alpha: the share swapped at the first update.
+        end: no swaps from this step (int) or fraction of training (float) on.
+    """
+
+    name: str
+    grow: Score
+    alpha: float = DEFAULT_ALPHA
+    end: Step = DEFAULT_REGROW_END
+
+    def resolve(self, total_steps: int | None) -> Regrowth:
+        """This rule with ``end`` in steps of a run of ``total_steps``."""
+        return replace(self, end=to_steps(self.end, total_steps))
+
+    def fraction(self, step: int) -> float:
+        """The share of active blocks swapped at ``step`` (``end`` resolved)."""
+        return cosine_fraction(step, self.end, self.alpha)
+
+
+@dataclass(frozen=True)
+class SparseRefinement:
+    """SR-STE's gradient: g <- g + ``decay`` (1 - mask) w, in place, for the dense weights
+    the optimizer updates (Zhou et al. 2021)."""
+
+    decay: float = DEFAULT_SR_STE_DECAY
+
+    def __call__(self, grad: Tensor, dense_weight: Tensor, mask: Tensor) -> None:
+        grad.add_(torch.where(mask, 0.0, dense_weight), alpha=self.decay)
 
 
 def drop_and_grow(masks: Sequence[Tensor], weights: Sequence[Tensor],
@@ -63,7 +108,7 @@ def drop_and_grow(masks: Sequence[Tensor], weights: Sequence[Tensor],
         masks, weights, grow_scores: one entry per tensor.
         kept: each ``mask.sum()`` if the caller has them (counting here is a device sync).
         input_dims: where each tensor stores its input dimension (default 1,
-            :func:`~sparse_training.masks.as_matrix`).
+            :func:`~sparse_training.pieces.masks.as_matrix`).
 
     Returns:
         The new bool masks, shaped like the weights.
@@ -117,8 +162,3 @@ def _kept_blocks(mask: Tensor, kept: int, pattern: Pattern, input_dim: int) -> i
     blocks = pool_blocks(as_matrix(mask, input_dim).float(), pattern.block_rows,
                          pattern.block_cols)
     return int((blocks > 0).sum())
-
-
-def sr_ste_gradient(grad: Tensor, dense_weight: Tensor, mask: Tensor, decay: float) -> None:
-    """In place: g <- g + lambda (1 - mask) w, the sparse-refined straight-through gradient."""
-    grad.add_(torch.where(mask, 0.0, dense_weight), alpha=decay)

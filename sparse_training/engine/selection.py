@@ -1,7 +1,7 @@
 """Selection: which weight tensors get masks, with what pattern and target, and why.
 
 :func:`plan_tensors` decides for every weight-like tensor of the model
-(:func:`sparse_training.tensors.find_weight_tensors`: any parameter of two or more
+(:func:`sparse_training.engine.tensors.find_weight_tensors`: any parameter of two or more
 dimensions, tied ones once), in this order:
 
 1. **type**: a tensor is eligible when a module owning it is one of ``layer_types``;
@@ -33,29 +33,15 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 from torch import nn
 
-from sparse_training.distributions import PER_LAYER
-from sparse_training.masks import as_matrix, block_grid, kept_count
-from sparse_training.patcher import COMPRESSED_LAYERS
-from sparse_training.patterns import Pattern
-from sparse_training.tensors import WeightTensor, find_weight_tensors
-
-if TYPE_CHECKING:
-    from sparse_training.config import SparsityConfig
-
-DEFAULT_LAYER_TYPES: tuple[type[nn.Module], ...] = (
-    nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention, nn.RNNBase)
-
-
-@dataclass(frozen=True)
-class LayerOverride:
-    """Per-tensor settings from ``overrides``; None fields follow the model-wide ones."""
-
-    pattern: Pattern | None = None
-    sparsity: float | None = None
+from sparse_training.config import DEFAULT_LAYER_TYPES, LayerOverride, SparsityConfig
+from sparse_training.engine.protocol import CompressedLayer
+from sparse_training.engine.tensors import WeightTensor, find_weight_tensors
+from sparse_training.pieces.distributions import DISTRIBUTIONS, Distribution, Uniform
+from sparse_training.pieces.masks import as_matrix, block_grid, kept_count
+from sparse_training.pieces.patterns import Pattern
 
 
 @dataclass(frozen=True)
@@ -167,11 +153,13 @@ def _layout_problem(tensor: WeightTensor, pattern: Pattern) -> str | None:
 
 
 def _setting(regex: str | None, overrides: Mapping[str, LayerOverride], pattern: Pattern,
-             sparsity: float | None, distribution: str) -> tuple[str, float | str | None]:
+             sparsity: float | None, distribution: Distribution
+             ) -> tuple[str, float | str | None]:
     """The (pattern, final target) a name gets from override ``regex`` (None: model-wide)."""
     if regex is None:
-        uniform = pattern.is_nm or distribution == "uniform"
-        return pattern.spec, _final_sparsity(pattern, sparsity) if uniform else distribution
+        uniform = pattern.is_nm or isinstance(distribution, Uniform)
+        return pattern.spec, (_final_sparsity(pattern, sparsity) if uniform
+                              else distribution.name)
     override = overrides[regex]
     layer_pattern = override.pattern or pattern
     if override.sparsity == 0.0:  # kept dense, whatever the pattern
@@ -181,7 +169,7 @@ def _setting(regex: str | None, overrides: Mapping[str, LayerOverride], pattern:
 
 
 def _tensor_override(tensor: WeightTensor, overrides: Mapping[str, LayerOverride],
-                     pattern: Pattern, sparsity: float | None, distribution: str
+                     pattern: Pattern, sparsity: float | None, distribution: Distribution
                      ) -> tuple[str | None, set[str]]:
     """The override regex that sets ``tensor`` (the first matching any name, None if none)
     and every regex matching one of its names first.
@@ -247,7 +235,7 @@ def plan_tensors(
     deny: Sequence[str] = (),
     dense_ratio: float = 0.0,
     overrides: Mapping[str, LayerOverride] | None = None,
-    distribution: str = "uniform",
+    distribution: Distribution = DISTRIBUTIONS["uniform"],
 ) -> list[TensorPlan]:
     """Decide, for every weight tensor, whether and how it is masked (module docstring).
 
@@ -275,7 +263,7 @@ def plan_tensors(
     eligible: list[int] = []
     compressed: set[int] = set()  # reached by allow and overrides (at compression)
     for tensor in tensors:
-        if any(isinstance(module, COMPRESSED_LAYERS) for module, _ in tensor.owners):
+        if any(isinstance(module, CompressedLayer) for module, _ in tensor.owners):
             compressed.add(len(rows))
             rows.append(row(tensor, False, f"compressed: {tensor.kind} holds its own "
                                            f"sparsity"))
@@ -333,13 +321,10 @@ def plan_tensors(
                               _final_sparsity(layer_pattern, sparsity))
 
     if following and not pattern.is_nm:
-        if distribution in PER_LAYER:
-            targets = PER_LAYER[distribution]([rows[i].shape for i in following], sparsity)
-        else:  # "global": one threshold at every update, no fixed per-tensor value
-            targets = [None] * len(following)
+        targets = distribution([rows[i].shape for i in following], sparsity)
         for index, target in zip(following, targets, strict=True):
             rows[index] = replace(rows[index], sparsity=target, reason=rows[index].reason.replace(
-                "selected", f"selected ({distribution})", 1))
+                "selected", f"selected ({distribution.name})", 1))
     for index in eligible:
         if rows[index].selected and (problem := _empty_problem(rows[index])):
             if index in named:
@@ -358,13 +343,12 @@ def plan_model(model: nn.Module, config: SparsityConfig
         tensors, pattern=config.parsed_pattern, sparsity=config.sparsity,
         layer_types=config.layer_types, allow=config.allow, deny=config.deny,
         dense_ratio=config.dense_ratio, overrides=config.parsed_overrides,
-        distribution=config.distribution)
+        distribution=config.parsed_distribution)
 
 
 def format_table(plans: Sequence[TensorPlan]) -> str:
     """The setup table: one line per weight tensor, selected or skipped, and why."""
-    header = ("tensor", "type", "shape", "pattern", "sparsity", "density", "decision")
-    lines = [header]
+    lines = []
     for p in plans:
         if not p.selected:
             target = density = "-"
@@ -374,8 +358,15 @@ def format_table(plans: Sequence[TensorPlan]) -> str:
             target, density = f"{p.sparsity:.4f}", f"{1 - p.sparsity:.4f}"
         lines.append((p.name, p.kind, "x".join(map(str, p.shape)),
                       p.pattern.spec if p.pattern else "-", target, density, p.reason))
-    widths = [max(len(r[c]) for r in lines) for c in range(len(header))]
-    text = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
-            for r in lines]
+    return text_table(("tensor", "type", "shape", "pattern", "sparsity", "density", "decision"),
+                      lines)
+
+
+def text_table(header: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
+    """``lines`` of cells in columns aligned under ``header`` and a rule of dashes."""
+    lines = [tuple(header), *map(tuple, lines)]
+    widths = [max(len(line[c]) for line in lines) for c in range(len(header))]
+    text = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+            for line in lines]
     text.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(text)

@@ -13,22 +13,20 @@ It knows nothing of Lightning. Without Lightning, a training loop uses it like t
         optimizer.zero_grad()
     engine.detach()                      # then make_permanent(model) may drop the masks
 
-The pieces: :func:`~sparse_training.tensors.find_weight_tensors` finds every weight
-tensor, :func:`~sparse_training.selection.plan_tensors` decides, one
-:class:`~sparse_training.slots.MaskedSlot` per selected tensor holds its mask, an updater
-(:mod:`sparse_training.updaters`) changes masks, and one enforcement path keeps them:
+The pieces: :func:`~sparse_training.engine.tensors.find_weight_tensors` finds every weight
+tensor, :func:`~sparse_training.engine.selection.plan_tensors` decides, one
+:class:`~sparse_training.engine.slots.MaskedSlot` per selected tensor holds its mask, an updater
+(:mod:`sparse_training.engine.updaters`) changes masks, and one enforcement path keeps them:
 pruned gradients are zeroed before the optimizer step and pruned weights after it, each
 in one multi-tensor pass (:func:`sparse_training.kernels.zero_pruned_`), or by the fused
 optimizer kernel; optimizer state is zeroed wherever a mask update prunes or grows.
 Parameters sharded by FSDP2 (DTensors) get masks of the whole tensor, computed from it
-gathered at mask updates, and enforced on the local shards (:mod:`sparse_training.sharding`).
+gathered at mask updates, and enforced on the local shards (:mod:`sparse_training.engine.sharding`).
 """
 
 from __future__ import annotations
 
 import functools
-import weakref
-from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -36,35 +34,25 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from sparse_training.config import SparsityConfig
-from sparse_training.kernels import zero_pruned_
-from sparse_training.optimizer_hooks import (
+from sparse_training.engine import ownership
+from sparse_training.engine.distributed import sharding_problem
+from sparse_training.engine.optimizer_hooks import (
     Attached,
     after_step,
     fused_step,
     masked_gradients_step,
     use_fused,
 )
-from sparse_training.patcher import COMPRESSED_LAYERS, hold_for_training
-from sparse_training.ranks import check_across_ranks
-from sparse_training.selection import plan_model
-from sparse_training.sharding import sharding_problem
-from sparse_training.slots import CompressedSlot, MaskedSlot, whole_counts
-from sparse_training.state import FORMAT, checked_masks, pack_compressed, pack_masks
-from sparse_training.tensors import zeros_problem
-from sparse_training.updaters import UPDATERS
-
-# id(parameter) -> (parameter, engine), both weak: which live engine masks a tensor
-_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+from sparse_training.engine.protocol import CompressedLayer, Slot
+from sparse_training.engine.selection import plan_model
+from sparse_training.engine.slot_set import SlotSet
+from sparse_training.engine.slots import MaskedSlot
+from sparse_training.engine.state import FORMAT, checked_masks, pack_compressed, pack_masks
+from sparse_training.engine.tensors import zeros_problem
+from sparse_training.engine.updaters import make_updater
 
 
-def _owner(param: Tensor) -> SparsityEngine | None:
-    entry = _OWNERS.get(id(param))
-    if entry is None or entry[0]() is not param:
-        return None
-    return entry[1]()
-
-
-class SparsityEngine:
+class SparsityEngine(SlotSet):
     """The masks of one model: selection, updates, enforcement, state.
 
     Args:
@@ -84,36 +72,33 @@ class SparsityEngine:
                  state: dict[str, Any] | None = None) -> None:
         self.config = config
         tensors, self.plans = plan_model(model, config)
-        self.slots = [MaskedSlot(p, t) for p, t in zip(self.plans, tensors, strict=True)
-                      if p.selected]
-        self.compressed = [CompressedSlot(f"{name}.{module.trained_weight}", module)
-                           for name, module in model.named_modules()
-                           if isinstance(module, COMPRESSED_LAYERS)]
+        layers = [(name, m) for name, m in model.named_modules()
+                  if isinstance(m, CompressedLayer)]
         # random streams by tensor, in model order over masked and compressed tensors: a
         # tensor draws the same scores whether it trains masked-dense or compressed
-        self.streams = {p.name: i for i, p in enumerate(
-            p for p in self.plans if p.selected
-            or p.kind in {t.__name__ for t in COMPRESSED_LAYERS})}
+        compressed_kinds = {type(m).__name__ for _, m in layers}
+        super().__init__(
+            slots=[MaskedSlot(p, t) for p, t in zip(self.plans, tensors, strict=True)
+                   if p.selected] + [m.slot(f"{name}.{m.trained_weight}") for name, m in layers],
+            streams={p.name: i for i, p in enumerate(
+                p for p in self.plans if p.selected or p.kind in compressed_kinds)},
+            pooled_sparsity=config.sparsity, check_masks=config.check_masks)
         self.model = model
-        self._attached: dict[Optimizer, Attached] = {}
         self.fused_optimizers: set[Optimizer] = set()
-        self._stats: dict[str, float] = {}  # counted by _recount at every mask change
-        # the loss scale of the gradients at the optimizer step (an AMP GradScaler's; the
-        # Lightning callback sets it): recorded dense gradients are divided by it
-        self.loss_scale: Callable[[], float] = lambda: 1.0
         self._check_slots()
-        self.updater = UPDATERS[config.regrow](config)
-        restored = None if state is None else checked_masks(state, config, self.slots,
+        self.updater = make_updater(config.parsed_schedule, config.parsed_score,
+                                    config.parsed_regrowth, config.parsed_refinement)
+        restored = None if state is None else checked_masks(state, config, self.masked,
                                                              self.compressed)
         self._take()
         if restored is not None:
             self._restore(state, *restored)
 
     def _check_slots(self) -> None:
-        if problem := sharding_problem(self.model, self.slots, self.compressed,
-                                       self.config.regrow):
+        if problem := sharding_problem(self.model, self.slots, self.config.parsed_regrowth,
+                                       self.config.parsed_refinement is not None):
             raise ValueError(problem)
-        for slot in self.slots:
+        for slot in self.masked:
             where = f"tensor {slot.name!r} ({slot.plan.kind})"
             if slot.param.is_meta:
                 raise ValueError(f"{where} is on the meta device: materialize the model "
@@ -125,7 +110,7 @@ class SparsityEngine:
                 raise ValueError(f"{where} is pruned by torch.nn.utils.prune (a forward "
                                  f"pre-hook multiplies it by another mask); call "
                                  f"torch.nn.utils.prune.remove(module, name) first")
-            owner = _owner(slot.param)
+            owner = ownership.owner(slot.param)
             if owner is not None and owner is not self:
                 raise ValueError(f"{where} is already masked by another SparsityEngine "
                                  f"(pattern {owner.config.pattern!r}); give two callbacks "
@@ -139,10 +124,10 @@ class SparsityEngine:
 
     def _take(self) -> None:
         """Own the selected tensors and put their mask buffers on the model."""
-        for slot in self.slots:
-            _OWNERS[id(slot.param)] = (weakref.ref(slot.param), weakref.ref(self))
+        for slot in self.masked:
+            ownership.take(slot.param, self)
             slot.install()
-        self._recount()
+        self.recount()
 
     def claim(self) -> None:
         """Check the selected tensors again and own them (an engine reused for a later
@@ -159,19 +144,16 @@ class SparsityEngine:
         ``make_permanent``, nor after ``configure_model`` built new layers)."""
         params = {id(p) for p in model.parameters()}
         return self.model is model and self.installed and all(
-            id(slot.param) in params for slot in (*self.slots, *self.compressed))
+            id(slot.param) in params for slot in self.slots)
 
     def _restore(self, state: dict[str, Any], masks: dict[str, Tensor],
                  compressed: dict[str, Tensor]) -> None:
-        """Install a checked state (:func:`~sparse_training.state.checked_masks`): the
+        """Install a checked state (:func:`~sparse_training.engine.state.checked_masks`): the
         updater's progress, then the masks; a compressed layer's blocks move (values and
         optimizer state follow) only where its mask differs (a swap at setup already made
         it the checkpoint's)."""
         self.updater.load_state_dict(state["updater"])
-        for slot in self.compressed:
-            if slot.name in compressed:
-                slot.set_mask(compressed[slot.name], self._attached)
-        self.set_masks(masks, step=None, broadcast=False, check=False)  # counts them all
+        self.set_masks({**masks, **compressed}, step=None, broadcast=False, check=False)
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, total_steps: int | None) -> None:
@@ -211,10 +193,9 @@ class SparsityEngine:
                                f"optimizer) once before training (its step would move pruned "
                                f"weights)")
         if len(optimizer.param_groups) != attached.groups:  # groups added since attach
-            attached.use(_of_optimizer(self.slots, optimizer),
-                         _of_optimizer(self.compressed, optimizer), len(optimizer.param_groups))
+            attached.use(_of_optimizer(self.slots, optimizer), len(optimizer.param_groups))
             attached.start(optimizer, self.updater.dense_state)
-        self.updater.before_step(self, [*attached.slots, *attached.compressed], step)
+        self.updater.before_step(self, attached.slots, step)
         if self.updater.masks_gradients and clipping:
             attached.zero_pruned_gradients()
 
@@ -229,80 +210,17 @@ class SparsityEngine:
         self.updater.update_masks(self, fraction, step=0, created=True)
 
     @property
-    def masked_final_sparsity(self) -> float:
-        """The mean final target over the masked weights (schedules scale it)."""
-        total = sum(s.plan.numel for s in self.slots)
-        return sum(s.plan.numel * (self.config.sparsity if s.plan.sparsity is None
-                                   else s.plan.sparsity) for s in self.slots) / max(total, 1)
-
-    @property
     def final_sparsity(self) -> float:
         """The final target over all selected and compressed weights."""
-        return self._overall(self.masked_final_sparsity)
+        return self.overall(self.masked_final_sparsity)
 
     @property
     def target(self) -> float:
         """The sparsity the schedule asks for now, over all selected and compressed weights."""
-        return self._overall(self.updater.target)
-
-    def _overall(self, masked: float) -> float:
-        """``masked`` (a sparsity of the masked weights) with the compressed layers' zeros:
-        the fraction over every selected and compressed weight."""
-        numel = sum(s.plan.numel for s in self.slots)
-        total = numel + sum(s.numel for s in self.compressed)
-        zeros = sum(self.tensor_sparsity[s.name] * s.numel for s in self.compressed)
-        return (masked * numel + zeros) / total if total else 0.0
-
-    @torch.no_grad()
-    def set_masks(self, new_masks: dict[str, Tensor], step: int | None, broadcast: bool,
-                  reset_state: bool = True, check: bool = True) -> None:
-        """Install masks (keyed by tensor name; of the whole tensors, sharded ones too):
-        zero the pruned weights and, with ``reset_state``, every optimizer-state tensor
-        wherever a position is not kept in both the old and the new mask (pruned, or grown
-        and so starting from zero).
-        Under torch.distributed, rank 0's masks are broadcast (``broadcast``) and checksums
-        compared (``check`` and ``config.check_masks``; of the new whole masks of sharded
-        tensors)."""
-        for slot in self.slots:
-            new = new_masks.get(slot.name)
-            if new is None:
-                continue
-            restart = slot.set_mask(new)
-            if reset_state:
-                for optimizer in self._attached:
-                    for value in slot.state_tensors(optimizer):
-                        value.masked_fill_(restart, 0)
-        self._recount()
-        if check:
-            check_across_ranks([s for s in self.slots if not s.sharded or s.name in new_masks],
-                               step, broadcast, self.config.check_masks, new_masks)
-
-    def move_blocks(self, new_masks: dict[str, Tensor], step: int,
-                    gradients: dict[str, Tensor]) -> None:
-        """Move compressed layers' blocks to ``new_masks`` (block grids keyed by tensor
-        name, same counts): values, gradients and optimizer state follow kept blocks, new
-        ones start at zero with their block of the dense ``gradients``
-        (:meth:`CompressedSlot.move`); checksums compared across ranks."""
-        moved = [s for s in self.compressed if s.name in new_masks]
-        for slot in moved:
-            slot.move(new_masks[slot.name], self._attached, gradients.get(slot.name))
-        self._recount()
-        check_across_ranks(moved, step, False, self.config.check_masks)
-
-    def zero_pruned_gradients(self, slots: Iterable[MaskedSlot]) -> None:
-        """Zero the gradients of pruned weights, one multi-tensor pass."""
-        pairs = [(s.local_grad, s.mask) for s in slots if s.param.grad is not None]
-        if pairs:
-            zero_pruned_(*zip(*pairs, strict=True))
-
-    def zero_pruned_weights(self, slots: Iterable[MaskedSlot]) -> None:
-        """Zero the pruned weights, one multi-tensor pass."""
-        slots = list(slots)
-        with torch.no_grad():
-            zero_pruned_([s.local_param for s in slots], [s.mask for s in slots])
+        return self.overall(self.updater.target)
 
     # -- optimizers -------------------------------------------------------------------------
-    def _slots_of(self, optimizer: Optimizer) -> list[MaskedSlot]:
+    def _slots_of(self, optimizer: Optimizer) -> list[Slot]:
         if optimizer in self._attached:
             return self._attached[optimizer].slots
         return _of_optimizer(self.slots, optimizer)
@@ -328,13 +246,11 @@ class SparsityEngine:
             raise RuntimeError("this SparsityEngine's masks or compressed layers are no longer "
                                "in its model (make_permanent, densify): build a new "
                                "SparsityEngine for the model")
-        slots = self._slots_of(optimizer)
-        attached = Attached(slots, _of_optimizer(self.compressed, optimizer),
-                            len(optimizer.param_groups))
+        attached = Attached(self._slots_of(optimizer), len(optimizer.param_groups))
         fused = use_fused(self.config.fused, self.updater.dense_state, optimizer,
                           attached.enforced)  # raises before any change
         if not self._attached:
-            hold_for_training(self.model, self, held=True)
+            ownership.hold_for_training(self.model, self, held=True)
         self._attached[optimizer] = attached
         if fused:
             attached.handles.append(optimizer.register_step_pre_hook(
@@ -343,8 +259,9 @@ class SparsityEngine:
         else:
             attached.handles += [
                 optimizer.register_step_pre_hook(
-                    functools.partial(masked_gradients_step, self, attached)),
-                optimizer.register_step_post_hook(functools.partial(after_step, self, attached))]
+                    functools.partial(masked_gradients_step, self.updater, attached)),
+                optimizer.register_step_post_hook(
+                    functools.partial(after_step, self.updater, self, attached))]
         attached.start(optimizer, self.updater.dense_state)
 
     def detach(self) -> None:
@@ -354,61 +271,35 @@ class SparsityEngine:
             for handle in attached.handles:
                 handle.remove()
         if self._attached:
-            hold_for_training(self.model, self, held=False)
+            ownership.hold_for_training(self.model, self, held=False)
         self._attached.clear()
         self.fused_optimizers.clear()
-        for compressed in self.compressed:
-            compressed.recording = False
-            compressed.clear_gradient()
-            if compressed.masked_dense:
-                compressed.layer.masks_gradient = True
         for slot in self.slots:
-            if _owner(slot.param) is self:
-                del _OWNERS[id(slot.param)]
+            slot.detach()
+        for slot in self.masked:
+            ownership.give_up(slot.param, self)
 
     @property
     def installed(self) -> bool:
         """Whether every mask buffer is still on the model (``make_permanent`` drops them)."""
-        return all(slot.installed for slot in self.slots)
+        return all(slot.installed for slot in self.masked)
 
-    # -- reporting and state ----------------------------------------------------------------
-    def _recount(self) -> None:
-        """Count the masks after they change, where every rank is (one sync; an all-reduce
-        for sharded tensors): a later read of :attr:`tensor_sparsity` communicates nothing,
-        so one rank alone may read it."""
-        kept, _ = whole_counts(self.slots)
-        self._stats = {s.name: 1.0 - k / s.plan.numel
-                       for s, k in zip(self.slots, kept, strict=True)}
-        self._stats.update({s.name: s.layer.sparsity for s in self.compressed})
-
-    @property
-    def tensor_sparsity(self) -> dict[str, float]:
-        """Fraction of zeros in each selected tensor's mask and each compressed layer's dense
-        form, as counted at the last mask change."""
-        return self._stats
-
-    @property
-    def sparsity(self) -> float:
-        """Fraction of zeros over all selected and compressed weights."""
-        numel = sum(s.plan.numel for s in self.slots)
-        masked = sum(self.tensor_sparsity[s.name] * s.plan.numel for s in self.slots)
-        return self._overall(masked / numel if numel else 0.0)
-
+    # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Masks (bit-packed; the compressed layers' too), the settings that made them and
         the updater's progress; random draws depend on (seed, step) only, so no generator
         state is needed."""
         return {"format": FORMAT, "settings": self.config.as_dict(),
-                "masks": pack_masks(self.slots), "compressed": pack_compressed(self.compressed),
+                "masks": pack_masks(self.masked), "compressed": pack_compressed(self.compressed),
                 "updater": self.updater.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`; everything is checked before anything changes.
 
         Raises:
-            ValueError: the state does not fit (see :mod:`sparse_training.state`).
+            ValueError: the state does not fit (see :mod:`sparse_training.engine.state`).
         """
-        self._restore(state, *checked_masks(state, self.config, self.slots, self.compressed))
+        self._restore(state, *checked_masks(state, self.config, self.masked, self.compressed))
 
 
 def _of_optimizer(slots: list, optimizer: Optimizer) -> list:

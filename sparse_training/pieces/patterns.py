@@ -1,7 +1,7 @@
 """Sparsity patterns: one grammar, one parser, one dataclass.
 
 Every pattern is a block shape plus an optional N:M rule over blocks, read on the
-weight's 2-D view ``(rows, in_features)`` (see :func:`sparse_training.masks.as_matrix`):
+weight's 2-D view ``(rows, in_features)`` (see :func:`sparse_training.pieces.masks.as_matrix`):
 
 ==========================  =====================================================
 spec                        meaning
@@ -72,6 +72,18 @@ class Pattern:
         """Whether this is 2:4 of single entries (``2:4`` or ``2:4:2d``): what the sparse
         tensor cores take."""
         return (self.n, self.m, self.block_rows, self.block_cols) == (2, 4, 1, 1)
+
+    @property
+    def compression_problem(self) -> str | None:
+        """Why no compressed layer takes patterns of this kind, or None: blocks
+        (``BlockSparseLinear``, whose block sizes it checks itself) and 2:4
+        (``SemiStructuredLinear``) compress."""
+        if self.is_nm and not self.is_2_4:
+            return (f"pattern {self.spec!r}: of the N:M patterns only '2:4' and '2:4:2d' "
+                    f"compress (the sparse tensor cores)")
+        if not self.is_nm and self.block_rows * self.block_cols == 1:
+            return f"pattern {self.spec!r} is neither a block pattern nor 2:4"
+        return None
 
     @property
     def is_nm(self) -> bool:

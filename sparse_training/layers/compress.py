@@ -2,13 +2,14 @@
 
 Where a block pattern's kept count is fixed from the first step (``schedule="oneshot"`` or
 ``"constant"`` at ``start=0``, a per-tensor distribution; RigL and SET move blocks inside
-that count, :class:`~sparse_training.slots.CompressedSlot`), a selected Linear
+that count, :class:`~sparse_training.layers.storage.BlockSparseSlot`), a selected Linear
 weight needs no dense copy at all: it is swapped for a :class:`BlockSparseLinear` before
 the optimizers are built, so weights, gradients and optimizer state hold only the kept
 blocks. The kept blocks are exactly those the masked-dense engine would keep at step 0
 (the same mask function and seeded scores), so ``compress`` changes how a layer trains,
 not which blocks it keeps. Everything else stays masked-dense (the engine), and
-:func:`compress_selected` says, per tensor, which path it takes and why.
+:func:`compress_selected` says, per tensor, which path it takes and why, in the swap
+table of :func:`~sparse_training.layers.swap.sparsify`.
 
 ``compress="auto"`` compresses only where the compressed layers train faster than
 masked-dense on the device and compute dtype training uses (:func:`slower_reason`: blocks
@@ -18,27 +19,27 @@ tensor. On resume the checkpoint decides: its compressed layers, with its masks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from sparse_training.block_sparse import BLOCK_SIZES, BlockSparseLinear
+from sparse_training.engine.protocol import CompressedLayer
+from sparse_training.engine.selection import TensorPlan, plan_model
+from sparse_training.engine.sharding import is_sharded
+from sparse_training.engine.state import LayerForm, check_compressed
 from sparse_training.kernels.block_sparse import block_grid
-from sparse_training.masks import kept_count, pattern_mask
-from sparse_training.patcher import COMPRESSED_LAYERS, replace_module, swap_checker
-from sparse_training.patterns import Pattern
-from sparse_training.regrowth import random_scores
-from sparse_training.selection import TensorPlan, plan_model
-from sparse_training.semi_structured import SemiStructuredLinear
-from sparse_training.sharding import is_sharded
-from sparse_training.state import LayerForm, check_compressed
+from sparse_training.layers.block_sparse import BlockSparseLinear
+from sparse_training.layers.blocks import BLOCK_SIZES
+from sparse_training.layers.semi_structured import SemiStructuredLinear
+from sparse_training.layers.swap import SwapRow, replace_module, swap_checker, swap_in
+from sparse_training.pieces.masks import kept_count, pattern_mask
+from sparse_training.pieces.patterns import Pattern
+from sparse_training.pieces.scores import DenseWeight
 
 if TYPE_CHECKING:
     from sparse_training.config import SparsityConfig
 
-COMPRESS = ("auto", True, False)
 # reported in issue 24, measured end to end on an H100 through pl.Trainer (not yet reproduced
 # by benchmarks/e2e_step.py, whose BERT-base rows are in docs/performance.md): a Llama-8B-shaped
 # 4-layer decoder with 128x128 blocks at 90/75/50% trained 1.63x/1.36x/1.06x as fast as
@@ -53,51 +54,14 @@ AUTO_2_4_REASON = ("auto: 2:4 layers trained no faster than masked-dense end to 
                    "compress=True forces them")
 
 
-@dataclass(frozen=True)
-class CompressionRow:
-    """One selected tensor's training path: ``compressed`` or ``masked-dense``, and why."""
-
-    name: str
-    shape: tuple[int, ...]
-    path: str
-    reason: str
-
-
 def pattern_problem(pattern: Pattern) -> str | None:
     """Why no compressed layer takes ``pattern``, or None: blocks of :data:`BLOCK_SIZES`
     (``BlockSparseLinear``) or 2:4 (``SemiStructuredLinear``, transposable or not)."""
-    if problem := _kind_problem(pattern):
+    if problem := pattern.compression_problem:
         return problem
     block = (pattern.block_rows, pattern.block_cols)
     if not pattern.is_nm and not set(block) <= set(BLOCK_SIZES):
         return f"block {block[0]}x{block[1]}: the kernels take blocks of {BLOCK_SIZES}"
-    return None
-
-
-def _kind_problem(pattern: Pattern) -> str | None:
-    """Why no compressed layer takes patterns of this kind (block sizes aside), or None."""
-    if pattern.is_nm and not pattern.is_2_4:
-        return (f"pattern {pattern.spec!r}: of the N:M patterns only '2:4' and '2:4:2d' "
-                f"compress (the sparse tensor cores)")
-    if not pattern.is_nm and pattern.block_rows * pattern.block_cols == 1:
-        return f"pattern {pattern.spec!r} is neither a block pattern nor 2:4"
-    return None
-
-
-def fixed_count_problem(config: SparsityConfig) -> str | None:
-    """Why ``config`` does not fix the kept count from the first step, or None (the block
-    sizes are checked per tensor, by :func:`pattern_problem`)."""
-    pattern = config.parsed_pattern
-    if problem := _kind_problem(pattern):
-        return problem
-    if pattern.is_nm and config.regrow is not None:
-        return (f"regrow={config.regrow!r} moves 2:4 entries; the 2:4 layer keeps a fixed "
-                f"mask, so it trains masked-dense")
-    if config.schedule not in ("oneshot", "constant") or config.start != 0:
-        return (f"schedule={config.schedule!r} from start={config.start!r} reaches its "
-                f"sparsity after the first step; it trains masked-dense (docs/block_sparse.md)")
-    if config.distribution == "global":
-        return "distribution='global' sets per-tensor counts at the update, not at setup"
     return None
 
 
@@ -145,17 +109,16 @@ _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
 
 def _first_mask(weight: torch.Tensor, plan: TensorPlan, index: int,
                 config: SparsityConfig) -> torch.Tensor:
-    """The mask the masked-dense engine would set at step 0: the pattern's mask of |w|, or
-    of the random scores of the ``index``-th selected tensor (``ScheduledMasks.score``)."""
-    score = None if config.score == "magnitude" else random_scores(
-        weight.shape, config.seed, 0, index, weight.device)
+    """The mask the masked-dense engine would set at step 0: the pattern's mask of the
+    config's score of the ``index``-th selected tensor (``ScheduledMasks.score``)."""
+    score = config.parsed_score(DenseWeight(weight), 0, index)
     return pattern_mask(weight.detach(), plan.pattern, plan.sparsity, score)
 
 
 def compress_selected(model: nn.Module, config: SparsityConfig,
                       device: torch.device | None = None,
                       compute_dtype: torch.dtype | None = None,
-                      saved: dict[str, Any] | None = None) -> list[CompressionRow]:
+                      saved: dict[str, Any] | None = None) -> list[SwapRow]:
     """Swap the selected Linear weights that can train compressed, in place (module doc).
 
     Args:
@@ -169,15 +132,16 @@ def compress_selected(model: nn.Module, config: SparsityConfig,
             keeps at step 0.
 
     Returns:
-        One row per selected tensor: the path it takes and why.
+        One row per selected tensor's module: ``compressed``, or why it trains
+        masked-dense.
 
     Raises:
         ValueError: before anything is swapped: ``config.compress`` is True and nothing can
             be (or already is) compressed (the rows say why); a weight to compress on the
             meta device; ``saved`` holds a layer that cannot be compressed now, or a mask
-            that does not fit its layer (:func:`~sparse_training.state.check_compressed`).
+            that does not fit its layer (:func:`~sparse_training.engine.state.check_compressed`).
     """
-    problem = fixed_count_problem(config)
+    problem = config.fixed_count_problem()
     tensors, plans = plan_model(model, config)
     swap_problem = swap_checker(model)
     entries = []  # (plan, reason to stay masked-dense or None, layer weight name, module)
@@ -204,7 +168,7 @@ def compress_selected(model: nn.Module, config: SparsityConfig,
     skipped = {p.name.rpartition(".")[0]: p.reason for p in plans if not p.selected}
     # layers the model already holds compressed take the checkpoint's masks in the engine
     held = {f"{name}.{m.trained_weight}" for name, m in model.named_modules()
-            if isinstance(m, COMPRESSED_LAYERS)}
+            if isinstance(m, CompressedLayer)}
     masks = None if saved is None else _saved_masks(
         {k: v for k, v in saved.items() if k not in held} if isinstance(saved, dict) else saved,
         entries, skipped)
@@ -213,27 +177,28 @@ def compress_selected(model: nn.Module, config: SparsityConfig,
         raise ValueError(f"{meta} are on the meta device: compressing keeps the blocks their "
                          f"values choose; initialize the weights first (build the layers on "
                          f"their device, or to_empty and reset_parameters)")
-    rows, swaps = [], []
+    rows, reasons = [], []  # reasons: (tensor, why it stays masked-dense)
     for index, (plan, reason, key, module) in enumerate(entries):
         if reason is None and masks is not None and key not in masks:
             reason = "masked-dense in the checkpoint resumed"
+        module_name = key.rpartition(".")[0]
         if reason is not None:
-            rows.append(CompressionRow(plan.name, plan.shape, "masked-dense", reason))
+            reasons.append((plan.name, reason))
+            rows.append(SwapRow(module_name, plan.shape, plan.pattern.spec,
+                                f"masked-dense: {reason}"))
             continue
         mask = _first_mask(module.weight, plan, index, config) if masks is None else masks[key]
-        layer, what = _compressed_layer(module, plan.pattern, mask.to(module.weight.device))
-        layer.train(module.training)
-        swaps.append((plan.name.rpartition(".")[0], layer))
-        rows.append(CompressionRow(plan.name, plan.shape, "compressed",
-                                   what + ("" if masks is None else ", the checkpoint's mask")))
-    if config.compress is True and not swaps and not any(
-            isinstance(m, COMPRESSED_LAYERS) for m in model.modules()):
-        lines = "\n".join(f"  {r.name}: {r.reason}" for r in rows) or "\n".join(
+        layer = _compressed_layer(module, plan.pattern, mask.to(module.weight.device))
+        rows.append(SwapRow(module_name, plan.shape, plan.pattern.spec,
+                            "compressed" if masks is None else "compressed: the checkpoint's "
+                            "mask", layer.train(module.training)))
+    if config.compress is True and len(reasons) == len(rows) and not any(
+            isinstance(m, CompressedLayer) for m in model.modules()):
+        lines = "\n".join(f"  {name}: {why}" for name, why in reasons) or "\n".join(
             f"  {p.name}: not selected: {p.reason}" for p in plans)  # why none was selected
         raise ValueError(f"compress=True but no selected tensor can train compressed; "
                          f"use compress='auto' or False. Per tensor:\n{lines}")
-    for name, layer in swaps:
-        replace_module(model, name, layer)
+    swap_in(model, rows)
     return rows
 
 
@@ -286,20 +251,9 @@ def _why_not(name: str, why: dict[str, str], skipped: dict[str, str]) -> str:
     return f"not selected: {skipped[module]}" if module in skipped else "no such layer"
 
 
-def _compressed_layer(linear: nn.Linear, pattern: Pattern, mask: torch.Tensor
-                      ) -> tuple[nn.Module, str]:
-    """The compressed form of ``linear`` under ``mask`` and its line in the table."""
+def _compressed_layer(linear: nn.Linear, pattern: Pattern, mask: torch.Tensor) -> nn.Module:
+    """The compressed form of ``linear`` under ``mask``."""
     if pattern.is_nm:
-        layer = SemiStructuredLinear.from_dense(linear, pattern.transposable, mask)
-        return layer, (f"SemiStructuredLinear {layer.pattern} (cuSPARSELt where measured "
-                       f"faster)")
-    layer = BlockSparseLinear.from_dense(linear, (pattern.block_rows, pattern.block_cols),
-                                         mask=mask)
-    return layer, f"BlockSparseLinear, {layer.nnz} blocks"
-
-
-def format_rows(rows: list[CompressionRow]) -> str:
-    """The compression table: one line per selected tensor."""
-    width = max((len(r.name) for r in rows), default=6)
-    return "\n".join([f"{'tensor'.ljust(width)}  {'path':12s}  reason"]
-                     + [f"{r.name.ljust(width)}  {r.path:12s}  {r.reason}" for r in rows])
+        return SemiStructuredLinear.from_dense(linear, pattern.transposable, mask)
+    return BlockSparseLinear.from_dense(linear, (pattern.block_rows, pattern.block_cols),
+                                        mask=mask)

@@ -32,14 +32,7 @@ Under :class:`~sparse_training.engine.SparsityEngine` (the callback) the optimiz
 masks the gradient instead and ``masks_gradient`` is False: the dense route is then
 exactly ``F.linear`` and costs what ``nn.Linear`` costs.
 
-Bytes per weight entry, for parameters of ``p`` bytes (4 for float32 master weights) and
-AdamW: every route dense: ``4 p + 1`` (weight, gradient, two moments, the bool mask), as a
-masked-dense ``nn.Linear`` under the engine; nothing else is kept. A sparse forward adds
-its packed copy, about 1.125 B at 16 bits, and the uint8 kept positions, 0.5 B; a sparse
-input gradient adds the same for the transpose. The first call of a sparse-eligible token
-count adds, while it measures, the packing transients
-(:mod:`~sparse_training.kernels.semi_structured.cusparselt`) and the weight cast to the
-compute dtype (2 B; none for bf16 weights).
+The bytes each route keeps per weight entry are tabled in ``docs/semi_structured.md``.
 """
 
 from __future__ import annotations
@@ -52,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from sparse_training.engine.protocol import CompressedLayer
 from sparse_training.kernels._autograd import AUTOCAST_DTYPES
 from sparse_training.kernels.semi_structured import (
     SPARSE_ROUTE_DTYPES,
@@ -66,7 +60,8 @@ from sparse_training.kernels.semi_structured import (
 )
 from sparse_training.kernels.semi_structured.masks import check_mask, zero_outside
 from sparse_training.kernels.semi_structured.paths import check_timing
-from sparse_training.masks import pattern_mask
+from sparse_training.layers.storage import SemiStructuredSlot
+from sparse_training.pieces.masks import pattern_mask
 
 _OPTIMIZER_STEPS = [0]  # optimizer steps taken in this process, once counting starts
 _COUNTING: list = []  # the global hook's handle, registered by the first layer
@@ -91,7 +86,7 @@ def _check_arguments(in_features: object, out_features: object, transposable: ob
         raise ValueError(f"transposable must be True or False, got {transposable!r}")
 
 
-class SemiStructuredLinear(nn.Module):
+class SemiStructuredLinear(CompressedLayer):
     """``y = x (W * M)^T + b`` with a 2:4 mask ``M`` on the sparse tensor cores (module doc).
 
     Args:
@@ -132,6 +127,10 @@ class SemiStructuredLinear(nn.Module):
         self.set_mask(mask)
         if not _COUNTING:
             _COUNTING.append(register_optimizer_step_post_hook(_count_step))
+
+    def slot(self, name: str) -> SemiStructuredSlot:
+        """The engine's view of ``weight``: a fixed 2:4 mask the optimizer step enforces."""
+        return SemiStructuredSlot(name, self)
 
     @property
     def pattern(self) -> str:

@@ -19,17 +19,18 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from sparse_training.engine.protocol import LayerForm, Slot
+from sparse_training.engine.slots import MaskedSlot
 from sparse_training.kernels.bitpack import pack_mask, unpack_mask
 from sparse_training.kernels.semi_structured.masks import check_mask
-from sparse_training.masks import as_matrix, kept_count, pool_blocks
-from sparse_training.patterns import Pattern
-from sparse_training.schedules import Schedule
-from sparse_training.slots import CompressedSlot, MaskedSlot
+from sparse_training.pieces.masks import as_matrix, kept_count, pool_blocks
+from sparse_training.pieces.patterns import Pattern
+from sparse_training.pieces.schedules import parse_schedule
 
 if TYPE_CHECKING:
     from sparse_training.config import SparsityConfig
@@ -43,25 +44,6 @@ MASK_SETTINGS = ("pattern", "sparsity", "layer_types", "allow", "deny", "dense_r
 SCHEDULE_SETTINGS = ("schedule", "start", "end", "frequency", "regrow_end")
 
 
-class LayerForm(NamedTuple):
-    """What a compressed layer's saved mask must be: the layer's pattern (``"block:RxC"``,
-    ``"2:4"`` or ``"2:4:2d"``), the mask's shape (the block grid, or the dense weight's for
-    2:4) and, for blocks, the exact kept count ``nnz``."""
-
-    pattern: str
-    shape: tuple[int, int]
-    kept: int | None = None
-
-
-def layer_form(slot: CompressedSlot) -> LayerForm:
-    """The :class:`LayerForm` of a compressed layer."""
-    layer = slot.layer
-    if slot.movable:
-        r, c = layer.block
-        return LayerForm(f"block:{r}x{c}", tuple(layer.block_mask.shape), layer.nnz)
-    return LayerForm(layer.pattern, (layer.out_features, layer.in_features))
-
-
 def pack_masks(slots: Sequence[MaskedSlot]) -> dict[str, dict[str, Any]]:
     """Every slot's mask of the whole tensor, bit-packed on the CPU (1 bit per weight); a
     sharded tensor's is gathered (a collective: every rank saves)."""
@@ -72,10 +54,10 @@ def pack_masks(slots: Sequence[MaskedSlot]) -> dict[str, dict[str, Any]]:
     return masks
 
 
-def pack_compressed(slots: Sequence[CompressedSlot]) -> dict[str, dict[str, Any]]:
+def pack_compressed(slots: Sequence[Slot]) -> dict[str, dict[str, Any]]:
     """Every compressed layer's mask (block grid or 2:4 mask), bit-packed on the CPU, with
     its pattern: ``{name: {"pattern", "shape", "bits"}}``."""
-    return {slot.name: {"pattern": layer_form(slot).pattern, "shape": list(slot.mask.shape),
+    return {slot.name: {"pattern": slot.form.pattern, "shape": list(slot.mask.shape),
                         "bits": pack_mask(slot.mask).cpu()} for slot in slots}
 
 
@@ -89,7 +71,7 @@ def saved_fraction(updater: Any) -> float | None:
     """
     try:
         if updater["last_update"] is not None:
-            return Schedule(*updater["schedule"]).fraction(updater["last_update"])
+            return parse_schedule(*updater["schedule"]).fraction(updater["last_update"])
         return 0.0 if not updater["target"] else None
     except (KeyError, TypeError, ValueError) as error:
         raise ValueError(f"the checkpoint's updater state is malformed ({error!r}); it needs "
@@ -292,11 +274,11 @@ def check_settings(saved: dict[str, Any], current: dict[str, Any]) -> None:
 
 
 def checked_masks(state: Any, config: SparsityConfig, slots: Sequence[MaskedSlot],
-                  compressed: Sequence[CompressedSlot]
+                  compressed: Sequence[Slot]
                   ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """An engine state's masks and compressed layers' masks for these slots, all checked
     (layout, settings, every mask, and that no compressed mask drops a nonzero weight of
-    its layer as loaded: :meth:`CompressedSlot.restore_problem`) before anything is
+    its layer as loaded: :meth:`Slot.restore_problem`) before anything is
     installed; a state saved before compressed masks were kept gives none of those.
 
     Raises:
@@ -308,7 +290,7 @@ def checked_masks(state: Any, config: SparsityConfig, slots: Sequence[MaskedSlot
                         config.sparsity)
     if "compressed" not in state:
         return masks, {}
-    saved = check_compressed(state["compressed"], {s.name: layer_form(s) for s in compressed})
+    saved = check_compressed(state["compressed"], {s.name: s.form for s in compressed})
     saved = {s.name: saved[s.name].to(s.mask.device) for s in compressed if s.name in saved}
     if problems := [p for s in compressed if (p := s.restore_problem(saved[s.name]))]:
         raise ValueError("; ".join(problems))

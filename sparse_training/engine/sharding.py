@@ -14,7 +14,7 @@ engine keeps:
   mask, so the masks are those of one process: N:M groups, blocks and the global top-k
   never see a shard boundary. Each rank then keeps its shard of it
   (:func:`shard_like`, a slice: no traffic), and the full masks' checksums are compared
-  across ranks (:mod:`sparse_training.ranks`).
+  across ranks (:mod:`sparse_training.engine.distributed`).
 
 The cost is paid at mask updates only, never per step:
 
@@ -38,11 +38,10 @@ layers, 2:4 layers with sharded weights, and FSDP1 (:data:`FSDP1_PROBLEM`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from sparse_training.kernels._shards import is_sharded, local  # noqa: F401  (sharding.local)
 
@@ -58,9 +57,6 @@ except ImportError:
         from torch.distributed._composable.fsdp import FSDPModule
     except ImportError:
         FSDPModule = None  # type: ignore[assignment,misc]
-
-if TYPE_CHECKING:
-    from sparse_training.slots import CompressedSlot, MaskedSlot
 
 FSDP1_PROBLEM = (
     "FSDP1 (FullyShardedDataParallel; Lightning's FSDPStrategy) flattens parameters into "
@@ -116,26 +112,3 @@ def totals_like(shard_sums: Sequence[Tensor], likes: Sequence[Tensor]) -> Tensor
                 dist.all_reduce(part, group=mesh.get_group(dim))
         totals[index] = part
     return totals
-
-
-def sharding_problem(model: nn.Module, slots: Sequence[MaskedSlot],
-                     compressed: Sequence[CompressedSlot], regrow: str | None) -> str | None:
-    """Why the engine cannot serve this model's sharding, or None: FSDP1 modules, 2:4
-    layers with sharded weights, regrowth on sharded compressed layers, SR-STE on sharded
-    tensors."""
-    if FullyShardedDataParallel is not None and any(
-            isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-        return f"the model holds FullyShardedDataParallel modules: {FSDP1_PROBLEM}"
-    sharded_compressed = [s for s in compressed if is_sharded(s.param)]
-    if two_four := [s.name for s in sharded_compressed if not s.movable]:
-        return (f"2:4 layers {two_four} have sharded (FSDP2) weights, which their whole "
-                f"dense mask cannot follow yet; use pattern='2:4' on nn.Linear under FSDP")
-    if regrow in ("rigl", "set") and sharded_compressed:
-        return (f"compressed layers {[s.name for s in sharded_compressed]} have sharded "
-                f"(FSDP2) values; regrow={regrow!r} moves their blocks across shards, which "
-                f"sharded training does not support yet: use compress=False (masked "
-                f"blocks) for regrowth under FSDP")
-    if regrow == "sr-ste" and (sharded := [s.name for s in slots if s.sharded]):
-        return (f"tensors {sharded} are sharded (FSDP2): SR-STE keeps dense weights beside "
-                f"them, which sharded training does not support yet")
-    return None

@@ -3,7 +3,7 @@
 :func:`sparsify` takes rules, a mapping from a regex to ``{"pattern": "block:RxC",
 "sparsity": s}`` (or ``"density": d`` instead of ``"sparsity"``) for a
 :class:`BlockSparseLinear`, or ``{"pattern": "2:4"}`` (or ``"2:4:2d"``) for a
-:class:`~sparse_training.semi_structured.SemiStructuredLinear`. Regexes are searched
+:class:`~sparse_training.layers.semi_structured.SemiStructuredLinear`. Regexes are searched
 (``re.search``) in the qualified module names (``bert.encoder.layer.0.output.dense``); the
 first matching rule wins and every regex must match some ``nn.Linear``. Each matching
 Linear is replaced by ``from_dense`` (the largest blocks by L2 norm; the magnitude 2:4
@@ -31,59 +31,26 @@ from __future__ import annotations
 import functools
 import numbers
 import re
-import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sparse_training.block_sparse import (
-    BlockSparseLinear,
-    blocks_kept,
-    check_block,
-    check_density,
-)
+from sparse_training.engine.ownership import check_not_in_training
+from sparse_training.engine.protocol import CompressedLayer
+from sparse_training.engine.selection import text_table
+from sparse_training.engine.sharding import local
+from sparse_training.engine.slots import MASK_SUFFIX
 from sparse_training.kernels.block_sparse import block_grid
-from sparse_training.patterns import Pattern, parse_pattern
-from sparse_training.semi_structured import SemiStructuredLinear
+from sparse_training.layers.block_sparse import BlockSparseLinear
+from sparse_training.layers.blocks import blocks_kept, check_block, check_density
+from sparse_training.layers.semi_structured import SemiStructuredLinear
+from sparse_training.pieces.patterns import Pattern, parse_pattern
 
 RULE_KEYS = ("pattern", "sparsity", "density")
-COMPRESSED_LAYERS = (BlockSparseLinear, SemiStructuredLinear)  # what densify swaps back
-
-# model -> the engines attached to optimizers that train it (weak both ways: an engine
-# lives as long as its optimizer hooks do)
-_TRAINED_BY: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet] = (
-    weakref.WeakKeyDictionary())
-
-
-def hold_for_training(model: nn.Module, engine: object, held: bool) -> None:
-    """Mark ``model`` as trained by ``engine`` (``held``, at its first ``attach``) or no
-    longer (at its ``detach``): until then :func:`sparsify`, :func:`densify` and
-    ``make_permanent`` refuse to swap any of its modules."""
-    engines = _TRAINED_BY.setdefault(model, weakref.WeakSet())
-    if held:
-        engines.add(engine)
-    else:
-        engines.discard(engine)
-
-
-def check_not_in_training(model: nn.Module, action: str) -> None:
-    """Raise if ``model`` shares a module with a model an attached engine trains.
-
-    Raises:
-        RuntimeError: naming ``action``, the trained model and when to call it instead.
-    """
-    ours = {id(m) for m in model.modules()}
-    for trained, engines in list(_TRAINED_BY.items()):
-        if engines and any(id(m) in ours for m in trained.modules()):
-            raise RuntimeError(
-                f"{action} would swap modules of a {type(trained).__name__} that a "
-                f"SparsityEngine is training (attached to its optimizer: the optimizer and the "
-                f"mask updates would go on with the replaced tensors); call it after "
-                f"trainer.fit returns (SparsityCallback detaches its engine when the fit "
-                f"ends) or after engine.detach()")
-
 
 def _parse_rule(regex: str, rule: Any) -> tuple[Pattern, tuple[int, int] | None, float]:
     """A rule's ``(pattern, block, density)`` (block None for 2:4).
@@ -167,30 +134,52 @@ def _swap_problem(name: str, module: nn.Linear, parents: dict[str, nn.Module],
     return None
 
 
-def _row(name: str, module: nn.Linear, rule: str | None, decision: str,
-         layer: BlockSparseLinear | SemiStructuredLinear | None = None) -> dict:
-    blocks = isinstance(layer, BlockSparseLinear)
-    return {"name": name, "shape": (module.out_features, module.in_features), "rule": rule,
-            "block": layer.block if blocks else None,
-            "density": None if layer is None else layer.density if blocks else 0.5,
-            "nnz": layer.nnz if blocks else None, "decision": decision}
+@dataclass(frozen=True)
+class SwapRow:
+    """One module's line in a swap table: the compressed layer it becomes, or why not.
+
+    Attributes:
+        name: the module's qualified name.
+        shape: its weight's shape.
+        rule: what asked for the swap: a :func:`sparsify` regex, or the pattern of a tensor
+            selected under ``compress``; None when nothing did.
+        decision: ``"compressed"``, or why not.
+        layer: the compressed layer that replaces the module, None where it stays.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    rule: str | None
+    decision: str
+    layer: CompressedLayer | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """``name``, ``shape``, ``rule``, ``block``, ``density`` (kept blocks / all blocks,
+        0.5 for 2:4) and ``nnz`` (None unless block-compressed), ``decision``."""
+        blocks = isinstance(self.layer, BlockSparseLinear)
+        return {"name": self.name, "shape": self.shape, "rule": self.rule,
+                "block": self.layer.block if blocks else None,
+                "density": None if self.layer is None else self.layer.density if blocks
+                else 0.5, "nnz": self.layer.nnz if blocks else None, "decision": self.decision}
 
 
-def format_rows(rows: list[dict]) -> str:
-    """The :func:`sparsify` table: one aligned line per Linear, compressed or skipped, and why."""
-    header = ("module", "shape", "rule", "block", "density", "nnz", "decision")
-    lines = [header]
-    for row in rows:
+def format_swaps(rows: Sequence[SwapRow]) -> str:
+    """The swap table: one aligned line per module, compressed or not, and why."""
+    lines = []
+    for row in map(SwapRow.as_dict, rows):
         lines.append((row["name"] or "(root)", "x".join(map(str, row["shape"])),
                       "-" if row["rule"] is None else repr(row["rule"]),
                       "x".join(map(str, row["block"])) if row["block"] else "-",
                       "-" if row["density"] is None else f"{row['density']:.4f}",
                       "-" if row["nnz"] is None else str(row["nnz"]), row["decision"]))
-    widths = [max(len(line[c]) for line in lines) for c in range(len(header))]
-    text = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
-            for line in lines]
-    text.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(text)
+    return text_table(("module", "shape", "rule", "block", "density", "nnz", "decision"), lines)
+
+
+def swap_in(model: nn.Module, rows: Sequence[SwapRow]) -> None:
+    """Put each row's compressed layer where its module is (every check done before)."""
+    for row in rows:
+        if row.layer is not None:
+            replace_module(model, row.name, row.layer)
 
 
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -237,33 +226,31 @@ def sparsify(model: nn.Module, rules: Mapping[str, Mapping[str, Any]], *,
                              f"{shown or 'none'} (regexes are searched in these names)")
 
     swap_problem = swap_checker(model)
-    rows, swaps = [], []
+    rows = []
     won = dict.fromkeys(parsed, 0)  # Linears each rule is the first match of
     not_sparse: dict[str, list[str]] = {regex: [] for regex in parsed}
     for name, module in linears:
         regex = next((r for r in parsed if re.search(r, name)), None)
+        shape = (module.out_features, module.in_features)
         if regex is None:
-            rows.append(_row(name, module, None, "matches no rule"))
+            rows.append(SwapRow(name, shape, None, "matches no rule"))
             continue
         won[regex] += 1
         if (reason := swap_problem(name, module)) is not None:
-            rows.append(_row(name, module, regex, reason))
+            rows.append(SwapRow(name, shape, regex, reason))
         elif isinstance(layer := _compressed(module, parsed[regex], rules[regex]), str):
-            rows.append(_row(name, module, regex, f"skipped: {layer}"))
+            rows.append(SwapRow(name, shape, regex, f"skipped: {layer}"))
             not_sparse[regex].append(f"{name}: {layer}")
         else:
-            layer.train(module.training)
-            swaps.append((name, layer))
-            rows.append(_row(name, module, regex, "compressed", layer))
+            rows.append(SwapRow(name, shape, regex, "compressed", layer.train(module.training)))
     for regex, reasons in not_sparse.items():
         if reasons and len(reasons) == won[regex]:
             raise ValueError(f"rule {regex!r} can make none of the Linears it matches sparse "
                              f"(nothing was swapped):\n  " + "\n  ".join(reasons))
-    for name, layer in swaps:
-        replace_module(model, name, layer)
+    swap_in(model, rows)
     if verbose:
-        print(format_rows(rows))
-    return rows
+        print(format_swaps(rows))
+    return [row.as_dict() for row in rows]
 
 
 def _compressed(linear: nn.Linear, parsed: tuple[Pattern, tuple[int, int] | None, float],
@@ -308,14 +295,39 @@ def densify(model: nn.Module) -> int:
         RuntimeError: ``model`` is being trained by an attached engine.
     """
     _check_model(model, "densify")
-    if isinstance(model, COMPRESSED_LAYERS):
+    if isinstance(model, CompressedLayer):
         raise ValueError(f"densify swaps submodules in place; for a {type(model).__name__} "
                          f"itself call model.to_dense()")
     check_not_in_training(model, "densify")
     dense: dict[int, nn.Linear] = {}
     for name, module in list(model.named_modules(remove_duplicate=False)):
-        if isinstance(module, COMPRESSED_LAYERS):
+        if isinstance(module, CompressedLayer):
             if id(module) not in dense:
                 dense[id(module)] = module.to_dense().train(module.training)
             replace_module(model, name, dense[id(module)])
     return len(dense)
+
+
+def make_permanent(model: nn.Module) -> nn.Module:
+    """Remove the mask buffers and swap compressed layers back to ``nn.Linear``
+    (:func:`densify`), for inference or hand-off (a later fit
+    starts from fresh masks). Returns ``model``.
+
+    A mask in force has zero weights at every pruned position (the engine keeps them so);
+    its buffer goes, the zeros stay. A mask that is not in force, left by an earlier fit on
+    a tensor trained dense since, goes without touching the weights.
+
+    Raises:
+        RuntimeError: an engine attached to an optimizer trains ``model`` (mid-fit): call
+            it after the fit (the callback detaches then) or after ``engine.detach()``.
+    """
+    check_not_in_training(model, "make_permanent")
+    with torch.no_grad():
+        for module in model.modules():
+            for name, buffer in list(module._buffers.items()):
+                param = module._parameters.get(name.removesuffix(MASK_SUFFIX))
+                if (name.endswith(MASK_SUFFIX) and param is not None and buffer is not None
+                        and buffer.dtype == torch.bool and buffer.shape == local(param).shape):
+                    del module._buffers[name]
+    densify(model)
+    return model

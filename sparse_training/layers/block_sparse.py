@@ -16,14 +16,13 @@ layers whose ``values`` are sharded (FSDP2 DTensors) save.
 from __future__ import annotations
 
 import math
-import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from sparse_training.block_sparse_state import check_block_mask, compact_from
+from sparse_training.engine.protocol import CompressedLayer
 from sparse_training.kernels._shards import is_sharded
 from sparse_training.kernels.block_sparse import (
     BlockTopology,
@@ -35,105 +34,23 @@ from sparse_training.kernels.block_sparse import (
     values_to_dense,
 )
 from sparse_training.kernels.block_sparse.topology import kept_positions
-from sparse_training.masks import kept_count
-
-BLOCK_SIZES = (16, 32, 64, 128)
-
-
-def check_block(block: Sequence[int]) -> tuple[int, int]:
-    """``block`` as an ``(R, C)`` tuple of ints, each one of :data:`BLOCK_SIZES`.
-
-    Raises:
-        ValueError: anything else, naming it.
-    """
-    valid = ", ".join(map(str, BLOCK_SIZES))
-    if (not isinstance(block, Sequence) or len(block) != 2
-            or not all(isinstance(b, numbers.Integral) and not isinstance(b, bool)
-                       and b in BLOCK_SIZES for b in block)):
-        raise ValueError(f"block must be (R, C) with entries each one of {valid}, got {block!r}")
-    return int(block[0]), int(block[1])
+from sparse_training.layers.blocks import (
+    block_extents,
+    blocks_kept,
+    blocks_of_mask,
+    check_block,
+    check_block_mask,
+    check_density,
+    check_features,
+    gather_blocks,
+    inside,
+    nonzero_blocks,
+    transfer,
+)
+from sparse_training.layers.storage import BlockSparseSlot
 
 
-def check_density(density: float) -> float:
-    """``density`` as a float in (0, 1].
-
-    Raises:
-        ValueError: anything else, naming it.
-    """
-    if (not isinstance(density, numbers.Real) or isinstance(density, bool)
-            or not 0 < density <= 1):
-        raise ValueError(f"density must be a number in (0, 1], got {density!r}")
-    return float(density)
-
-
-def blocks_kept(grid: tuple[int, int], density: float, shape: tuple[int, int],
-                block: tuple[int, int]) -> int:
-    """``max(1, kept_count(blocks, 1 - density))`` of the ``grid``'s blocks.
-
-    Raises:
-        ValueError: ``density < 1`` keeps every block (a grid of few blocks): the layer
-            would be dense, labelled sparse.
-    """
-    blocks = grid[0] * grid[1]
-    nnz = max(1, kept_count(blocks, 1.0 - density))
-    if nnz == blocks and density < 1:
-        raise ValueError(
-            f"density {density} keeps {nnz} of {blocks} blocks of {block[0]}x{block[1]} in "
-            f"the {shape[0]}x{shape[1]} weight: nothing would be sparse; use smaller blocks or "
-            f"a lower density")
-    return nnz
-
-
-def _check_features(**features: int) -> None:
-    for name, value in features.items():
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-def _inside(topology: BlockTopology) -> Tensor:
-    """Bool ``[nnz, R, C]``: which entries of each kept block lie inside the weight (not in
-    the padded tail of an overhanging block)."""
-    (r, c), device = topology.block, topology.row_indices.device
-    rows = topology.row_indices[:, None] * r + torch.arange(r, device=device)
-    cols = topology.col_indices[:, None] * c + torch.arange(c, device=device)
-    return (rows < topology.out_features)[:, :, None] & (cols < topology.in_features)[:, None, :]
-
-
-def _block_extents(out_features: int, in_features: int, block: tuple[int, int],
-                   device: torch.device) -> tuple[Tensor, Tensor]:
-    """Rows ``h_i = min(R, out - i R)`` of each block row and columns ``w_j = min(C, in - j C)``
-    of each block column that lie inside the weight."""
-    (r, c), (rows, cols) = block, block_grid(out_features, in_features, block)
-    h = (out_features - r * torch.arange(rows, device=device)).clamp(max=r)
-    w = (in_features - c * torch.arange(cols, device=device)).clamp(max=c)
-    return h, w
-
-
-def _blocks_of_mask(mask: Tensor, block: tuple[int, int]) -> Tensor:
-    """The block-grid mask of an element mask that is constant on every block.
-
-    Raises:
-        ValueError: naming the first block (row-major) that is partly kept.
-    """
-    (r, c), (out_features, in_features) = block, mask.shape
-    rows, cols = block_grid(out_features, in_features, block)
-    padded = mask.new_zeros(rows * r, cols * c, dtype=torch.int64)
-    padded[:out_features, :in_features] = mask
-    kept = padded.view(rows, r, cols, c).sum((1, 3))  # kept entries per block
-    h, w = _block_extents(out_features, in_features, block, mask.device)
-    size = h[:, None] * w[None, :]
-    mixed = ((kept > 0) & (kept < size)).nonzero()
-    if len(mixed):
-        i, j = mixed[0].tolist()
-        raise ValueError(
-            f"mask is not constant on block ({i}, {j}) (weight rows {i * r}:"
-            f"{i * r + int(h[i])}, columns {j * c}:{j * c + int(w[j])}): {int(kept[i, j])} of "
-            f"{int(size[i, j])} entries kept; an element mask must keep or drop whole "
-            f"{r}x{c} blocks")
-    return kept > 0
-
-
-class BlockSparseLinear(nn.Module):
+class BlockSparseLinear(CompressedLayer):
     """``y = x W^T + b`` with ``W`` stored as its kept ``R x C`` blocks (module docstring).
 
     Args:
@@ -152,7 +69,7 @@ class BlockSparseLinear(nn.Module):
                  block: tuple[int, int] = (64, 64), density: float = 0.1, bias: bool = True,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  *, block_mask: Tensor | None = None) -> None:
-        _check_features(in_features=in_features, out_features=out_features)
+        check_features(in_features=in_features, out_features=out_features)
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"dtype must be a floating-point torch.dtype (the layer trains its "
                              f"values), got {dtype!r}")
@@ -182,7 +99,7 @@ class BlockSparseLinear(nn.Module):
         """Uniform in ``±1/sqrt(in_features)`` like ``nn.Linear``; padded tails zero."""
         bound = 1.0 / math.sqrt(self.in_features)
         with torch.no_grad():
-            self.values.uniform_(-bound, bound).mul_(_inside(self.topology))
+            self.values.uniform_(-bound, bound).mul_(inside(self.topology))
             if self.bias is not None:
                 self.bias.uniform_(-bound, bound)
 
@@ -224,7 +141,7 @@ class BlockSparseLinear(nn.Module):
 
         with ``h_i = min(R, out - i R)`` and ``w_j = min(C, in - j C)`` the block's rows and
         columns inside the weight."""
-        h, w = _block_extents(self.out_features, self.in_features, self.block,
+        h, w = block_extents(self.out_features, self.in_features, self.block,
                               self.block_mask.device)
         covered = int((h[:, None] * w[None, :])[self.block_mask].sum())
         return 1.0 - covered / (self.out_features * self.in_features)
@@ -237,6 +154,10 @@ class BlockSparseLinear(nn.Module):
         inference fast path; it materializes the dense matrix at every access.
         """
         return values_to_dense(self.values, self.topology)
+
+    def slot(self, name: str) -> BlockSparseSlot:
+        """The engine's view of ``values``: a block grid whose kept blocks regrowth moves."""
+        return BlockSparseSlot(name, self)
 
     def forward(self, x: Tensor) -> Tensor:
         return block_sparse_linear(x, self.values, self.topology, self.bias)
@@ -266,7 +187,7 @@ class BlockSparseLinear(nn.Module):
         row-major block order of ``mask``) are copied in. Padded tails are zeroed either
         way. The ``values`` parameter is updated in place, so an optimizer keeps it; its
         state is not touched (move it with :meth:`block_sources` and :func:`gather_blocks`,
-        as :class:`~sparse_training.slots.CompressedSlot` does). Reads the mask's count from
+        as :class:`~sparse_training.layers.storage.BlockSparseSlot` does). Reads the mask's count from
         the device once.
 
         Raises:
@@ -289,7 +210,7 @@ class BlockSparseLinear(nn.Module):
                              f"{tuple(self.values.shape)}")
         topology = BlockTopology.from_block_mask(mask, self.out_features, self.in_features,
                                                  self.block, nnz=self.nnz)
-        self.values.copy_(values.to(self.values) * _inside(topology))
+        self.values.copy_(values.to(self.values) * inside(topology))
         self.block_mask.copy_(mask)
         self._topology = topology
 
@@ -324,7 +245,7 @@ class BlockSparseLinear(nn.Module):
             nnz = blocks_kept(grid, check_density(density), tuple(weight.shape), block)
             block_mask = top_blocks(block_norms(weight, block), nnz)
         elif isinstance(mask, Tensor) and mask.dtype == torch.bool and mask.shape == weight.shape:
-            block_mask = _blocks_of_mask(mask.to(weight.device), block)
+            block_mask = blocks_of_mask(mask.to(weight.device), block)
         elif isinstance(mask, Tensor) and mask.dtype == torch.bool and tuple(mask.shape) == grid:
             block_mask = mask
         else:
@@ -335,7 +256,7 @@ class BlockSparseLinear(nn.Module):
                              f"got {what}")
         layer = cls(linear.in_features, linear.out_features, block, bias=linear.bias is not None,
                     device=weight.device, dtype=weight.dtype, block_mask=block_mask)
-        _transfer(layer.values, dense_to_values(weight, layer.topology),
+        transfer(layer.values, dense_to_values(weight, layer.topology),
                   linear.weight.requires_grad, layer.bias, linear.bias)
         return layer
 
@@ -345,7 +266,7 @@ class BlockSparseLinear(nn.Module):
         linear = nn.utils.skip_init(nn.Linear, self.in_features, self.out_features,
                                     bias=self.bias is not None, device=self.values.device,
                                     dtype=self.values.dtype)
-        _transfer(linear.weight, values_to_dense(self.values, self.topology),
+        transfer(linear.weight, values_to_dense(self.values, self.topology),
                   self.values.requires_grad, linear.bias, self.bias)
         return linear
 
@@ -366,9 +287,9 @@ class BlockSparseLinear(nn.Module):
     def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict,
                               strict: bool, missing_keys: list[str], *args: Any) -> None:
         """Load the dense form or the compact one, each checked in full before anything is
-        copied (:func:`~sparse_training.block_sparse_state.compact_from`)."""
+        copied (:meth:`_compact_from`)."""
         given = any(prefix + k in state_dict for k in ("weight", "values", "block_mask"))
-        compact_from(self, state_dict, prefix)
+        self._compact_from(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                       missing_keys, *args)
         if not given and not is_sharded(self.values):  # the key this layer saves
@@ -382,24 +303,67 @@ class BlockSparseLinear(nn.Module):
                 f"block={r}x{c}, density={self.density:.4f}, nnz={self.nnz}, "
                 f"bias={self.bias is not None}")
 
+    def _compact_from(self, state_dict: dict, prefix: str) -> None:
+        """Check this layer's entries of ``state_dict`` (keys ``prefix + name``) and turn a dense
+        ``weight`` into the compact ``values`` and ``block_mask``, in place.
 
-def gather_blocks(blocks: Tensor, sources: Tensor) -> Tensor:
-    """``blocks[sources]`` along the first dimension, zeros where ``sources`` is -1: values
-    or optimizer state ``[nnz, R, C]`` re-ordered for a new block mask
-    (:meth:`BlockSparseLinear.block_sources`)."""
-    return torch.where((sources >= 0)[:, None, None], blocks[sources.clamp(min=0)], 0)
+        The block mask of a dense weight is the layer's current ``block_mask`` where the weight
+        is zero outside it, else the blocks that hold a nonzero if they are exactly ``nnz``.
+
+        Raises:
+            ValueError: naming the key: a weight of another shape, with nonzeros in other than
+                ``nnz`` blocks, beside compact keys, or dense for sharded values; a
+                ``block_mask`` of another shape, dtype or count, or without ``values``;
+                ``values`` of another shape.
+        """
+        weight = state_dict.get(prefix + "weight")
+        values, mask = state_dict.get(prefix + "values"), state_dict.get(prefix + "block_mask")
+        if weight is None:
+            self._check_compact(values, mask, prefix)
+            return
+        if values is not None or mask is not None:
+            raise ValueError(f"{prefix}weight and the compact {prefix}values/block_mask are both "
+                             f"given; give one form")
+        shape = (self.out_features, self.in_features)
+        if not isinstance(weight, Tensor) or tuple(weight.shape) != shape:
+            what = tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
+            raise ValueError(f"{prefix}weight has shape {what}, the layer's dense weight "
+                             f"(out_features, in_features) = {shape}")
+        if is_sharded(self.values):
+            raise ValueError(f"{prefix}weight is dense but the layer's values are sharded (FSDP2): "
+                             f"sharded layers load the compact form they save")
+        nonzero = nonzero_blocks(weight.detach(), self.block)
+        mask = self.block_mask.to(nonzero.device)
+        if (nonzero & ~mask).any():
+            if int(nonzero.sum()) != self.nnz:
+                (r, c), kept = self.block, int(nonzero.sum())
+                raise ValueError(
+                    f"{prefix}weight has nonzeros in {kept} of its {nonzero.numel()} {r}x{c} "
+                    f"blocks, some outside the layer's block_mask, and the layer keeps nnz = "
+                    f"{self.nnz}: load a weight that is zero outside {self.nnz} blocks, or set "
+                    f"the mask first (set_block_mask)")
+            mask = nonzero
+        topology = BlockTopology.from_block_mask(mask, *shape, self.block, nnz=self.nnz)
+        del state_dict[prefix + "weight"]
+        state_dict[prefix + "values"] = dense_to_values(weight.detach(), topology)
+        state_dict[prefix + "block_mask"] = mask
 
 
-def _transfer(weight: nn.Parameter, new_weight: Tensor, weight_requires_grad: bool,
-              bias: nn.Parameter | None, source_bias: nn.Parameter | None) -> None:
-    """Copy a converted weight and the bias in, with their ``requires_grad``."""
-    with torch.no_grad():
-        weight.copy_(new_weight)
-        if source_bias is not None:
-            bias.copy_(source_bias)
-    weight.requires_grad_(weight_requires_grad)
-    if source_bias is not None:
-        bias.requires_grad_(source_bias.requires_grad)
+    def _check_compact(self, values: Tensor | None, mask: Tensor | None, prefix: str) -> None:
+        """The compact form's checks (either key may be absent in a partial state_dict)."""
+        if mask is not None:
+            check_block_mask(mask, tuple(self.block_mask.shape), prefix + "block_mask")
+            if values is None:
+                raise ValueError(f"{prefix}block_mask without {prefix}values: the compact form "
+                                 f"loads both (or give the dense {prefix}weight)")
+            if int(mask.sum()) != self.nnz:
+                raise ValueError(f"{prefix}block_mask keeps {int(mask.sum())} blocks but values "
+                                 f"holds {self.nnz}: the state_dict is inconsistent")
+        expected = (self.nnz, *self.block)
+        if values is not None and tuple(values.shape) != expected:
+            what = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
+            raise ValueError(f"{prefix}values has shape {what}, the layer's (nnz, R, C) = "
+                             f"{expected}: a checkpoint of another layer")
 
 
 def _after_load(module: BlockSparseLinear, incompatible_keys) -> None:

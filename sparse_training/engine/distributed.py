@@ -5,7 +5,7 @@ DDP's all-reduce, random draws from (seed, step)). When they are created, rank 0
 broadcast once; after every update, one all-reduce of a checksum per tensor compares them
 (``check_masks``), and a difference raises, naming the tensors.
 
-A tensor sharded by FSDP2 (:mod:`sparse_training.sharding`) is compared by its whole mask:
+A tensor sharded by FSDP2 (:mod:`sparse_training.engine.sharding`) is compared by its whole mask:
 each rank computes it from the gathered tensor and keeps its shard, so the whole masks
 must agree; its weights are not broadcast (each rank holds its own shard of them).
 """
@@ -19,7 +19,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from sparse_training.slots import CompressedSlot, MaskedSlot
+from sparse_training.engine.protocol import Slot
+from sparse_training.engine.sharding import FSDP1_PROBLEM, FullyShardedDataParallel, is_sharded
+from sparse_training.pieces.regrowth import Regrowth
 
 
 def mask_checksum(mask: Tensor) -> Tensor:
@@ -49,7 +51,7 @@ def average_across_ranks(tensors: Sequence[Tensor]) -> None:
 
 
 @torch.no_grad()
-def check_across_ranks(slots: Sequence[MaskedSlot | CompressedSlot], step: int | None,
+def check_across_ranks(slots: Sequence[Slot], step: int | None,
                        broadcast: bool, check: bool,
                        whole_masks: Mapping[str, Tensor] | None = None) -> None:
     """Under torch.distributed: rank 0's masks and weights installed everywhere
@@ -64,7 +66,7 @@ def check_across_ranks(slots: Sequence[MaskedSlot | CompressedSlot], step: int |
         return
     whole_masks = whole_masks or {}
 
-    def whole(slot: MaskedSlot | CompressedSlot) -> Tensor:
+    def whole(slot: Slot) -> Tensor:
         if not slot.sharded:
             return slot.mask
         return whole_masks[slot.name] if slot.name in whole_masks else slot.full_mask()
@@ -92,7 +94,7 @@ def check_across_ranks(slots: Sequence[MaskedSlot | CompressedSlot], step: int |
 
 
 def keep_masks_out_of_buffer_broadcast(wrapper: nn.Module,
-                                       slots: Sequence[MaskedSlot | CompressedSlot]) -> None:
+                                       slots: Sequence[Slot]) -> None:
     """Add the names of the mask buffers of ``slots`` (masked tensors' masks, compressed
     layers' 2:4 masks and block masks) to the ignore list of ``wrapper`` if it is a
     ``DistributedDataParallel`` (names, so a ``.to()`` that replaces the buffers keeps them
@@ -117,3 +119,27 @@ def keep_masks_out_of_buffer_broadcast(wrapper: nn.Module,
         ignored.update(name for name, buffer in buffers.items() if id(buffer) in masks)
         if wrapper.broadcast_buffers and ignored.issuperset(buffers):
             wrapper.broadcast_buffers = False
+
+
+def sharding_problem(model: nn.Module, slots: Sequence[Slot], regrowth: Regrowth | None,
+                     dense_weights: bool) -> str | None:
+    """Why the engine cannot serve this model's sharding, or None: FSDP1 modules, 2:4
+    layers with sharded weights, regrowth on sharded compressed layers, SR-STE on sharded
+    tensors."""
+    if FullyShardedDataParallel is not None and any(
+            isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        return f"the model holds FullyShardedDataParallel modules: {FSDP1_PROBLEM}"
+    sharded_compressed = [s for s in slots if s.compressed and is_sharded(s.param)]
+    if two_four := [s.name for s in sharded_compressed if not s.movable]:
+        return (f"2:4 layers {two_four} have sharded (FSDP2) weights, which their whole "
+                f"dense mask cannot follow yet; use pattern='2:4' on nn.Linear under FSDP")
+    if regrowth is not None and sharded_compressed:
+        return (f"compressed layers {[s.name for s in sharded_compressed]} have sharded "
+                f"(FSDP2) values; regrow={regrowth.name!r} moves their blocks across shards, "
+                f"which sharded training does not support yet: use compress=False (masked "
+                f"blocks) for regrowth under FSDP")
+    if dense_weights and (sharded := [s.name for s in slots
+                                      if s.sharded and not s.compressed]):
+        return (f"tensors {sharded} are sharded (FSDP2): SR-STE keeps dense weights beside "
+                f"them, which sharded training does not support yet")
+    return None

@@ -17,7 +17,7 @@ A *weight-like tensor* is a parameter of two or more dimensions, whatever its na
 Each tensor also records where its owners store the input (reduction) dimension
 (:func:`input_dim_of`): dim 1 for ``(out, in, ...)`` weights, dim 0 for HF ``Conv1D``'s
 ``(in, out)`` and ``nn.ConvTranspose*d``'s ``(in, out / groups, *kernel)``; N:M groups and
-block columns run along it (:func:`sparse_training.masks.as_matrix`).
+block columns run along it (:func:`sparse_training.pieces.masks.as_matrix`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from sparse_training.sharding import FSDPModule
+from sparse_training.engine.sharding import FSDPModule
 
 # module classes that store their weight input-first, ``(in, out)``, by qualified name (the
 # core imports no model library): Hugging Face's Conv1D (GPT-2, GPT, CTRL), y = x W + b

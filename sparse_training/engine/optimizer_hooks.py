@@ -1,6 +1,6 @@
 """The optimizer hooks of the engine: what keeps pruned weights and their state at zero.
 
-:meth:`SparsityEngine.attach <sparse_training.engine.SparsityEngine.attach>` registers, per
+:meth:`SparsityEngine.attach <sparse_training.engine.engine.SparsityEngine.attach>` registers, per
 optimizer, either the fused path (a step pre-hook running the masked Triton step,
 :func:`fused_step`) or the hook path (a pre-hook zeroing pruned gradients right before the
 update, :func:`masked_gradients_step`, and a post-hook zeroing pruned weights after it,
@@ -18,33 +18,32 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from sparse_training.engine.sharding import is_sharded, local
 from sparse_training.kernels import zero_pruned_
-from sparse_training.sharding import is_sharded, local
 
 if TYPE_CHECKING:
-    from sparse_training.engine import SparsityEngine
-    from sparse_training.slots import CompressedSlot, MaskedSlot
+    from sparse_training.engine.protocol import Slot
+    from sparse_training.engine.slot_set import SlotSet
+    from sparse_training.engine.updaters import ScheduledMasks
 
 _GRAD = operator.attrgetter("grad")
 
 
 class Attached:
     """An optimizer's slots and the lists its per-step passes read, built once (the hot
-    path is a few C-level maps, not a Python loop over slots). ``compressed``: its
-    compressed layers' slots; regrowth moves the block layers' blocks, and the 2:4 layers'
-    dense weights (``masked_dense``) are masked with the masked slots: ``enforced``.
-    ``groups``: the optimizer's parameter groups when they were read."""
+    path is a few C-level maps, not a Python loop over slots): the ``enforced`` slots'
+    weights and gradients are masked (masked-dense tensors, 2:4 layers' dense weights),
+    the others keep their structure themselves (block layers). ``groups``: the optimizer's
+    parameter groups when they were read."""
 
-    def __init__(self, slots: list[MaskedSlot], compressed: list[CompressedSlot],
-                 groups: int) -> None:
+    def __init__(self, slots: list[Slot], groups: int) -> None:
         self.handles: list[RemovableHandle] = []
-        self.use(slots, compressed, groups)
+        self.use(slots, groups)
 
-    def use(self, slots: list[MaskedSlot], compressed: list[CompressedSlot],
-            groups: int) -> None:
+    def use(self, slots: list[Slot], groups: int) -> None:
         """Serve these slots from now on (the hooks keep this object)."""
-        self.slots, self.compressed, self.groups = slots, compressed, groups
-        self.enforced = [*slots, *(c for c in compressed if c.masked_dense)]
+        self.slots, self.groups = slots, groups
+        self.enforced = [s for s in slots if s.enforced]
         self.params = [s.param for s in self.enforced]
         # FSDP2's DTensors: their local shards are zeroed, looked up at every pass (FSDP
         # swaps a parameter's local tensor at its lazy init)
@@ -55,17 +54,12 @@ class Attached:
         self._by_param: dict[Tensor, Tensor] = {}
 
     def start(self, optimizer: Optimizer, dense_state: bool) -> None:
-        """From now on the optimizer's step masks the 2:4 layers' gradients (the layers need
-        not); unless the updater keeps ``dense_state`` (SR-STE), the state from dense steps
-        before and the weights are zeroed where pruned."""
-        for slot in self.enforced[len(self.slots):]:
-            slot.layer.masks_gradient = False
-        if not dense_state:
-            with torch.no_grad():
-                for slot in self.slots:
-                    for value in slot.state_tensors(optimizer):
-                        value.masked_fill_(~slot.mask, 0)
-                zero_pruned_([s.local_param for s in self.slots], [s.mask for s in self.slots])
+        """The optimizer trains the slots from now on (:meth:`Slot.attach
+        <sparse_training.engine.protocol.Slot.attach>`: unless the updater keeps
+        ``dense_state``, state and weights are zeroed where pruned; a 2:4 layer leaves
+        masking its gradient to the step)."""
+        for slot in self.slots:
+            slot.attach(optimizer, dense_state)
 
     @property
     def masks(self) -> list[Tensor]:
@@ -100,7 +94,7 @@ class Attached:
 
 
 def use_fused(fused: bool | str, dense_state: bool, optimizer: Optimizer,
-              slots: list[MaskedSlot | CompressedSlot]) -> bool:
+              slots: list[Slot]) -> bool:
     """The fused-step policy for an engine's ``fused`` setting: ``"auto"`` on CUDA where the
     kernels serve the optimizer, ``True`` wherever they can (an error otherwise), ``False``
     never; never for no ``slots``, nor while the updater keeps ``dense_state`` (SR-STE).
@@ -135,19 +129,19 @@ def _closure_first(args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepArgs | 
     return args[:1], {**kwargs, "closure": lambda: loss}
 
 
-def masked_gradients_step(engine: SparsityEngine, attached: Attached, optimizer: Optimizer,
-                           args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepArgs | None:
+def masked_gradients_step(updater: ScheduledMasks, attached: Attached, optimizer: Optimizer,
+                          args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepArgs | None:
     """Optimizer pre-step hook of the hook path: the pruned gradients zeroed right before the
     update, after everything that may have changed them, so pruned weights and their
     optimizer state see exact zeros."""
     new_args = _closure_first(args, kwargs)
-    if engine.updater.masks_gradients:
+    if updater.masks_gradients:
         attached.zero_pruned_gradients()
     return new_args
 
 
 def fused_step(attached: Attached, optimizer: Optimizer, args: tuple[Any, ...],
-                kwargs: dict[str, Any]) -> StepArgs | None:
+               kwargs: dict[str, Any]) -> StepArgs | None:
     """Optimizer pre-step hook of the fused path: the masked weights in the fused kernels
     (they ignore pruned gradients). The handled gradients become None, so
     ``optimizer.step`` goes on with the unmasked parameters only."""
@@ -162,9 +156,9 @@ def fused_step(attached: Attached, optimizer: Optimizer, args: tuple[Any, ...],
     return new_args
 
 
-def after_step(engine: SparsityEngine, attached: Attached, optimizer: Optimizer,
-                args: Any, kwargs: Any) -> None:
+def after_step(updater: ScheduledMasks, slot_set: SlotSet, attached: Attached,
+               optimizer: Optimizer, args: Any, kwargs: Any) -> None:
     """Optimizer post-step hook: the updater's step end, then the pruned weights zeroed,
     whatever moved them (the optimizer, or gradients changed after they were masked)."""
-    engine.updater.after_step(engine, attached.slots)
+    updater.after_step(slot_set, attached.slots)
     attached.zero_pruned_weights()
