@@ -27,13 +27,16 @@ def dense_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else unpack_mask(mask, like.shape)
 
 
-def _masked_grad(
-    grad: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype, grad_scale: torch.Tensor | None
-) -> torch.Tensor:
-    g = grad.to(dtype)
+def _masked_grad(grad: torch.Tensor, mask: torch.Tensor, like: torch.Tensor,
+                 grad_scale: torch.Tensor | None, maximize: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept positions and ``g = ±keep * grad / grad_scale`` in ``like``'s dtype."""
+    keep = dense_mask(mask, like)
+    g = grad.to(like.dtype)
     if grad_scale is not None:
-        g = g / grad_scale.to(dtype=dtype, device=g.device)
-    return torch.where(keep, g, torch.zeros((), dtype=dtype, device=g.device))
+        g = g / grad_scale.to(dtype=like.dtype, device=g.device)
+    g = torch.where(keep, g, torch.zeros((), dtype=like.dtype, device=g.device))
+    return keep, -g if maximize else g
 
 
 def adam_update(
@@ -75,10 +78,7 @@ def adam_update(
         maximize: Ascend instead of descend.
         grad_scale: Optional scale the gradient is divided by.
     """
-    keep = dense_mask(mask, param)
-    g = _masked_grad(grad, keep, param.dtype, grad_scale)
-    if maximize:
-        g = -g
+    keep, g = _masked_grad(grad, mask, param, grad_scale, maximize)
     if weight_decay != 0:
         if decoupled:
             param.mul_(1 - lr * weight_decay)
@@ -130,10 +130,7 @@ def sgd_update(
             ``torch.optim.SGD``.
         grad_scale: Optional scale the gradient is divided by.
     """
-    keep = dense_mask(mask, param)
-    g = _masked_grad(grad, keep, param.dtype, grad_scale)
-    if maximize:
-        g = -g
+    keep, g = _masked_grad(grad, mask, param, grad_scale, maximize)
     if weight_decay != 0:
         g = g.add(param, alpha=weight_decay)
     if momentum != 0:
