@@ -1,23 +1,36 @@
-"""Shared helpers: small models and data made on the fly (never zeros)."""
+"""Shared helpers: small models and data made on the fly (never zeros); the suite's rules
+(Triton interpreted or compiled, a checkout left as it was found)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+import subprocess
+import tempfile
+import warnings
 from pathlib import Path
 
-# Triton kernels run in its interpreter on CPU; Lightning imports triton, so set it first.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch  # imports no Triton: the choice below comes before Triton decorates any kernel
+
+# Triton fixes each kernel as interpreted or compiled when it is decorated (on the first
+# import of sparse_training or Lightning), so the choice is made here, once per process:
+# without a CUDA GPU the kernels run in Triton's CPU interpreter; on a GPU machine they
+# compile (``pytest -m gpu``), and the tests that run kernels on CPU tensors (marker
+# ``interpreter``) are skipped with the reason. An explicit TRITON_INTERPRET wins.
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
 import pytest
 import pytorch_lightning as pl
-import torch
 from pytorch_lightning.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from sparse_training import BlockSparseLinear
+from sparse_training.kernels._triton import interpret_mode
 from sparse_training.pieces.masks import as_matrix, kept_count, pool_blocks
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class TinyNet(pl.LightningModule):
@@ -262,3 +275,57 @@ def lightning_log(caplog):
 @pytest.fixture(autouse=True)
 def _seed():
     pl.seed_everything(0, verbose=False)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``interpreter`` run Triton kernels on CPU tensors: skipped, with the
+    reason, where the kernels compile (TRITON_INTERPRET=0, the default on a CUDA machine)."""
+    if interpret_mode():
+        return
+    skip = pytest.mark.skip(reason="runs Triton kernels on CPU tensors: needs "
+                                   "TRITON_INTERPRET=1 (the default without a CUDA GPU)")
+    for item in items:
+        if "interpreter" in item.keywords:
+            item.add_marker(skip)
+
+
+def checkout_entries() -> set[str] | None:
+    """``git status`` of the checkout, ignored paths included, one line per path (Python's
+    ``__pycache__`` folders and pytest's own ``.pytest_cache`` left out); None outside a
+    git checkout."""
+    try:
+        status = subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=ROOT,
+                                capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return {line for line in status.splitlines()
+            if "__pycache__" not in line and ".pytest_cache" not in line}
+
+
+def pytest_configure(config):
+    """Hypothesis keeps its example database and constants cache in a temporary folder,
+    removed at the end, instead of ``.hypothesis/`` in the working folder."""
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    config.hypothesis_home = Path(tempfile.mkdtemp(prefix="sparse_training-hypothesis-"))
+    set_hypothesis_home_dir(config.hypothesis_home)
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(config.hypothesis_home, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def checkout_left_as_found():
+    """The suite writes only under temporary folders: at the end the checkout must hold no
+    path, tracked or ignored, that it did not hold at the start."""
+    before = checkout_entries()
+    if before is None:
+        warnings.warn(f"{ROOT} is not a git checkout: files the tests write there go unchecked",
+                      stacklevel=1)
+    yield
+    after = checkout_entries()
+    if before is not None and after is not None:
+        written = sorted(after - before)
+        assert not written, (f"the tests wrote into the checkout {ROOT} (git status lines: "
+                             f"{written}); write under tmp_path instead")

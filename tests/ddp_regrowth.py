@@ -17,11 +17,15 @@ import os
 import sys
 from pathlib import Path
 
-import pytorch_lightning as pl
-from pytorch_lightning.callbacks import Callback
+# Before anything imports Triton (Lightning does), which fixes the mode at decoration:
+# compiled kernels on GPUs, Triton's interpreter for the CPU runs over gloo, whatever the
+# parent's setting (on a CUDA machine the suite compiles).
+if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "0" if sys.argv[2:3] == ["gpu"] else "1"
 
-if sys.argv[2:3] == ["gpu"]:  # real kernels (conftest defaults to Triton's interpreter)
-    os.environ["TRITON_INTERPRET"] = "0"
+import pytorch_lightning as pl  # noqa: E402
+from pytorch_lightning.callbacks import Callback  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import BlockNet, SaveAndStop, TinyNet, make_loader  # noqa: E402
 

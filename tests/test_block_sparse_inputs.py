@@ -129,6 +129,7 @@ def test_issue_case_all_strided_fp16_block_16_empty_rows_give_the_bias():
     assert torch.equal(out[:, :16], c.bias.detach()[:16].expand(24, 16))
 
 
+@pytest.mark.interpreter
 def test_launchers_take_any_strides_index_tensors_included():
     c = strided_case(LAYOUTS["all"])
     topology = dataclasses.replace(c.topology, **{

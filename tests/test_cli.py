@@ -29,7 +29,8 @@ model:
 """
 
 
-def test_lightning_cli_builds_and_trains_the_callback(tmp_path):
+def test_lightning_cli_builds_and_trains_the_callback(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the CLI saves the config it ran with in the working folder
     path = tmp_path / "config.yaml"
     path.write_text(CONFIG)
     cli = LightningCLI(TinyNet, run=False, args=["--config", str(path)],

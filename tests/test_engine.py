@@ -34,30 +34,42 @@ class NoisySGD(torch.optim.SGD):
         return loss
 
 
+def zhu_gupta_sparsity(t: int, s_f: float, t0: int, n: int, dt: int, s_i: float = 0.0) -> float:
+    """Gradual magnitude pruning's target at step t (Zhu & Gupta 2017, "To prune, or not to
+    prune", eq. 1): s_t = s_f + (s_i - s_f)(1 - (t - t0)/(n dt))^3, updated at t0, t0 + dt,
+    ..., t0 + n dt and held in between; s_i before t0, s_f after t0 + n dt."""
+    if t < t0:
+        return s_i
+    t = t0 + min(n, (t - t0) // dt) * dt  # the last update at or before t
+    return s_f + (s_i - s_f) * (1 - (t - t0) / (n * dt)) ** 3
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_gmp_loop_keeps_zeros_and_state(name):
+    """At every step each tensor prunes the cubic's share of its weights (rounded to a whole
+    weight), and pruned weights and optimizer state stay zero under every optimizer."""
     torch.manual_seed(0)
     model = mlp()
-    engine = SparsityEngine(model, SparsityConfig("unstructured", sparsity=0.75, schedule="gmp",
-                                                  start=2, end=12, frequency=2))
+    s_f, t0, n, dt = 0.8, 3, 4, 3
+    engine = SparsityEngine(model, SparsityConfig("unstructured", sparsity=s_f, schedule="gmp",
+                                                  start=t0, end=t0 + n * dt, frequency=dt))
     engine.start(20)
     optimizer = OPTIMIZERS[name](model.parameters())
     engine.attach(optimizer)
     for step in range(20):
-        updated = engine.on_step_start(step)
+        engine.on_step_start(step)
         model(torch.randn(8, 16)).square().mean().backward()
         engine.before_optimizer_step(optimizer, step)
         optimizer.step()
         optimizer.zero_grad()
         assert_masks_hold(engine, [optimizer])
         assert_reported_is_forward(engine)
-        if updated:
-            expected = engine.updater.schedule.fraction(step) * 0.75
-            for slot in engine.slots:
-                kept = int(slot.mask.sum())
-                assert kept == slot.param.numel() - int(expected * slot.param.numel() + 0.5)
-    assert engine.updater.last_update == 12
-    assert engine.sparsity == pytest.approx(0.75, abs=1e-3)
+        target = zhu_gupta_sparsity(step, s_f, t0, n, dt)
+        for slot in engine.slots:
+            pruned = int((~slot.mask).sum())
+            assert abs(pruned - target * slot.param.numel()) <= 0.5, (step, slot.name)
+    assert engine.updater.last_update == t0 + n * dt
+    assert engine.sparsity == pytest.approx(s_f, abs=1e-3)
 
 
 def test_mask_update_zeroes_state_that_training_filled():

@@ -1,9 +1,10 @@
 """GPU-only checks: compiled Triton kernels, cuSPARSELt and ``torch.compile`` on CUDA, and
 the compressed path through ``pl.Trainer`` the way a user trains (bf16-mixed, the user's
 ``AdamW``). Marked ``gpu``; skipped with the reason where no CUDA GPU is visible or the
-Triton interpreter is on. On a GPU machine::
+Triton interpreter is on (the conftest turns it on only where no CUDA GPU is visible). On a
+GPU machine::
 
-    TRITON_INTERPRET=0 python -m pytest -m gpu -q
+    python -m pytest -m gpu -q
 
 Each check compares against a float64 reference built here (explicit loops over the kept
 blocks, not the package's conversions) or against the same model trained eagerly.

@@ -26,6 +26,8 @@ from sparse_training.kernels.block_sparse import (
 )
 from sparse_training.kernels.block_sparse import kernels as bsk
 
+pytestmark = pytest.mark.interpreter
+
 
 def case(out_f, in_f, tokens, block, kind, dtype, seed=0):
     """:func:`make_case` unpacked, with its float64 reference."""

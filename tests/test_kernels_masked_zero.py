@@ -5,6 +5,8 @@ import torch
 
 from sparse_training.kernels import masked_zero, zero_pruned_, zero_pruned_reference
 
+pytestmark = pytest.mark.interpreter
+
 
 def tensors_and_masks(dtype, seed, sizes=((5, 7), (16_411,), (3, 4, 33), (1,), (0,))):
     g = torch.Generator().manual_seed(seed)

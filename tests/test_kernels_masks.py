@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not importable; the kernels are optional")
 
 from sparse_training.kernels import (  # noqa: E402
@@ -20,6 +17,8 @@ from sparse_training.kernels import (  # noqa: E402
     pack_mask,
     unpack_mask,
 )
+
+pytestmark = pytest.mark.interpreter
 
 
 @pytest.mark.parametrize("n,m", [(2, 4), (1, 4), (4, 8), (3, 6), (0, 4), (4, 4)])

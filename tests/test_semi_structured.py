@@ -110,7 +110,7 @@ def test_training_keeps_pruned_weights_zero_and_counts_optimizer_steps():
     assert semi_structured._OPTIMIZER_STEPS[0] == steps + 3
 
 
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("fused", [pytest.param(True, marks=pytest.mark.interpreter), False])
 def test_under_the_engine_the_optimizer_step_masks_the_gradient_instead_of_the_layer(fused):
     """Attached to an engine, the layer leaves dW unmasked (its dense route is plain
     ``F.linear``) and the engine's step masks it: the same weights as the layer masking its

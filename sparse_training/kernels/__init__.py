@@ -7,8 +7,9 @@ Public API:
     global_magnitude_threshold, global_magnitude_threshold_reference,
     pack_mask, unpack_mask.
 
-Without Triton the functions fall back to the pure-torch references and
-``fused_unsupported_reason`` says that Triton is missing.
+Without Triton the mask functions fall back to their pure-torch references, the step to
+its pure-torch single-tensor form, and ``fused_unsupported_reason`` says that Triton is
+missing.
 """
 
 from ._step_plan import options_unsupported_reason
@@ -28,8 +29,7 @@ if HAS_TRITON:
     from .nm_mask import nm_topk_mask, nm_topk_masks
 else:
     from ._step_plan import device_unsupported_reason
-
-    fused_masked_step = masked_step_reference
+    from ._step_single_tensor import masked_step_single_tensor as fused_masked_step
     global_magnitude_threshold = global_magnitude_threshold_reference
     nm_topk_mask = nm_topk_mask_reference
     zero_pruned_ = zero_pruned_reference

@@ -27,8 +27,8 @@ from ._masked_step_kernel import masked_step_kernel as _masked_step_kernel
 from ._multi_tensor import address_table, all_aligned, chunk_table
 from ._step_plan import StepBatch, device_unsupported_reason, options_unsupported_reason
 from ._step_run import run_masked_step
+from ._step_single_tensor import apply_batch
 from ._triton import kernels_run_on, tl
-from .reference import apply_batch_reference
 
 _TORCH_TO_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -232,7 +232,7 @@ def launch_masked_step(
         prep = batch.launch = _prepare(batch)
     kernel_idx = prep.kernel_idx
     if prep.ref_idx:
-        apply_batch_reference(_split(batch, prep.ref_idx), grad_scale, found_inf)
+        apply_batch(_split(batch, prep.ref_idx), grad_scale, found_inf)
         if not kernel_idx:
             return
     grads = batch.grads if kernel_idx is None else [batch.grads[i] for i in kernel_idx]
@@ -311,7 +311,7 @@ def _apply(
     if kernels_run_on(batch.params[0].device):
         launch_masked_step(batch, grad_scale, found_inf)
     else:
-        apply_batch_reference(batch, grad_scale, found_inf)
+        apply_batch(batch, grad_scale, found_inf)
 
 
 def fused_masked_step(
@@ -326,9 +326,9 @@ def fused_masked_step(
     For each parameter of ``optimizer.param_groups`` that has a gradient and an entry
     in ``masks``, performs the optimizer's update with the gradient masked, and writes
     the weight and its optimizer state as exact zeros where the mask is False
-    (see ``reference.adam_update_reference`` / ``sgd_update_reference`` for the
-    formulas; AdamW's decoupled decay follows Loshchilov & Hutter, "Decoupled Weight
-    Decay Regularization", ICLR 2019). Hyperparameters are read from the param
+    (see ``_step_single_tensor.adam_update`` / ``sgd_update`` for the formulas; AdamW's
+    decoupled decay follows Loshchilov & Hutter, "Decoupled Weight Decay
+    Regularization", ICLR 2019). Hyperparameters are read from the param
     groups at every call, so LR schedulers work. State lives in ``optimizer.state[p]``
     with torch's own layout (``step`` as a tensor placed as torch places it,
     ``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``), so ``state_dict()`` and a later
@@ -344,7 +344,7 @@ def fused_masked_step(
     with a non-fused optimizer) pass neither.
 
     Parameters on devices the kernels cannot run on (CPU without
-    ``TRITON_INTERPRET=1``) are updated by the pure-torch reference.
+    ``TRITON_INTERPRET=1``) are updated in pure torch (``_step_single_tensor``).
 
     With ``capturable=True`` the step can be captured in a CUDA graph, as torch's: run
     it once before capturing (the usual warm-up, which plans the step; planning under

@@ -1,22 +1,19 @@
-"""Pure-torch references for the kernels: same signatures, same arithmetic.
+"""Pure-torch references for the kernels, sharing no code with them.
 
-They serve the tests (run on float64 copies they give the ground truth) and the CPU
-fallback. They loop over tensors in Python and make several passes over memory, so
-they are slow on a GPU; the kernels exist to avoid exactly that.
+They give the tests their ground truth (run on float64 copies) and serve as the CPU
+fallback of the mask kernels. They loop over tensors in Python and make several passes
+over memory, so they are slow on a GPU; the kernels exist to avoid exactly that.
+
+The masked optimizer step's reference runs torch's own optimizer on the masked gradient
+and zeroes the pruned entries by hand (the ASP recipe), not the fused step's planner; its
+pure-torch fallback is ``_step_single_tensor``.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import torch
-
-from ._step_plan import StepBatch
-from ._step_run import run_masked_step
-from .bitpack import unpack_mask
-
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def zero_pruned_reference(tensors: Sequence[torch.Tensor],
@@ -27,161 +24,6 @@ def zero_pruned_reference(tensors: Sequence[torch.Tensor],
                     out=tensor)
 
 
-def dense_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Bool mask of ``like``'s shape from a bool or bit-packed uint8 mask."""
-    return mask if mask.dtype == torch.bool else unpack_mask(mask, like.shape)
-
-
-def _masked_grad(
-    grad: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype, grad_scale: torch.Tensor | None
-) -> torch.Tensor:
-    g = grad.to(dtype)
-    if grad_scale is not None:
-        g = g / grad_scale.to(dtype=dtype, device=g.device)
-    return torch.where(keep, g, torch.zeros((), dtype=dtype, device=g.device))
-
-
-def adam_update_reference(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    mask: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    step: float,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-    maximize: bool,
-    grad_scale: torch.Tensor | None = None,
-) -> None:
-    """Masked Adam/AdamW update of one tensor, in place, in ``param``'s dtype.
-
-    With ``k`` the mask, ``g = k * grad / grad_scale`` (negated if ``maximize``) and
-    ``t = step`` (already advanced)::
-
-        p <- p * (1 - lr * wd)                 if decoupled (AdamW, Loshchilov & Hutter 2019)
-        g <- g + wd * p                        otherwise (Adam's L2 penalty)
-        m <- m + (1 - beta1) * (g - m)
-        v <- beta2 * v + (1 - beta2) * g^2
-        p <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
-        p, m, v <- 0 where k is False
-
-    Args:
-        param, grad, exp_avg, exp_avg_sq: Tensors of one shape; updated in place
-            (``grad`` is read only).
-        mask: Bool mask of ``param``'s shape or bit-packed uint8.
-        step: Step count after this step (1 on the first step).
-        lr, beta1, beta2, eps, weight_decay: As in ``torch.optim.AdamW``.
-        decoupled: Decoupled weight decay (AdamW) instead of L2 (Adam).
-        maximize: Ascend instead of descend.
-        grad_scale: Optional scale the gradient is divided by.
-    """
-    keep = dense_mask(mask, param)
-    g = _masked_grad(grad, keep, param.dtype, grad_scale)
-    if maximize:
-        g = -g
-    if weight_decay != 0:
-        if decoupled:
-            param.mul_(1 - lr * weight_decay)
-        else:
-            g = g.add(param, alpha=weight_decay)
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = math.sqrt(1 - beta2**step)
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
-    pruned = ~keep
-    for t in (param, exp_avg, exp_avg_sq):
-        t.masked_fill_(pruned, 0)
-
-
-def sgd_update_reference(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    mask: torch.Tensor,
-    momentum_buffer: torch.Tensor | None,
-    *,
-    first: bool,
-    lr: float,
-    momentum: float,
-    dampening: float,
-    weight_decay: float,
-    nesterov: bool,
-    maximize: bool,
-    grad_scale: torch.Tensor | None = None,
-) -> None:
-    """Masked SGD update of one tensor (momentum, Nesterov, weight decay), in place.
-
-    With ``k`` the mask and ``g = k * grad / grad_scale`` (negated if ``maximize``)::
-
-        g <- g + wd * p
-        b <- g                                 on the first step
-        b <- momentum * b + (1 - dampening) * g   afterwards
-        d <- g + momentum * b if nesterov else b
-        p <- p - lr * d
-        p, b <- 0 where k is False
-
-    Args:
-        param, grad: Tensors of one shape; ``param`` updated in place.
-        mask: Bool mask of ``param``'s shape or bit-packed uint8.
-        momentum_buffer: State tensor updated in place; None when ``momentum == 0``.
-        first: The buffer is new and is initialised with ``g``.
-        lr, momentum, dampening, weight_decay, nesterov, maximize: As in
-            ``torch.optim.SGD``.
-        grad_scale: Optional scale the gradient is divided by.
-    """
-    keep = dense_mask(mask, param)
-    g = _masked_grad(grad, keep, param.dtype, grad_scale)
-    if maximize:
-        g = -g
-    if weight_decay != 0:
-        g = g.add(param, alpha=weight_decay)
-    if momentum != 0:
-        if first:
-            momentum_buffer.copy_(g)
-        else:
-            momentum_buffer.mul_(momentum).add_(g, alpha=1 - dampening)
-        g = g.add(momentum_buffer, alpha=momentum) if nesterov else momentum_buffer
-    param.add_(g, alpha=-lr)
-    param.masked_fill_(~keep, 0)
-    if momentum_buffer is not None:
-        momentum_buffer.masked_fill_(~keep, 0)
-
-
-def apply_batch_reference(
-    batch: StepBatch, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None
-) -> None:
-    """Update every tensor of a ``StepBatch`` with the per-tensor references.
-
-    bfloat16 and float16 parameters and their state are updated on float32 copies and
-    rounded once, as the kernel and torch's ``fused=True`` optimizers do."""
-    if found_inf is not None and bool(found_inf.item()):
-        return
-    hp = batch.hparams
-    for i, (p, g, k) in enumerate(zip(batch.params, batch.grads, batch.masks, strict=True)):
-        if batch.algo == "adam":
-            state = [batch.exp_avgs[i], batch.exp_avg_sqs[i]]
-        else:
-            state = [batch.momentum_buffers[i]] if batch.momentum_buffers else []
-        stored = [p, *state]
-        work = [t.float() if t.dtype in _LOW_PRECISION else t for t in stored]
-        if batch.algo == "adam":
-            adam_update_reference(work[0], g, k, work[1], work[2], float(batch.steps[i]),
-                                  grad_scale=grad_scale, **hp)
-        else:
-            buf = work[1] if state else None
-            sgd_update_reference(work[0], g, k, buf, first=batch.sgd_first,
-                                 grad_scale=grad_scale, **hp)
-        for tensor, updated in zip(stored, work, strict=True):
-            if updated is not tensor:
-                tensor.copy_(updated)
-
-
 def masked_step_reference(
     optimizer: torch.optim.Optimizer,
     masks: Mapping[torch.Tensor, torch.Tensor],
@@ -189,13 +31,67 @@ def masked_step_reference(
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
 ) -> None:
-    """Pure-torch ``fused_masked_step``: the same arguments and state handling, per-tensor
-    arithmetic.
+    """The masked optimizer step as torch's own optimizer takes it, masked by hand.
+
+    For every parameter ``p`` of ``masks`` that has a gradient, with ``k`` its mask::
+
+        p.grad <- p.grad / grad_scale where k, else 0
+        optimizer.step()                  # torch.optim.AdamW / Adam / SGD, unchanged
+        p, s <- 0 where k is False        # every state tensor s of p's shape
+
+    Elementwise optimizers update each entry from its own gradient and state, so the kept
+    entries take torch's update and the pruned ones stay exact zeros: what
+    ``fused_masked_step`` must compute. Parameters without a mask keep their gradients and
+    are not stepped; masked ones end with ``grad = None``, also when a nonzero
+    ``found_inf`` skips the step (the fused step's convention). The step runs with
+    ``capturable=False``: torch refuses capturable CPU tensors, and the flag changes where
+    the bias corrections are computed, not their values.
+
+    Args:
+        optimizer: A torch optimizer over copies of the parameters (float64 for the
+            ground truth); stepped in place.
+        masks: Parameter -> bool mask of its shape.
+        grad_scale: Optional scale the gradients are divided by.
+        found_inf: Optional tensor; nonzero skips the step.
 
     Raises:
-        ValueError: For an unsupported optimizer or option, or a malformed mask.
+        ValueError: If a mask is not a bool tensor of its parameter's shape.
     """
-    run_masked_step(optimizer, masks, grad_scale, found_inf, apply_batch_reference)
+    for p, k in masks.items():
+        if k.dtype != torch.bool or k.shape != p.shape:
+            raise ValueError(f"masked_step_reference takes bool masks of the parameter's "
+                             f"shape {tuple(p.shape)}, got {k.dtype} of {tuple(k.shape)}")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    stepped = [p for p in params if p in masks and p.grad is not None]
+    held = {p: p.grad for p in params if p not in masks and p.grad is not None}
+    if found_inf is None or not bool(found_inf.item()):
+        for p in held:
+            p.grad = None
+        with torch.no_grad():
+            for p in stepped:
+                grad = p.grad.to(p.dtype)
+                if grad_scale is not None:
+                    grad = grad / grad_scale.to(p.dtype)
+                p.grad = torch.where(masks[p], grad, torch.zeros((), dtype=p.dtype))
+        capturable = [group.get("capturable", False) for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["capturable"] = False
+        try:
+            optimizer.step()
+        finally:
+            for group, flag in zip(optimizer.param_groups, capturable, strict=True):
+                group["capturable"] = flag
+        with torch.no_grad():
+            for p in stepped:
+                pruned = ~masks[p]
+                p.masked_fill_(pruned, 0)
+                for value in optimizer.state[p].values():
+                    if torch.is_tensor(value) and value.shape == p.shape:
+                        value.masked_fill_(pruned, 0)
+        for p, grad in held.items():
+            p.grad = grad
+    for p in stepped:
+        p.grad = None
 
 
 def nm_topk_mask_reference(score: torch.Tensor, n: int, m: int) -> torch.Tensor:

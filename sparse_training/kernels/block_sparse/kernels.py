@@ -240,10 +240,9 @@ def _use_tma(requested: bool | None, block: tuple[int, int], *tensors: Tensor) -
     serve: 128 x 128 blocks, a Hopper or newer GPU (or the interpreter) and
     :func:`_tma_aligned` operands.
 
-    On an H100 (``benchmarks/results/block_sparse_ops_*_run3_no_tma.json`` vs
-    ``..._run4_tma_on.json``) descriptors made 128 x 128 blocks 10-30% faster on LLM
-    shapes (up to 25% slower on BERT-large at 10%, a few microseconds) and 64 x 64 blocks
-    up to 51% slower.
+    On an H100 descriptors made 128 x 128 blocks 10-30% faster on LLM shapes (up to 25%
+    slower on BERT-large at 10%, a few microseconds) and 64 x 64 blocks up to 51% slower
+    (benchmarks/NOTES_block_sparse.md).
 
     Raises:
         ValueError: ``requested`` True for operands descriptors cannot address.
