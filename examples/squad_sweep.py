@@ -37,6 +37,7 @@ from typing import Any
 import pytorch_lightning as pl
 import reporting
 import squad_data
+import sweep_config
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
@@ -322,34 +323,34 @@ def check_config(cfg: DictConfig) -> list[DictConfig]:
     """The runs to do (``only`` of ``runs``), every setting checked before anything changes.
 
     Raises:
-        reporting.ConfigError: naming the bad value and the valid forms.
+        sweep_config.ConfigError: naming the bad value and the valid forms.
     """
     if numbers := [n for n in cfg.only if isinstance(n, int)]:  # YAML 1.1 reads 2:4 as 124
-        raise reporting.ConfigError(
+        raise sweep_config.ConfigError(
             f"only has numbers {numbers}: YAML reads an unquoted N:M as a base-60 number "
             f"(2:4 is 124); quote the names: 'only=[\"2:4\",\"4:8\"]'")
     if unknown := set(cfg.only) - {s.name for s in cfg.runs}:
-        raise reporting.ConfigError(f"only names unknown runs {sorted(unknown)}; runs are "
+        raise sweep_config.ConfigError(f"only names unknown runs {sorted(unknown)}; runs are "
                                     f"{[s.name for s in cfg.runs]}")
     specs = [s for s in cfg.runs if not cfg.only or s.name in cfg.only]
     for spec in specs:
         name = spec.get("name", "?")
         if extra := set(spec) - RUN_KEYS:
-            raise reporting.ConfigError(f"run {name!r} has unknown keys {sorted(extra)}; a run "
+            raise sweep_config.ConfigError(f"run {name!r} has unknown keys {sorted(extra)}; a run "
                                         f"takes {sorted(RUN_KEYS)}")
         if spec.get("init") not in ("dense", "pretrained"):
-            raise reporting.ConfigError(f"run {name!r}: init must be dense or pretrained, got "
+            raise sweep_config.ConfigError(f"run {name!r}: init must be dense or pretrained, got "
                                         f"{spec.get('init')!r}")
         if (kwargs := callback_kwargs(spec)) is not None:
             try:
                 SparsityConfig(**kwargs)
             except (TypeError, ValueError) as error:
-                raise reporting.ConfigError(f"run {name!r}: {error}") from error
+                raise sweep_config.ConfigError(f"run {name!r}: {error}") from error
     return specs
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    cfg = reporting.load_config(sys.argv[1:] if argv is None else argv, CONFIG,
+    cfg = sweep_config.load_config(sys.argv[1:] if argv is None else argv, CONFIG,
                                 __doc__.split("\n\n")[0])
     specs = [] if cfg.replay else check_config(cfg)
     progress = reporting.Progress(len(specs) * len(cfg.seeds))
@@ -402,5 +403,5 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 if __name__ == "__main__":
     try:
         main()
-    except reporting.ConfigError as error:
+    except sweep_config.ConfigError as error:
         sys.exit(f"squad_sweep: {error}")

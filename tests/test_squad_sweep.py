@@ -18,6 +18,7 @@ sys.path.insert(0, str(EXAMPLES))
 import reporting  # noqa: E402
 import squad_data  # noqa: E402
 import squad_sweep  # noqa: E402
+import sweep_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,7 @@ def test_window_labels_point_at_the_answer_and_gold_spans_score_100(tokenizer):
 
 
 def test_the_full_size_recipe_is_a_valid_set_of_keys():
-    cfg = reporting.load_config([f"config={EXAMPLES / 'configs/squad_bert_large.yaml'}"],
+    cfg = sweep_config.load_config([f"config={EXAMPLES / 'configs/squad_bert_large.yaml'}"],
                                 squad_sweep.CONFIG, "")
     assert (cfg.model_dir, cfg.lr, cfg.out_dir) == ("bert-large-uncased", 3e-5,
                                                     "outputs/squad-bert-large")
@@ -155,8 +156,8 @@ def test_a_failed_dense_run_still_gets_its_table_without_gaps(tmp_path):
 def test_encoder_layers_keeps_the_first_pretrained_layers():
     """The model-size experiment: ``encoder_layers=2`` is the pretrained MiniLM's first two
     layers."""
-    full_cfg = reporting.load_config([], squad_sweep.CONFIG, "")
-    small_cfg = reporting.load_config(["encoder_layers=2"], squad_sweep.CONFIG, "")
+    full_cfg = sweep_config.load_config([], squad_sweep.CONFIG, "")
+    small_cfg = sweep_config.load_config(["encoder_layers=2"], squad_sweep.CONFIG, "")
     full = squad_sweep.SpanQA(squad_data.model_dir(), full_cfg).bert.bert.encoder.layer
     small = squad_sweep.SpanQA(squad_data.model_dir(), small_cfg).bert.bert.encoder.layer
     assert (len(full), len(small)) == (6, 2)
@@ -182,7 +183,7 @@ def test_bad_config_fails_before_anything_changes(tmp_path, argv, run, match):
         recipe = tmp_path / "recipe.yaml"
         recipe.write_text(f"runs:\n  - {{name: r, family: f, {run}}}\n")
         argv = [f"config={recipe}"]
-    with pytest.raises(reporting.ConfigError, match=match):
+    with pytest.raises(sweep_config.ConfigError, match=match):
         squad_sweep.main([f"out_dir={out}", "logger=none", *argv])
     assert not out.exists()  # refused before the output folder (or W&B) was touched
 
