@@ -357,7 +357,8 @@ def plot_vs_sparsity(
         ax.set(xlabel="sparsity", ylabel=metric, ylim=limits)
         ax.grid(alpha=0.3)
         ax.set_title(title if ax is axes[0][0] else f"zoom: {limits[0]:g} - {limits[1]:g}")
-    axes[0][-1].legend(loc="lower left", fontsize=8)
+    if axes[0][-1].get_legend_handles_labels()[0]:  # nothing to name where no run scored
+        axes[0][-1].legend(loc="lower left", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

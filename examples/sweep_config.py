@@ -108,6 +108,8 @@ def check_keys(cfg: DictConfig, rules: Mapping[str, Rule]) -> None:
     for key in cfg:
         if key not in rules:
             raise KeyError(f"config key {key!r} has no Rule: add one to the sweep's RULES")
+        if OmegaConf.is_missing(cfg, key):  # ??? in a recipe file: the user must set it
+            raise ConfigError(f"{key} must be set ({rules[key].form}): pass {key}=...")
         value = cfg[key]
         if not rules[key].accepts(value):
             shown = OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
@@ -129,7 +131,8 @@ def load_config(
     of the keys), then OmegaConf dot-list overrides.
 
     Unknown keys fail naming the nearest valid key, except below `open_keys` (mappings of
-    named entries, where new ones may be added). What the values mean is checked by
+    named entries, where new ones may be added); a file's top-level `???` marks a key the
+    command line must set (`check_keys` says so). What the values mean is checked by
     `check_keys`. `-h`/`--help` prints `config_help(...)` and exits 0. Raises ConfigError.
     """
     if "-h" in argv or "--help" in argv:
@@ -148,6 +151,9 @@ def load_config(
         for key in _leaf_keys(recipe, open_keys):
             _check_key(cfg, key, open_keys)
         cfg = OmegaConf.merge(cfg, recipe)
+        for key in recipe:  # merging keeps the old value where the file says ??? (must be set)
+            if OmegaConf.is_missing(recipe, key):
+                cfg[key] = "???"
     for override in overrides:
         _check_key(cfg, override.split("=", 1)[0], open_keys)
     OmegaConf.set_struct(cfg, True)  # a misspelt key in the code fails too
@@ -163,8 +169,9 @@ def load_config(
 def _leaf_keys(cfg: DictConfig, open_keys: list[str], prefix: str = "") -> list[str]:
     """Dotted paths of a mapping's leaves (lists are leaves; nothing below an open key)."""
     keys = []
-    for key, value in cfg.items():
+    for key in cfg:
         dotted = f"{prefix}{key}"
+        value = None if OmegaConf.is_missing(cfg, key) else cfg[key]  # ???: set later
         if isinstance(value, DictConfig) and dotted not in open_keys:
             keys += _leaf_keys(value, open_keys, f"{dotted}.")
         else:
@@ -179,12 +186,12 @@ def _check_key(cfg: DictConfig, dotted: str, open_keys: list[str]) -> None:
     for part in dotted.split("."):
         if not isinstance(node, DictConfig) or ".".join(path) in open_keys:
             return
-        if part not in node:
+        if part not in list(node):  # `in node` is False for a ??? value
             near = difflib.get_close_matches(part, [str(k) for k in node], n=1, cutoff=0.0)
             hint = f"; did you mean {'.'.join([*path, *near])!r}?" if near else ""
             raise ConfigError(f"unknown key {dotted!r}{hint} (see --help)")
         path.append(part)
-        node = node.get(part)
+        node = None if OmegaConf.is_missing(node, part) else node.get(part)
 
 
 _KEY = re.compile(r"(?P<key>[A-Za-z_][\w.+-]*)\s*:(?P<rest>.*)")  # a top-level key's line
@@ -217,7 +224,9 @@ def config_help(yaml_path: Path, description: str, prog: str) -> str:
             comment = " ".join(filter(None, [*above, match["rest"].partition(" #")[2].strip()]))
             if isinstance(value, DictConfig):
                 shown = "{" + ", ".join(map(str, value)) + "}"
-                comment += f" (a mapping: set a field as {key}.NAME.FIELD=VALUE)"
+                named = all(isinstance(v, DictConfig) for v in value.values())
+                field = f"{key}.NAME.FIELD" if named else f"{key}.FIELD"
+                comment += f" (a mapping: set a field as {field}=VALUE)"
             elif isinstance(value, ListConfig) and value and all(
                     isinstance(v, DictConfig) and "name" in v for v in value):
                 shown = "[" + ", ".join(str(v.name) for v in value) + "]"

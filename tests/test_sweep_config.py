@@ -71,7 +71,7 @@ def test_config_help_comments_above_and_beside(small_yaml: Path) -> None:
     assert "# the x axis" in text
     assert "  optim: {lr}" in text
     assert (
-        "# the optimizer, above its key (a mapping: set a field as optim.NAME.FIELD=VALUE)" in text
+        "# the optimizer, above its key (a mapping: set a field as optim.FIELD=VALUE)" in text
     )
 
 
