@@ -278,3 +278,15 @@ def test_sweep_reuses_the_dense_cache(sweep: dict[str, Any], capsys: pytest.Capt
     assert result["dense"]["accuracy"] == sweep["dense"]["accuracy"]
     assert result["rows"][0] == {**sweep["rows"][0], "seconds": result["rows"][0]["seconds"]}
     assert not (out / "wandb").exists()
+
+
+@needs_mnist
+def test_a_failed_run_fails_the_sweep(sweep: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error in a run is not swallowed: it ends the sweep (the command exits non-zero)."""
+    def fails(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a run failed")
+
+    monkeypatch.setattr(mnist_sweep, "run_method", fails)
+    argv = [a for a in sweep["argv"] if not a.startswith(("out_dir=", "logger="))]
+    with pytest.raises(RuntimeError, match="a run failed"):
+        mnist_sweep.main([*argv, f"out_dir={sweep['out'] / 'failing'}", "logger=none"])
