@@ -8,9 +8,9 @@ method one `pl.Trainer` run with a `SparsityCallback`, evaluated on the MNIST te
     gmp                gradual magnitude pruning (Zhu & Gupta) while fine-tuning
     rigl               sparse from scratch, ERK layer sparsities, RigL drop and regrow
 
-Run the default sweep (6 x 4 runs; 371 s measured on 2 pinned Xeon cores, much longer on a busy
-machine: docs/results/mnist.md); list every key of configs/mnist.yaml with its default; override
-keys (OmegaConf dot-list) or the whole YAML file:
+Run the default sweep (6 x 4 runs, one torch thread: docs/results/mnist.md has its time); list
+every key of configs/mnist.yaml with its default; override keys (OmegaConf dot-list) or the
+whole YAML file:
 
     python examples/mnist_sweep.py
     python examples/mnist_sweep.py --help
@@ -21,7 +21,10 @@ Before each run a progress line ("run 3/24 · gmp @ 0.90 · 2m14s elapsed · ~9m
 a result line. Left in out_dir: results.csv, results.json, results.md (the table beside the
 reference) and accuracy_vs_sparsity.png. W&B gets a run per configuration and a "summary" run
 (table and chart), offline under out_dir/wandb without an API key: the sweep ends with the
-`wandb sync` command that uploads them. Config, progress, W&B and files: examples/reporting.py.
+`wandb sync` command that uploads them. Every key is checked before any training
+(examples/sweep_config.py); progress, W&B and files: examples/reporting.py; the tables:
+examples/mnist_report.py. Seeds, the data order and the thread count are fixed, so the same
+machine and torch build give the same numbers to the last digit.
 """
 
 from __future__ import annotations
@@ -36,22 +39,34 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from mnist_data import MNIST, load_mnist
+from mnist_report import accuracy_series, results_markdown
 from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import TQDMProgressBar
 from reporting import (
-    ConfigError,
     Progress,
     cached_training,
+    environment,
     finish_logger,
-    load_config,
     log_summary_run,
     make_logger,
-    markdown_table,
     plot_vs_sparsity,
     quiet_lightning,
+    set_threads,
     setup_wandb,
     sync_hint,
     write_results,
+)
+from sweep_config import (
+    LOGGING_RULES,
+    MAPPING,
+    ConfigError,
+    check_keys,
+    integer,
+    list_of,
+    load_config,
+    number,
+    positive_number,
+    text,
 )
 from torch import Tensor, nn
 from torch.optim.lr_scheduler import OneCycleLR
@@ -63,40 +78,47 @@ from sparse_training import SparsityCallback, SparsityConfig, SparsityEngine
 CONFIG = Path(__file__).resolve().parent / "configs" / "mnist.yaml"
 DESCRIPTION = __doc__.split("\n\nRun the default")[0]  # what --help says above the keys
 
-# The reference table of the issue (a small FC net): sparsity -> (original, prune, finetune).
-REFERENCE = {
-    0.70: (0.9604, 0.9566, 0.9682),
-    0.80: (0.9545, 0.9460, 0.9656),
-    0.90: (0.9534, 0.8845, 0.9615),
-    0.95: (0.9569, 0.4923, 0.9395),
-    0.98: (0.9570, 0.2158, 0.8074),
-    0.99: (0.9565, 0.0982, 0.3052),
-}
-# The goal for the best method of each row, on the full test set.
-GOAL = {0.70: 0.98, 0.80: 0.98, 0.90: 0.98, 0.95: 0.98, 0.98: 0.975, 0.99: 0.96}
-
-
 # -----------------------------------------------------------------------------------------------
-# Config: reporting.load_config reads the YAML and the overrides; this checks what they mean
+# Config: sweep_config.load_config reads the YAML and the overrides; this checks what they mean
+
+RULES = {  # what every key of configs/mnist.yaml must be
+    "data_dir": text(optional=True),
+    "cache_dir": text(),
+    "sparsities": list_of(number(0, 1, high_open=True), "[0.9, 0.99]"),
+    "methods": list_of(text(), "[gmp, rigl]"),
+    "train_size": integer(0),
+    "test_size": integer(0),
+    "batch_size": integer(1),
+    "threads": integer(0),
+    "seed": integer(0),
+    "dense_epochs": integer(1),
+    "epochs": integer(1),
+    "lr": positive_number(),
+    "warmup": number(0, 1, high_open=True),
+    "momentum": number(0, 1, high_open=True),
+    "weight_decay": number(0, 1),
+    "method_specs": MAPPING,
+    **LOGGING_RULES,
+}
 
 
 def check_config(cfg: DictConfig) -> None:
-    """Fail early, before any training, on settings that cannot work."""
-    if not cfg.sparsities or not cfg.methods:
-        raise ConfigError("sparsities and methods must each name at least one entry")
+    """Fail early, before any training, on settings that cannot work: every key against its
+    rule, then every method named against its definition."""
+    check_keys(cfg, RULES)
     if unknown := [m for m in cfg.methods if m not in cfg.method_specs]:
         raise ConfigError(f"unknown methods {unknown}; defined: {list(cfg.method_specs)}")
-    if bad := [s for s in cfg.sparsities if not 0.0 <= float(s) < 1.0]:
-        raise ConfigError(f"sparsities must lie in [0, 1), got {bad}")
     for name in cfg.methods:
         spec = cfg.method_specs[name]
-        if sorted(spec) != ["callback", "init", "train"]:
+        if not isinstance(spec, DictConfig) or sorted(spec) != ["callback", "init", "train"]:
             raise ConfigError(
                 f"method {name} must have exactly the keys init, train and "
-                f"callback, got {sorted(spec)}"
+                f"callback, got {spec!r}"
             )
         if spec.init not in ("dense", "scratch"):
             raise ConfigError(f"method {name}: init must be dense or scratch, got {spec.init!r}")
+        if not isinstance(spec.train, bool):
+            raise ConfigError(f"method {name}: train must be true or false, got {spec.train!r}")
         try:  # validate the callback arguments now rather than after the dense run
             SparsityConfig(**callback_kwargs(cfg, name, sparsity=float(cfg.sparsities[0])))
         except (TypeError, ValueError) as e:
@@ -258,7 +280,8 @@ def dense_net(cfg: DictConfig, loaders: Loaders) -> tuple[dict[str, Tensor], flo
         make_trainer(cfg, cfg.dense_epochs, False, []).fit(model, loaders.train())
         return model.net.state_dict()
 
-    settings = {k: cfg[k] for k in keys} | {"model": "lenet-300-100"}
+    # the thread count, torch build and CPU change the float sums, so the weights too
+    settings = {k: cfg[k] for k in keys} | {"model": "lenet-300-100", **environment()}
     return cached_training(cfg.cache_dir, "lenet300100", settings, train)
 
 
@@ -312,84 +335,6 @@ def run_method(
 
 
 # -----------------------------------------------------------------------------------------------
-# Outputs: results.md (our columns beside the reference) and accuracy_vs_sparsity.png
-
-
-RESULTS_MD = """\
-# MNIST sparsity sweep: LeNet-300-100
-
-Accuracy on {n_test:,} test images. original = the dense net (dense_epochs={cfg.dense_epochs}); \
-each method's column is its accuracy at that sparsity (fine-tuning runs: epochs={cfg.epochs}). \
-ref = the issue's reference table (a small FC net). Goal: the best method of each row reaches \
-the goal.
-
-{by_sparsity}
-
-## Every run
-
-sparsity (pruned layers) = zeros among the weights the callback masks; sparsity (all) = zeros \
-among every parameter, biases included.
-
-{every_run}
-
-Dense run: {dense[seconds]:.1f} s; sweep total {dense[sweep_seconds]:.0f} s (wall time, \
-including the dense run unless it came from the cache).
-"""
-RUN_COLUMNS = [  # results.md's table of every run: key, header, format
-    ("method", "method", ""),
-    ("sparsity", "target", ".0%"),
-    ("sparsity_layers", "sparsity (pruned layers)", ".4%"),
-    ("sparsity_all", "sparsity (all)", ".4%"),
-    ("weights", "weights kept", ""),
-    ("params", "params kept", ""),
-    ("per_layer", "per layer", ""),
-    ("accuracy", "accuracy", ".4f"),
-    ("seconds", "seconds", ".1f"),
-]
-
-
-def results_markdown(rows: list[dict[str, Any]], dense: dict[str, Any], cfg: DictConfig) -> str:
-    """The reference table with our columns beside it, then every run in detail."""
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    refs = ["ref original", "ref prune", "ref finetune"]
-    by_sparsity = []
-    for s in cfg.sparsities:
-        line = {"sparsity": s, "original": dense["accuracy"]}
-        line |= {r["method"]: r["accuracy"] for r in rows if r["sparsity"] == s}
-        line |= dict(zip(refs, REFERENCE.get(s, ()), strict=False))
-        # The goal is about fine-tuned nets: the best of them at this sparsity.
-        tuned = [r for r in rows if r["sparsity"] == s and cfg.method_specs[r["method"]].train]
-        if (best := max(tuned, key=lambda r: r["accuracy"], default=None)) and s in GOAL:
-            verdict = "meets" if best["accuracy"] >= GOAL[s] else "MISSES"
-            line["goal"] = f"{best['method']} {best['accuracy']:.4f} {verdict} {GOAL[s]}"
-        by_sparsity.append(line)
-    columns = [("sparsity", "sparsity", ".0%"), ("original", "original", ".4f")]
-    columns += [(key, key, ".4f") for key in methods + refs]
-    columns += [("goal", "best fine-tuned vs goal", "")]
-    every_run = [
-        r
-        | {"weights": f"{r['weights_kept']:,} / {r['weights_total']:,}"}
-        | {"params": f"{r['params_kept']:,} / {r['params_total']:,}"}
-        for r in rows
-    ]
-    return RESULTS_MD.format(
-        n_test=cfg.test_size or 10000,
-        cfg=cfg,
-        dense=dense,
-        by_sparsity=markdown_table(by_sparsity, columns),
-        every_run=markdown_table(every_run, RUN_COLUMNS),
-    )
-
-
-def accuracy_series(rows: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
-    """(sparsity, accuracy) points per method, then the reference's finetune column."""
-    series: dict[str, list[tuple[float, float]]] = {}
-    for r in rows:
-        series.setdefault(r["method"], []).append((r["sparsity"], r["accuracy"]))
-    return series | {"reference finetune": [(s, ref[2]) for s, ref in REFERENCE.items()]}
-
-
-# -----------------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -397,8 +342,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     check_config(cfg)
     configs = [(float(s), m) for s in cfg.sparsities for m in cfg.methods]
     progress = Progress(len(configs))  # its clock starts now: elapsed includes the dense run
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    set_threads(cfg.threads)
     quiet_lightning()
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)  # W&B writes under it
@@ -431,9 +375,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # Outputs: files in out_dir, then the W&B summary run.
     config = OmegaConf.to_container(cfg, resolve=True)
-    files = write_results(out, rows, meta={"dense": dense, "config": config})
+    content = {"dense": dense, "config": config, "environment": environment()}
+    files = write_results(out, rows, meta=content)
     files.append(out / "results.md")
-    files[-1].write_text(results_markdown(rows, dense, cfg))
+    files[-1].write_text(results_markdown({**content, "rows": rows}))
     series = accuracy_series(rows)
     png = plot_vs_sparsity(
         out / "accuracy_vs_sparsity.png",

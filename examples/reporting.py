@@ -1,171 +1,31 @@
-"""What every sweep example shares: config, progress, W&B runs and result files.
+"""What every sweep example shares: progress, threads, W&B runs and result files.
 
 A sweep (examples/mnist_sweep.py, examples/squad_sweep.py) keeps its model, data and metric;
-this module knows none of them. The config keys it reads: out_dir, logger (wandb | none),
-wandb_project, wandb_mode (auto | online | offline | disabled). In a sweep's order:
-load_config, quiet_lightning, setup_wandb -> per run: Progress.start, make_logger,
-finish_logger, Progress.finish -> write_results, markdown_table, plot_vs_sparsity ->
-log_summary_run -> print(sync_hint(cfg)). `read_offline_run` reads an offline W&B run back.
+this module knows none of them (its settings: examples/sweep_config.py). The config keys it
+reads: out_dir, logger (wandb | none), wandb_project, wandb_mode (auto | online | offline |
+disabled). In a sweep's order: quiet_lightning, set_threads, setup_wandb -> per run:
+Progress.start, make_logger, finish_logger, Progress.finish -> write_results, markdown_table,
+plot_vs_sparsity -> log_summary_run -> print(sync_hint(cfg)). `read_offline_run` reads an
+offline W&B run back.
 """
 
 from __future__ import annotations
 
 import csv
-import difflib
 import hashlib
 import json
 import logging
 import os
-import re
 import shlex
 import struct
-import sys
-import textwrap
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
-from omegaconf import DictConfig, ListConfig, OmegaConf
-
-# -- config: the YAML file, then key=value overrides from the command line ----------------------
-
-CHOICES = {"logger": ["wandb", "none"], "wandb_mode": ["auto", "online", "offline", "disabled"]}
-
-
-class ConfigError(ValueError):
-    """A setting that cannot work; raised before any training."""
-
-
-def load_config(
-    argv: list[str],
-    yaml_path: Path,
-    description: str,
-    *,
-    prog: str | None = None,
-    open_keys: Iterable[str] = ("method_specs",),
-) -> DictConfig:
-    """The YAML at yaml_path, then the keys of each `config=PATH` file (a recipe: any subset
-    of the keys), then OmegaConf dot-list overrides.
-
-    Unknown keys fail naming the nearest valid key, except below `open_keys` (mappings of
-    named entries, where new ones may be added); logger and wandb_mode must be one of
-    CHOICES. `-h`/`--help` prints `config_help(...)` and exits 0. Raises ConfigError.
-    """
-    if "-h" in argv or "--help" in argv:
-        print(config_help(yaml_path, description, prog or f"python {sys.argv[0]}"))
-        raise SystemExit(0)
-    paths = [a.split("=", 1)[1] for a in argv if a.startswith("config=")]
-    overrides = [a for a in argv if not a.startswith("config=")]
-    if bad := [a for a in overrides if "=" not in a]:
-        raise ConfigError(f"arguments must be key=value overrides, got {bad} (see --help)")
-    cfg = OmegaConf.load(yaml_path)
-    open_keys = [k for k in open_keys if isinstance(cfg.get(k), DictConfig)]
-    for path in map(Path, paths):
-        if not path.is_file():
-            raise ConfigError(f"config file {path} not found")
-        recipe = OmegaConf.load(path)
-        for key in _leaf_keys(recipe, open_keys):
-            _check_key(cfg, key, open_keys)
-        cfg = OmegaConf.merge(cfg, recipe)
-    for override in overrides:
-        _check_key(cfg, override.split("=", 1)[0], open_keys)
-    OmegaConf.set_struct(cfg, True)  # a misspelt key in the code fails too
-    for key in open_keys:
-        OmegaConf.set_struct(cfg[key], False)
-    try:
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
-    except Exception as e:  # OmegaConf's errors name the key
-        raise ConfigError(str(e)) from e
-    for key, allowed in CHOICES.items():
-        if key in cfg and cfg[key] not in allowed:
-            choices = f"{', '.join(allowed[:-1])} or {allowed[-1]}"
-            raise ConfigError(f"{key} must be {choices}, got {cfg[key]!r}")
-    return cfg
-
-
-def _leaf_keys(cfg: DictConfig, open_keys: list[str], prefix: str = "") -> list[str]:
-    """Dotted paths of a mapping's leaves (lists are leaves; nothing below an open key)."""
-    keys = []
-    for key, value in cfg.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, DictConfig) and dotted not in open_keys:
-            keys += _leaf_keys(value, open_keys, f"{dotted}.")
-        else:
-            keys.append(dotted)
-    return keys
-
-
-def _check_key(cfg: DictConfig, dotted: str, open_keys: list[str]) -> None:
-    """Fail on a key the YAML does not have, naming the nearest one it has."""
-    node: Any = cfg
-    path: list[str] = []
-    for part in dotted.split("."):
-        if not isinstance(node, DictConfig) or ".".join(path) in open_keys:
-            return
-        if part not in node:
-            near = difflib.get_close_matches(part, [str(k) for k in node], n=1, cutoff=0.0)
-            hint = f"; did you mean {'.'.join([*path, *near])!r}?" if near else ""
-            raise ConfigError(f"unknown key {dotted!r}{hint} (see --help)")
-        path.append(part)
-        node = node.get(part)
-
-
-_KEY = re.compile(r"(?P<key>[A-Za-z_][\w.+-]*)\s*:(?P<rest>.*)")  # a top-level key's line
-_SECTION = re.compile(r"#\s*--+\s*(?P<title>.*?)\s*-*\s*$")  # "# -- logging -----"
-
-
-def config_help(yaml_path: Path, description: str, prog: str) -> str:
-    """Usage text: the description, the command forms, then every key of the YAML with its
-    default and the comment beside or above it (a nested mapping by its top-level key)."""
-    cfg = OmegaConf.load(yaml_path)
-    lines = [
-        description.strip(),
-        "",
-        "usage:",
-        f"  {prog} [KEY=VALUE ...]              override any key below (OmegaConf dot-list)",
-        f"  {prog} config=PATH [KEY=VALUE ...]  a YAML of keys to replace (a recipe)",
-        f"  {prog} --help                       this text",
-        "",
-        f"configuration keys of {yaml_path.name} (KEY: default  # comment):",
-    ]
-    above: list[str] = []  # comment lines right above the next key
-    for raw in yaml_path.read_text().splitlines():
-        if section := _SECTION.match(raw):
-            lines += ["", section["title"]]
-            above = []
-        elif raw.startswith("#"):
-            above.append(raw.lstrip("# ").strip())
-        elif (match := _KEY.fullmatch(raw)) and match["key"] in cfg:
-            key, value = match["key"], cfg[match["key"]]
-            comment = " ".join(filter(None, [*above, match["rest"].partition(" #")[2].strip()]))
-            if isinstance(value, DictConfig):
-                shown = "{" + ", ".join(map(str, value)) + "}"
-                comment += f" (a mapping: set a field as {key}.NAME.FIELD=VALUE)"
-            elif isinstance(value, ListConfig) and value and all(
-                    isinstance(v, DictConfig) and "name" in v for v in value):
-                shown = "[" + ", ".join(str(v.name) for v in value) + "]"
-                comment += " (named entries, listed by name)"
-            else:
-                shown = yaml.safe_dump(OmegaConf.to_container(cfg)[key], default_flow_style=True)
-                shown = shown.removesuffix("...\n").strip()  # null, true, [0.7, 0.8]
-            lines.append(_entry(f"  {key}: {shown}", comment.strip()))
-            above = []
-        elif not raw.startswith(" "):
-            above = []  # a blank or other line ends the comment above a key
-    return "\n".join(lines) + "\n"
-
-
-def _entry(head: str, comment: str, width: int = 28) -> str:
-    """`head`, then its comment in a column from `width`, wrapped at 110 characters."""
-    if not comment:
-        return head
-    first = head.ljust(width) if len(head) < width else head + "\n" + " " * width
-    return first + "# " + f"\n{' ' * width}# ".join(textwrap.wrap(comment, 108 - width))
-
+from omegaconf import DictConfig, OmegaConf
 
 # -- Lightning's messages, and the progress of the whole sweep on stdout -----------------------
 
@@ -178,6 +38,38 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
     # Lightning 2.6 asks torch's pytree something torch 2.13 deprecates; not ours to fix.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+
+
+def environment() -> dict[str, Any]:
+    """What a result depends on besides its settings: the software, the CPU and the torch
+    threads in use (a JSON-able dict, for results files and cache keys)."""
+    import platform
+
+    import pytorch_lightning
+
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in
+             (cpuinfo.read_text().splitlines() if cpuinfo.is_file() else [])
+             if line.startswith("model name")]
+    return {"cpu": names[0] if names else platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "pytorch_lightning": pytorch_lightning.__version__,
+            "python": platform.python_version()}
+
+
+def set_threads(threads: int) -> int:
+    """Set torch's intra-op CPU threads to `threads` (0: keep torch's default, one per core),
+    print the count in use and return it.
+
+    Sweeps default to 1: on a busy 2-core machine torch's default of 2 threads made the MNIST
+    dense run take 619 s against 108 s with 1, and a fixed count also fixes the order of
+    floating-point sums, so a seeded run repeats to the last digit."""
+    if threads:
+        torch.set_num_threads(threads)
+    used = torch.get_num_threads()
+    origin = f"threads={threads}" if threads else "threads=0: torch's default"
+    print(f"torch CPU threads: {used} ({origin})", flush=True)
+    return used
 
 
 def _duration(seconds: float, coarse: bool = False) -> str:
@@ -397,7 +289,10 @@ def write_results(
         writer.writeheader()
         writer.writerows(rows)
     content = rows if meta is None else {**meta, "rows": rows}
-    json_path.write_text(json.dumps(content, indent=2) + "\n")
+    # a sweep killed while writing (a device call's time limit) keeps the previous file whole
+    partial = json_path.with_name(json_path.name + ".partial")
+    partial.write_text(json.dumps(content, indent=2) + "\n")
+    os.replace(partial, json_path)
     return [csv_path, json_path]
 
 
@@ -425,11 +320,13 @@ def plot_vs_sparsity(
     ylim: tuple[float, float] | None = None,
     zoom: tuple[float, float] | None = None,
     dashed: Iterable[str] = (),
+    ranges: Mapping[str, list[tuple[float, float]]] | None = None,
 ) -> Path:
     """A PNG (matplotlib Agg): one line with markers per series (x sparsity, y metric), a dashed
     horizontal line at `dense`, a legend. The x axis is logit-scaled when every sparsity lies
     in (0, 1), spreading 0.9 .. 0.99; `zoom` adds a panel with those y limits; series named in
-    `dashed` (a reference) are drawn black and dashed."""
+    `dashed` (a reference) are drawn black and dashed. `ranges[name]` gives each point of
+    that series (in its order) a (low, high) error bar, e.g. the min and max over seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -443,7 +340,14 @@ def plot_vs_sparsity(
             style = {"color": "k", "ls": "--", "marker": "x"} if name in dashed else {"marker": "o"}
             if len({x for x, _ in points}) == 1:  # points at one sparsity: no line through them
                 style["ls"] = "none"
-            ax.plot(*zip(*sorted(points), strict=True), label=name, **style)
+            bounds = (ranges or {}).get(name) or [None] * len(points)
+            ordered = sorted(zip(points, bounds, strict=True), key=lambda pair: pair[0])
+            x, y = zip(*(point for point, _ in ordered), strict=True)
+            errors = None
+            if ranges and name in ranges:  # (below, above) each point
+                errors = [[yy - low for yy, (_, (low, _)) in zip(y, ordered, strict=True)],
+                          [high - yy for yy, (_, (_, high)) in zip(y, ordered, strict=True)]]
+            ax.errorbar(x, y, yerr=errors, capsize=3, label=name, **style)
         if dense is not None:
             ax.axhline(dense, color="grey", ls="--", lw=0.8, label="dense")
         if xs and xs[0] > 0 and xs[-1] < 1:
@@ -453,7 +357,8 @@ def plot_vs_sparsity(
         ax.set(xlabel="sparsity", ylabel=metric, ylim=limits)
         ax.grid(alpha=0.3)
         ax.set_title(title if ax is axes[0][0] else f"zoom: {limits[0]:g} - {limits[1]:g}")
-    axes[0][-1].legend(loc="lower left", fontsize=8)
+    if axes[0][-1].get_legend_handles_labels()[0]:  # nothing to name where no run scored
+        axes[0][-1].legend(loc="lower left", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

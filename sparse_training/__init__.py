@@ -4,7 +4,7 @@ The package is built in layers; a module imports only from the layers below its 
 from its own folder), never up and never in a circle (``tests/test_layers.py`` checks every
 import)::
 
-    callbacks/     SparsityCallback: the thin Lightning side      (the only Lightning import)
+    callbacks/     SparsityCallback, DistillationCallback: the Lightning side (its only import)
         |
     layers/        BlockSparseLinear, SemiStructuredLinear, their   permutations/  ASP's
         |          slots; the one swap path (sparsify, compress,    channel
@@ -15,11 +15,13 @@ import)::
         |
     config.py      SparsityConfig: every setting, strings parsed once into pieces
         |
-    pieces/        patterns, masks, schedules, distributions, scores, regrowth (torch only)
+    pieces/        patterns, masks, schedules, distributions, scores, regrowth,
+        |          the distillation loss (torch only)
         |
     kernels/       Triton kernels and their pure-torch references (nothing of the rest)
 
-``SparsityCallback`` is loaded from ``sparse_training.callbacks`` on first use, so
+``SparsityCallback`` and ``DistillationCallback`` are loaded from
+``sparse_training.callbacks`` on first use, so
 ``import sparse_training`` needs no Lightning.
 """
 
@@ -36,19 +38,21 @@ from sparse_training.permutations import (
     permute_channels,
     search_permutation,
 )
+from sparse_training.pieces.distillation import DistillationLoss, TeacherCache
 from sparse_training.pieces.masks import global_masks, pattern_mask
 from sparse_training.pieces.patterns import Pattern, parse_pattern
 
-__all__ = ["BlockSparseLinear", "Pattern", "SemiStructuredLinear", "SparsityCallback",
-           "SparsityConfig", "SparsityEngine", "densify", "find_sites", "global_masks",
+__all__ = ["BlockSparseLinear", "DistillationCallback", "DistillationLoss", "Pattern",
+           "SemiStructuredLinear", "SparsityCallback", "SparsityConfig", "SparsityEngine",
+           "TeacherCache", "densify", "find_sites", "global_masks",
            "kept_magnitude", "make_permanent", "parse_pattern", "pattern_mask",
            "permute_channels", "search_permutation", "sparsify"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    if name == "SparsityCallback":
-        from sparse_training.callbacks import SparsityCallback
+    if name in ("SparsityCallback", "DistillationCallback"):
+        from sparse_training import callbacks
 
-        return SparsityCallback
+        return getattr(callbacks, name)
     raise AttributeError(f"module 'sparse_training' has no attribute {name!r}")

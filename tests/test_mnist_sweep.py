@@ -8,6 +8,7 @@ import contextlib
 import csv
 import io
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,8 @@ sys.path.insert(0, str(EXAMPLES))
 import mnist_data  # noqa: E402
 import mnist_sweep  # noqa: E402
 import reporting  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+import sweep_config  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 MNIST_DIR = mnist_data.resolve_data_dir(None)
 needs_mnist = pytest.mark.skipif(
@@ -34,8 +36,8 @@ needs_mnist = pytest.mark.skipif(
 
 
 def load(argv: list[str]) -> DictConfig:
-    """The sweep's config as main() gets it: loaded by reporting, then checked."""
-    cfg = reporting.load_config(argv, mnist_sweep.CONFIG, mnist_sweep.DESCRIPTION)
+    """The sweep's config as main() gets it: loaded, then checked."""
+    cfg = sweep_config.load_config(argv, mnist_sweep.CONFIG, mnist_sweep.DESCRIPTION)
     mnist_sweep.check_config(cfg)
     return cfg
 
@@ -91,18 +93,47 @@ def test_other_yaml_as_base(tmp_path: Path) -> None:
     [
         (["epoch=3"], r"unknown key 'epoch'; did you mean 'epochs'\?"),
         (["methods=[magic]"], r"unknown methods \['magic'\]; defined: \['oneshot'"),
-        (["sparsities=[1.0]"], r"sparsities must lie in \[0, 1\), got \[1.0\]"),
+        (["sparsities=[1.0]"], r"sparsities must be a non-empty list of entries each a number "
+                               r"in \[0, 1\), e.g. \[0.9, 0.99\], got \[1.0\]"),
+        (["sparsities=0.9"], r"sparsities must be a non-empty list .*, got 0.9"),
+        (["epochs=1O"], r"epochs must be an int >= 1, got '1O'"),
+        (["dense_epochs=2.5"], r"dense_epochs must be an int >= 1, got 2.5"),
+        (["batch_size=0"], r"batch_size must be an int >= 1, got 0"),
+        (["threads=-1"], r"threads must be an int >= 0, got -1"),
+        (["lr=0"], r"lr must be a number > 0, got 0"),
+        (["warmup=1.0"], r"warmup must be a number in \[0, 1\), got 1.0"),
+        (["train_size=all"], r"train_size must be an int >= 0, got 'all'"),
+        (["data_dir=3"], r"data_dir must be a string or null, got 3"),
+        (["methods=gmp"], r"methods must be a non-empty list .*, got 'gmp'"),
+        (["progress_bar=maybe"], r"progress_bar must be true or false, got 'maybe'"),
+        (["method_specs.gmp.train=often"], r"method gmp: train must be true or false, got 'often'"),
         (["method_specs.gmp.init=random"], "method gmp: init must be dense or scratch"),
         (["method_specs.gmp.trian=false"], r"method gmp must have exactly the keys init, train"),
         (["method_specs.gmp.callback.ned=0.5"], r"method gmp: .*unexpected keyword argument 'ned'"),
-        (["sparsities=[]"], "sparsities and methods must each name at least one entry"),
+        (["sparsities=[]"], r"sparsities must be a non-empty list .*, got \[\]"),
         (["method_specs.gmp.callback.schedule=cosine"], "unknown schedule 'cosine'"),
         (["epochs"], r"key=value overrides, got \['epochs'\]"),
     ],
 )
 def test_bad_config_fails_before_training(argv: list[str], match: str) -> None:
-    with pytest.raises(reporting.ConfigError, match=match):
+    with pytest.raises(sweep_config.ConfigError, match=match):
         load(argv)
+
+
+def test_every_key_of_the_yaml_has_a_rule() -> None:
+    keys = set(OmegaConf.load(mnist_sweep.CONFIG))
+    assert keys == set(mnist_sweep.RULES)
+
+
+def test_a_bad_key_exits_non_zero_before_training(tmp_path: Path) -> None:
+    """The command line: a bad value ends the process with status 1 and the message, before
+    the output folder exists."""
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, str(EXAMPLES / "mnist_sweep.py"), "epochs=1O",
+                             f"out_dir={out}"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip().endswith("mnist_sweep: epochs must be an int >= 1, got '1O'")
+    assert not out.exists()
 
 
 def test_help_lists_every_key(capsys: pytest.CaptureFixture) -> None:
@@ -187,6 +218,7 @@ def test_sweep_tables(sweep: dict[str, Any]) -> None:
 @needs_mnist
 def test_sweep_prints_progress_and_the_sync_command(sweep: dict[str, Any]) -> None:
     lines = sweep["stdout"].splitlines()
+    assert lines[0] == "torch CPU threads: 1 (threads=1)"  # the default, printed first
     starts = [line for line in lines if line.startswith("run ")]
     assert starts[0].startswith("run 1/2 · oneshot @ 0.90 · ")
     assert starts[0].endswith(" elapsed · estimating time left")
@@ -246,3 +278,15 @@ def test_sweep_reuses_the_dense_cache(sweep: dict[str, Any], capsys: pytest.Capt
     assert result["dense"]["accuracy"] == sweep["dense"]["accuracy"]
     assert result["rows"][0] == {**sweep["rows"][0], "seconds": result["rows"][0]["seconds"]}
     assert not (out / "wandb").exists()
+
+
+@needs_mnist
+def test_a_failed_run_fails_the_sweep(sweep: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error in a run is not swallowed: it ends the sweep (the command exits non-zero)."""
+    def fails(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a run failed")
+
+    monkeypatch.setattr(mnist_sweep, "run_method", fails)
+    argv = [a for a in sweep["argv"] if not a.startswith(("out_dir=", "logger="))]
+    with pytest.raises(RuntimeError, match="a run failed"):
+        mnist_sweep.main([*argv, f"out_dir={sweep['out'] / 'failing'}", "logger=none"])

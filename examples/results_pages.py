@@ -1,0 +1,162 @@
+"""Results pages from their JSON: the tables of docs/results/*.md are generated from the
+results files committed beside them, by the same code that writes each sweep's results.md,
+so that a page cannot disagree with its data.
+
+    python examples/results_pages.py           # rewrite the generated parts (and plots)
+    python examples/results_pages.py --check   # exit 1, with a diff, where a page differs
+
+A page marks each generated part with the renderer's name and the JSON files it reads
+(paths relative to the page; several files are read as one list of rows):
+
+    <!-- generated: squad-table squad_distill/results.json -->
+    ...                                       (replaced on every run)
+    <!-- end generated -->
+
+After copying a sweep's results.json into docs/results/, run this script and commit both.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mnist_report
+import squad_report
+from reporting import markdown_table, plot_vs_sparsity
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "docs" / "results" / "mnist.md", ROOT / "docs" / "results" / "squad.md"]
+BLOCK = re.compile(r"(<!-- generated: (?P<renderer>\S+) (?P<files>[^>]*?) -->\n)(?P<body>.*?)"
+                   r"(<!-- end generated -->)", re.DOTALL)
+
+SQUAD_COLUMNS = [c for c in squad_report.COLUMNS if c[0] not in ("family", "error")]
+# The goals of the distillation sweep: the F1 gap to dense with the same budget (mean of the
+# seeds) each run should reach.
+SQUAD_GOALS = {"2:4": -0.5, "4:8": -0.5, "16:32": -0.5, "gmp 80%": -3.0, "gmp 90%": -6.0,
+               "block 32x32 50%": -3.0, "block 32x32 75%": -8.0, "rigl 80%": -6.0}
+
+
+def mnist_tables(content: dict[str, Any]) -> str:
+    """The MNIST sweep: accuracy by sparsity, every run, where it ran."""
+    return "\n\n".join([mnist_report.about(content), mnist_report.by_sparsity_table(content),
+                        mnist_report.every_run_table(content), mnist_report.environment(content)])
+
+
+def mnist_summary(content: dict[str, Any]) -> str:
+    """Accuracy by sparsity only, and where it ran."""
+    return "\n\n".join([mnist_report.by_sparsity_table(content),
+                        mnist_report.environment(content)])
+
+
+def squad_table(rows: list[dict[str, Any]]) -> str:
+    """One line per run: mean F1 over its seeds, each seed's, the spread, the gap."""
+    if not rows:
+        return "Not run yet: no rows in the results file."
+    return markdown_table(squad_report.summarize(rows), SQUAD_COLUMNS)
+
+
+def squad_goals(rows: list[dict[str, Any]]) -> str:
+    """Each goal's run: its mean gap to the baseline, and whether it reaches the goal."""
+    lines = {line["name"]: line for line in squad_report.summarize(rows)}
+    goals = []
+    for name, goal in SQUAD_GOALS.items():
+        line = lines.get(name, {})
+        gap = line.get("f1_gap")
+        verdict = "not run" if gap is None else "met" if gap >= goal else "MISSED"
+        goals.append({"name": name, "goal": goal, "gap": gap, "verdict": verdict,
+                      "seeds": line.get("seeds"), "baseline": line.get("baseline")})
+    return markdown_table(goals, [("name", "run", ""), ("goal", "goal (F1 - baseline)", "+.1f"),
+                                  ("gap", "F1 - baseline", "+.2f"), ("verdict", "verdict", ""),
+                                  ("baseline", "baseline", ""), ("seeds", "seeds", "d")])
+
+
+def squad_plot(rows: list[dict[str, Any]]) -> str:
+    """The plot's image link, once there are rows to plot."""
+    return "![F1 versus sparsity](squad_f1_vs_sparsity.png)" if rows else ""
+
+
+Renderer = tuple[Callable[[Any], str], str]  # (render, what it takes: "content" or "rows")
+RENDERERS: dict[str, Renderer] = {
+    "mnist": (mnist_tables, "content"),
+    "mnist-summary": (mnist_summary, "content"),
+    "squad-table": (squad_table, "rows"),
+    "squad-goals": (squad_goals, "rows"),
+    "squad-plot": (squad_plot, "rows"),
+}
+
+
+def load(page: Path, files: str, takes: str) -> Any:
+    """The JSON a block names: one file's content, or the rows of all its files."""
+    paths = [page.parent / name for name in files.split()]
+    if missing := [str(path) for path in paths if not path.is_file()]:
+        raise FileNotFoundError(f"{page.name} renders from {missing}, which do not exist")
+    if takes == "content":
+        (path,) = paths
+        return json.loads(path.read_text())
+    return [row for path in paths for row in squad_report.read_rows(path)]
+
+
+def render(page: Path) -> str:
+    """The page with every generated block rendered from its JSON.
+
+    Raises:
+        KeyError: a block naming an unknown renderer.
+    """
+    def block(match: re.Match) -> str:
+        render_fn, takes = RENDERERS[match["renderer"]]
+        body = render_fn(load(page, match["files"], takes)).strip()
+        body = body + "\n" if body else ""
+        return match.group(1) + body + match.group(5)
+
+    return BLOCK.sub(block, page.read_text())
+
+
+PLOTS = {  # PNG beside the pages -> (its JSON, how to draw it)
+    "mnist_accuracy_vs_sparsity.png": "mnist/results.json",
+    "squad_f1_vs_sparsity.png": "squad_distill/results.json",
+}
+
+
+def draw(png: Path, source: Path) -> None:
+    """The plot of a results file, as its sweep draws it."""
+    if png.name.startswith("mnist"):
+        content = json.loads(source.read_text())
+        plot_vs_sparsity(png, mnist_report.accuracy_series(content["rows"]),
+                         metric="test accuracy", title="MNIST LeNet-300-100",
+                         dense=content["dense"]["accuracy"], ylim=(0.0, 1.0), zoom=(0.9, 1.0),
+                         dashed=["reference finetune"])
+    elif rows := squad_report.read_rows(source):
+        lines = squad_report.summarize(rows)
+        series, ranges = squad_report.f1_series(lines)
+        plot_vs_sparsity(png, series, metric="F1", title="SQuAD v1.1: F1 vs sparsity",
+                         dense=squad_report.dense_f1(lines), ranges=ranges)
+
+
+def main(argv: list[str]) -> int:
+    check = "--check" in argv
+    stale = []
+    for page in PAGES:
+        text = render(page)
+        if text != page.read_text():
+            stale.append(page)
+            if check:
+                sys.stdout.writelines(difflib.unified_diff(
+                    page.read_text().splitlines(keepends=True), text.splitlines(keepends=True),
+                    str(page), f"{page} from its JSON"))
+            else:
+                page.write_text(text)
+    if check:
+        return 1 if stale else 0
+    for png, source in PLOTS.items():
+        draw(PAGES[0].parent / png, PAGES[0].parent / source)
+    print("rewrote " + (", ".join(map(str, stale)) or "nothing: every page matches its JSON"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

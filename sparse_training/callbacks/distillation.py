@@ -1,0 +1,182 @@
+"""DistillationCallback: a frozen teacher beside any LightningModule, and the loss against it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback
+from torch import Tensor, nn
+
+from sparse_training.pieces.distillation import DistillationLoss, Logits, TeacherCache, as_heads
+
+
+def _as_logits(output: Any) -> Logits:
+    return output
+
+
+class DistillationCallback(Callback):
+    """Train a LightningModule against a frozen teacher's outputs (knowledge distillation:
+    :mod:`sparse_training.pieces.distillation` has the loss and its formula).
+
+    The callback holds the teacher, outside the LightningModule: the teacher is in no
+    optimizer, out of the student's ``state_dict`` and checkpoint (unless ``save_teacher``),
+    out of what ``SparsityCallback`` selects, and never put in train mode by the Trainer. At
+    ``setup`` it is moved to the strategy's device and converted by the precision plugin like
+    the student (``bf16-true``: bfloat16 weights; mixed precision: float32 weights run under
+    the training step's autocast). The student's ``training_step`` asks for the loss::
+
+        logits = self.net(x)
+        distillation = DistillationCallback.of(self.trainer)
+        return distillation.loss(logits, F.cross_entropy(logits, y), x)
+
+    ``loss`` runs the teacher on the arguments after the task loss, without gradients, in
+    eval mode (or reads its outputs from the cache), and returns
+    ``h · T² · KL + (1 − h) · task_loss``; ``distillation/soft`` and ``distillation/task``
+    go to the loggers at their cadence.
+
+    Args:
+        teacher: the trained model to imitate; frozen here (``eval()``, no gradients).
+        temperature: T > 0 of the softmaxes (Hinton et al. 2015; oBERT uses 2.0).
+        hardness: h in [0, 1], the weight of the soft term (1: the teacher only, 0: the
+            labels only, and the teacher does not run).
+        outputs: picks the logits out of a model's output, the student's and the teacher's
+            alike; default: the output itself (a tensor, or a tuple of tensors for several
+            heads). Hugging Face QA: ``lambda out: (out.start_logits, out.end_logits)``.
+        cache: keep the teacher's outputs per example index (``loss(..., index=...)``) and
+            reuse them from the second time an example comes: True for a cache of this
+            callback, or a :class:`~sparse_training.pieces.distillation.TeacherCache` shared by the
+            runs that distill from the same teacher on the same data. Only for data that
+            does not change between epochs (no augmentation).
+        save_teacher: also save the teacher's weights in the callback's checkpoint state
+            (restored on resume); by default the checkpoint holds the settings only.
+
+    Raises:
+        TypeError: a teacher that is not an ``nn.Module``.
+        ValueError: a bad temperature or hardness (at construction); a teacher that is part
+            of the LightningModule or held by one of its optimizers (at fit start).
+    """
+
+    def __init__(self, teacher: nn.Module, *, temperature: float = 2.0, hardness: float = 1.0,
+                 outputs: Callable[[Any], Logits] | None = None,
+                 cache: bool | TeacherCache = False, save_teacher: bool = False) -> None:
+        if not isinstance(teacher, nn.Module):
+            raise TypeError(f"teacher must be a torch.nn.Module, got {type(teacher).__name__}")
+        if not isinstance(cache, bool | TeacherCache):
+            raise TypeError(f"cache must be True, False or a TeacherCache, got {cache!r}")
+        self.settings = DistillationLoss(temperature, hardness)
+        self.teacher = teacher.eval().requires_grad_(False)
+        self.outputs = outputs or _as_logits
+        self.cache = cache if isinstance(cache, TeacherCache) else TeacherCache() if cache else None
+        self.save_teacher = bool(save_teacher)
+        self._terms: dict[str, Tensor] = {}  # the last loss's two terms, logged at batch end
+
+    @staticmethod
+    def of(trainer: pl.Trainer) -> DistillationCallback:
+        """The trainer's DistillationCallback (for ``training_step``).
+
+        Raises:
+            LookupError: none or several among ``trainer.callbacks``.
+        """
+        found = [c for c in trainer.callbacks if isinstance(c, DistillationCallback)]
+        if len(found) != 1:
+            raise LookupError(f"expected one DistillationCallback in trainer.callbacks, found "
+                              f"{len(found)}")
+        return found[0]
+
+    # -- the loss -----------------------------------------------------------------------------
+    def loss(self, student_output: Any, task_loss: Tensor | None, *teacher_args: Any,
+             index: Sequence[int] | Tensor | None = None, mask: Tensor | None = None,
+             **teacher_kwargs: Any) -> Tensor:
+        """The distillation loss of this batch.
+
+        Args:
+            student_output: the student's output (``outputs`` picks its logits).
+            task_loss: the student's loss on the labels; None where hardness is 1.
+            *teacher_args, **teacher_kwargs: what the teacher's forward takes (the same
+                inputs as the student's, as a rule).
+            index: the batch's example indices (a list, or a CPU tensor: a CUDA one costs a
+                synchronization), for the cache.
+            mask: True where a class counts (``DistillationLoss``).
+        """
+        student = as_heads(self.outputs(student_output), "student")
+        soft = None
+        if self.settings.hardness > 0.0:  # hardness 0: the teacher does not run
+            teacher = self.teacher_logits(student, *teacher_args, index=index,
+                                          **teacher_kwargs)
+            soft = self.settings.soft_loss(student, teacher, mask=mask)
+            self._terms = {"distillation/soft": soft.detach()}
+        if task_loss is not None:
+            self._terms["distillation/task"] = task_loss.detach()
+        return self.settings.combine(soft, task_loss)
+
+    def teacher_logits(self, student: tuple[Tensor, ...], *args: Any,
+                       index: Sequence[int] | Tensor | None = None, **kwargs: Any
+                       ) -> tuple[Tensor, ...]:
+        """The teacher's logits for this batch (one tensor per head, the student's shapes),
+        from the cache where every example of the batch is in it."""
+        keys = None
+        if self.cache is not None and index is not None:
+            keys = index.tolist() if isinstance(index, Tensor) else [int(i) for i in index]
+            cached = self.cache.get(keys, [s.shape for s in student])
+            if cached is not None:
+                return cached
+        if self.teacher.training:  # someone called .train() on it
+            self.teacher.eval()
+        with torch.no_grad():
+            heads = as_heads(self.outputs(self.teacher(*args, **kwargs)), "teacher")
+        if keys is not None:
+            self.cache.put(keys, heads)
+        return heads
+
+    # -- the Trainer's hooks ------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Refuse a teacher inside the student; move it to the student's device and
+        precision."""
+        if problem := _shared(self.teacher, pl_module):
+            raise ValueError(f"DistillationCallback: {problem}; keep the teacher only in the "
+                             f"callback (it would be saved, trained or pruned with the student)")
+        self.teacher.to(trainer.strategy.root_device)
+        trainer.precision_plugin.convert_module(self.teacher)
+        self.teacher.eval()
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        teacher = {id(p) for p in self.teacher.parameters()}
+        for number, optimizer in enumerate(trainer.optimizers):
+            held = sum(id(p) in teacher for g in optimizer.param_groups for p in g["params"])
+            if held:
+                raise ValueError(f"DistillationCallback: optimizer {number} "
+                                 f"({type(optimizer).__name__}) holds {held} of the teacher's "
+                                 f"parameters; the teacher stays frozen: build the optimizer "
+                                 f"from the student's parameters only")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._terms:  # the loggers write it at their cadence (log_every_n_steps)
+            pl_module.log_dict(self._terms, on_step=True, on_epoch=False)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"temperature": self.settings.temperature,
+                                 "hardness": self.settings.hardness}
+        if self.save_teacher:
+            state["teacher"] = self.teacher.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "teacher" in state_dict:
+            self.teacher.load_state_dict(state_dict["teacher"])
+
+
+def _shared(teacher: nn.Module, student: nn.Module) -> str | None:
+    """How the teacher is part of the student (a submodule, or shared parameters), or None."""
+    for name, module in student.named_modules():
+        if module is teacher:
+            return f"the teacher is the LightningModule's submodule {name or '(itself)'!r}"
+    teacher_params = {id(p) for p in teacher.parameters()}
+    shared = [name for name, p in student.named_parameters() if id(p) in teacher_params]
+    if shared:
+        return f"the teacher shares {len(shared)} parameters with the student ({shared[0]}, ...)"
+    return None
