@@ -343,9 +343,10 @@ def test_time_limit_leaves_the_rest_for_the_next_call(tiny, tmp_path, monkeypatc
 
 def test_compressed_layers_count_in_the_reported_sparsity():
     """Block-sparse runs swap the encoder's Linears for BlockSparseLinear: their zeros count."""
+    from transformers import BertConfig, BertForQuestionAnswering
+
     from sparse_training.layers.block_sparse import BlockSparseLinear
     from sparse_training.layers.swap import replace_module
-    from transformers import BertConfig, BertForQuestionAnswering
 
     encoder = BertForQuestionAnswering(BertConfig(
         hidden_size=32, num_hidden_layers=1, num_attention_heads=2,

@@ -20,8 +20,9 @@ from sparse_training.callbacks.resume import read_callback_states, resume_path
 from sparse_training.config import DEFAULT_LAYER_TYPES, LayerTypes, SparsityConfig
 from sparse_training.engine import SparsityEngine
 from sparse_training.engine.distributed import keep_masks_out_of_buffer_broadcast
+from sparse_training.engine.optimizer_hooks import optimizer_problem
 from sparse_training.engine.protocol import CompressedLayer
-from sparse_training.engine.selection import format_table, plan_model
+from sparse_training.engine.selection import format_table
 from sparse_training.engine.sharding import FSDP1_PROBLEM
 from sparse_training.engine.state import check_mask_settings, check_settings, check_state
 from sparse_training.engine.tensors import find_weight_tensors
@@ -368,45 +369,3 @@ class SparsityCallback(Callback):
 def _counts(engine: SparsityEngine) -> str:
     """``"4 masked-dense and 13 compressed"``: the tensors the engine keeps sparse."""
     return f"{len(engine.masked)} masked-dense and {len(engine.compressed)} compressed"
-
-
-def optimizer_problem(model: nn.Module, config: SparsityConfig,
-                      optimizers: list[Optimizer]) -> str | None:
-    """Why ``optimizers`` do not train ``model``'s sparse tensors, or None.
-
-    Two ways to train the wrong tensors without a word: an optimizer holding parameters
-    that are not the model's (captured before ``compress`` swapped layers at ``setup``, or
-    another module's), and a selected weight or a compressed layer's parameter that requires
-    grad but is in no optimizer (its pruned weights, or the compressed values, would never
-    be updated by an attached optimizer).
-    """
-    owned = {id(p) for p in model.parameters()}
-    held: set[int] = set()
-    problems = []
-    for index, optimizer in enumerate(optimizers):
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        held.update(map(id, params))
-        foreign = [tuple(p.shape) for p in params if id(p) not in owned]
-        if foreign:
-            shown = ", ".join(map(str, foreign[:4])) + (", ..." if len(foreign) > 4 else "")
-            problems.append(f"optimizer {index} ({type(optimizer).__name__}) holds "
-                            f"{len(foreign)} parameters that are not the model's (shapes "
-                            f"{shown})")
-    tensors, plans = plan_model(model, config)
-    trained = [(p.name, t.param) for p, t in zip(plans, tensors, strict=True) if p.selected]
-    trained += [(f"{name}.{attr}", param) for name, layer in model.named_modules()
-                if isinstance(layer, CompressedLayer)
-                for attr, param in layer.named_parameters(recurse=False)]
-    missing = [name for name, param in trained if param.requires_grad and id(param) not in held]
-    if missing:
-        shown = ", ".join(missing[:6]) + (", ..." if len(missing) > 6 else "")
-        where = "no optimizer" if held else "no optimizer (configure_optimizers returned None)"
-        problems.append(f"{len(missing)} parameters of the sparse layers require grad but are "
-                        f"in {where}: {shown}")
-    if not problems:
-        return None
-    return ("; ".join(problems) + ". Build the optimizers in configure_optimizers from "
-            "self.parameters() (compress swaps layers at setup, before it), and freeze "
-            "(requires_grad_(False)) or deny the sparse tensors no optimizer should train")
-
-

@@ -5,7 +5,8 @@ optimizer, either the fused path (a step pre-hook running the masked Triton step
 :func:`fused_step`) or the hook path (a pre-hook zeroing pruned gradients right before the
 update, :func:`masked_gradients_step`, and a post-hook zeroing pruned weights after it,
 :func:`after_step`). Both run a step's closure first, so everything that changes gradients
-inside it (Lightning's backward, clipping) has happened.
+inside it (Lightning's backward, clipping) has happened. :func:`optimizer_problem` checks,
+before any of this, that the optimizers train the model's sparse tensors.
 """
 
 from __future__ import annotations
@@ -14,14 +15,17 @@ import operator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from sparse_training.engine.protocol import CompressedLayer
+from sparse_training.engine.selection import plan_model
 from sparse_training.engine.sharding import is_sharded, local
 from sparse_training.kernels import zero_pruned_
 
 if TYPE_CHECKING:
+    from sparse_training.config import SparsityConfig
     from sparse_training.engine.protocol import Slot
     from sparse_training.engine.slot_set import SlotSet
     from sparse_training.engine.updaters import ScheduledMasks
@@ -162,3 +166,45 @@ def after_step(updater: ScheduledMasks, slot_set: SlotSet, attached: Attached,
     whatever moved them (the optimizer, or gradients changed after they were masked)."""
     updater.after_step(slot_set, attached.slots)
     attached.zero_pruned_weights()
+
+
+def optimizer_problem(model: nn.Module, config: SparsityConfig,
+                      optimizers: list[Optimizer]) -> str | None:
+    """Why ``optimizers`` do not train ``model``'s sparse tensors, or None.
+
+    Two ways to train the wrong tensors without a word: an optimizer holding parameters
+    that are not the model's (captured before ``compress`` swapped layers at ``setup``, or
+    another module's), and a selected weight or a compressed layer's parameter that requires
+    grad but is in no optimizer (its pruned weights, or the compressed values, would never
+    be updated by an attached optimizer).
+    """
+    owned = {id(p) for p in model.parameters()}
+    held: set[int] = set()
+    problems = []
+    for index, optimizer in enumerate(optimizers):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        held.update(map(id, params))
+        foreign = [tuple(p.shape) for p in params if id(p) not in owned]
+        if foreign:
+            shown = ", ".join(map(str, foreign[:4])) + (", ..." if len(foreign) > 4 else "")
+            problems.append(f"optimizer {index} ({type(optimizer).__name__}) holds "
+                            f"{len(foreign)} parameters that are not the model's (shapes "
+                            f"{shown})")
+    tensors, plans = plan_model(model, config)
+    trained = [(p.name, t.param) for p, t in zip(plans, tensors, strict=True) if p.selected]
+    trained += [(f"{name}.{attr}", param) for name, layer in model.named_modules()
+                if isinstance(layer, CompressedLayer)
+                for attr, param in layer.named_parameters(recurse=False)]
+    missing = [name for name, param in trained if param.requires_grad and id(param) not in held]
+    if missing:
+        shown = ", ".join(missing[:6]) + (", ..." if len(missing) > 6 else "")
+        where = "no optimizer" if held else "no optimizer (configure_optimizers returned None)"
+        problems.append(f"{len(missing)} parameters of the sparse layers require grad but are "
+                        f"in {where}: {shown}")
+    if not problems:
+        return None
+    return ("; ".join(problems) + ". Build the optimizers in configure_optimizers from "
+            "self.parameters() (compress swaps layers at setup, before it), and freeze "
+            "(requires_grad_(False)) or deny the sparse tensors no optimizer should train")
+
+
