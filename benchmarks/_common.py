@@ -95,6 +95,18 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
                 "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+def print_row(row: dict | None) -> None:
+    """A run's row on stdout as ``ROW {json}``, the line :func:`printed_rows` reads back
+    (nothing for None: the ranks other than 0)."""
+    if row is not None:
+        print("ROW " + json.dumps(row), flush=True)
+
+
+def printed_rows(stdout: str) -> list[dict]:
+    """The rows :func:`print_row` printed in ``stdout``."""
+    return [json.loads(line[4:]) for line in stdout.splitlines() if line.startswith("ROW ")]
+
+
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus written."""
     src = torch.randn(nbytes // 4, device="cuda")

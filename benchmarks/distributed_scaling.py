@@ -42,7 +42,13 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from _common import NO_MULTICAST, communication_ms, device_activity
+from _common import (
+    NO_MULTICAST,
+    communication_ms,
+    device_activity,
+    print_row,
+    printed_rows,
+)
 from bert_step import DENY, QuestionAnswering, RepeatedBatch, make_batch
 from pytorch_lightning.callbacks import Callback
 from torch.utils.data import DataLoader
@@ -164,9 +170,9 @@ def run(name: str, devices: int, args: argparse.Namespace) -> dict:
         command += [f"--{key}", str(getattr(args, key))]
     command += ["--tiny"] if args.tiny else []
     done = subprocess.run(command, capture_output=True, text=True, env=env)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("ROW ")]
-    if done.returncode == 0 and len(lines) == 1:
-        return json.loads(lines[0][4:])
+    rows = printed_rows(done.stdout)
+    if done.returncode == 0 and len(rows) == 1:
+        return rows[0]
     error = f"exit {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}"
     print(f"{name!r} on {devices} device(s) failed, {error}", file=sys.stderr, flush=True)
     return {"variant": name, "devices": devices, "error": error}
@@ -257,9 +263,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.child:
-        row = run_child(args)
-        if row is not None:
-            print("ROW " + json.dumps(row), flush=True)
+        print_row(run_child(args))
         return
     if args.accelerator == "gpu" and (visible := torch.cuda.device_count()) < 2:
         raise RuntimeError(f"the 1 vs 2 GPU table needs 2 CUDA GPUs, {visible} visible; for "
@@ -269,7 +273,7 @@ def main() -> None:
         for devices in DEVICES:
             rows.append(run(name, devices, args))
             if "error" not in rows[-1]:  # (printed by run)
-                print("ROW " + json.dumps(rows[-1]), flush=True)
+                print_row(rows[-1])
     report(args, rows)
     if failed := [f"{r['variant']!r} on {r['devices']}" for r in rows if "error" in r]:
         raise SystemExit(f"failed: {', '.join(failed)} (errors above and in the JSON)")

@@ -57,7 +57,7 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from _common import NO_MULTICAST, communication_ms
+from _common import NO_MULTICAST, communication_ms, print_row, printed_rows
 from e2e_step import BLOCK, LLAMA_SHAPES, build, settings_of, step_times
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.strategies import ModelParallelStrategy
@@ -217,9 +217,9 @@ def run(variant: str, devices: int, args: argparse.Namespace, timeout: float) ->
         stdout, stderr = child.communicate()
         return {"variant": variant, "gpus": devices, "wall_s": time.perf_counter() - start,
                 "error": f"killed after {timeout:.0f} s: {stderr[-3000:]}"}
-    rows = [line[4:] for line in stdout.splitlines() if line.startswith("ROW ")]
+    rows = printed_rows(stdout)
     if child.returncode == 0 and len(rows) == 1:
-        return {**json.loads(rows[0]), "wall_s": time.perf_counter() - start}
+        return {**rows[0], "wall_s": time.perf_counter() - start}
     return {"variant": variant, "gpus": devices, "wall_s": time.perf_counter() - start,
             "error": f"exit {child.returncode}: {stdout[-1000:]}\n{stderr[-5000:]}"}
 
@@ -311,9 +311,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.child:
-        row = run_child(args)
-        if row is not None:
-            print("ROW " + json.dumps(row), flush=True)
+        print_row(run_child(args))
         return
     visible = torch.cuda.device_count() if args.accelerator == "gpu" else max(args.gpus)
     counts = [n for n in args.gpus if n <= visible]
@@ -333,7 +331,7 @@ def main() -> None:
                    {"variant": variant, "gpus": devices, "error": "not run: budget spent"})
             rows.append(row)
             shown = {k: summary(v) if k == "error" else v for k, v in row.items()}
-            print("ROW " + json.dumps(shown), flush=True)
+            print_row(shown)
             derived(rows)
             path.write_text(json.dumps({**info, "rows": rows, "table": table(rows, block)}, indent=1))
     device = next((r["device"] for r in rows if "device" in r), "no device: every run failed")

@@ -1,17 +1,18 @@
 """Two-process CPU FSDP2 runs (gloo, Lightning's ``ModelParallelStrategy``, ``fully_shard``
 in ``configure_model``) of 2:4 (oneshot), GMP (unstructured, global distribution), block
-masks, RigL and compressed block-sparse layers (values sharded along the kept blocks).
+masks, RigL and compressed block-sparse layers (values sharded along the kept blocks),
+fixed and moved by RigL.
 Each rank writes, per optimizer step, its whole masks' checksums and counts, a hash of the
 whole parameters, and whether every pruned weight and optimizer moment of its local shards
-is zero. RigL and the compressed run also run one epoch, save a sharded (distributed)
+is zero. RigL and the compressed runs also run one epoch, save a sharded (distributed)
 checkpoint and resume from it for the second.
 
     python tests/fsdp_sharded.py OUT_DIR [cpu|gpu]   # Lightning relaunches it for rank 1
 
 With ``gpu``: the same on 2 GPUs (NCCL). Used by tests/test_fsdp.py, which trains the same
 runs in one process (the reference). Each rank also records the errors that refuse what
-sharded training does not support: SR-STE, regrowth on compressed layers and FSDP1
-modules.
+sharded training does not support: SR-STE, the fused step on plain (unsharded) optimizer
+state and FSDP1 modules.
 """
 
 from __future__ import annotations
@@ -62,7 +63,12 @@ RUNS |= {f"{name} fused": {**RUNS[name], "fused": True} for name in ("2:4", "rig
 # fully_shard along the kept blocks: 2 of 4 blocks and 4 of 8, split evenly over the ranks
 RUNS["compressed"] = dict(pattern="block:16x16", sparsity=0.5, schedule="oneshot",
                           compress=True)
-WIDTHS = {"compressed": (16, 64, 32, 5)}  # the head (5 rows) cannot take 16x16 blocks
+# RigL moving them: 3 of 6 and 9 of 18 blocks (2 + 1 and 5 + 4 on the ranks), gathered,
+# moved and re-sliced on every rank
+RUNS["compressed rigl"] = dict(pattern="block:16x16", sparsity=0.5, schedule="constant",
+                               regrow="rigl", frequency=2, regrow_end=6, compress=True)
+# the head (5 rows) cannot take 16x16 blocks
+WIDTHS = {"compressed": (16, 64, 32, 5), "compressed rigl": (16, 96, 48, 5)}
 
 
 class ShardedNet(pl.LightningModule):
@@ -239,7 +245,7 @@ def after_fit(recorder: Recorder) -> dict:
 def main(out: Path, accelerator: str) -> None:
     results = {}
     for name, settings in RUNS.items():
-        if name == "compressed":
+        if name.startswith("compressed"):
             continue
         recorder = fit(settings, make_loader(n=128), accelerator=accelerator)
         results[name] = recorder.rows
@@ -260,11 +266,16 @@ def main(out: Path, accelerator: str) -> None:
         callbacks=[SaveAndStop(out / "compressed.ckpt")]).rows
     results["compressed-resumed"] = fit(
         **compressed, loader=make_loader(n=128), ckpt_path=out / "compressed.ckpt").rows
+    moving = {"settings": RUNS["compressed rigl"], "widths": WIDTHS["compressed rigl"],
+              "accelerator": accelerator}
+    results["compressed rigl"] = fit(**moving, loader=make_loader(n=128)).rows
+    results["compressed rigl-stopped"] = fit(
+        **moving, loader=make_loader(n=128),
+        callbacks=[SaveAndStop(out / "compressed-rigl.ckpt")]).rows
+    results["compressed rigl-resumed"] = fit(
+        **moving, loader=make_loader(n=128), ckpt_path=out / "compressed-rigl.ckpt").rows
     rank = resumed.rank
     results["refused"] = {"sr-ste": refused({**RUNS["2:4"], "regrow": "sr-ste"}, accelerator),
-                          "compressed rigl": refused(
-                              {**RUNS["compressed"], "schedule": "constant", "regrow": "rigl"},
-                              accelerator),
                           "plain state": plain_state,
                           "fsdp1": fsdp1_refused(rank, accelerator)}
     (out / f"rank{rank}.json").write_text(json.dumps(results))

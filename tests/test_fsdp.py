@@ -180,6 +180,24 @@ def test_compressed_values_sharded_along_kept_blocks_train_and_resume_exactly(sh
         assert _logical(rank["compressed-resumed"]) == _logical(rank["compressed"][4:])
 
 
+def test_compressed_blocks_moved_by_rigl_across_shards_as_in_one_process(sharded):
+    """RigL on compressed layers whose values are sharded: at each update every rank gathers
+    the values, gradients and AdamW moments, moves the blocks alike and keeps its slice. The
+    whole block grids and parameters equal one process's at every step, on both ranks, and
+    a sharded checkpoint after the first epoch resumes the second exactly."""
+    (rank0, rank1), accelerator = sharded
+    rows = rank0["compressed rigl"]
+    assert _logical(rows) == _logical(rank1["compressed rigl"])
+    assert _logical(rows) == _logical(reference("compressed rigl", accelerator))
+    assert len({tuple(row["block_checksums"]) for row in rows}) > 2  # blocks moved, twice+
+    assert rows[0]["local_blocks"] == [2, 5]  # of 3 and 9 blocks: 2 + 1 and 5 + 4
+    assert rank1["compressed rigl"][0]["local_blocks"] == [1, 4]
+    assert all(row["counts"] == [] for row in rows)  # nothing trains masked-dense
+    for rank in (rank0, rank1):
+        assert _logical(rank["compressed rigl-stopped"]) == _logical(rank["compressed rigl"][:5])
+        assert _logical(rank["compressed rigl-resumed"]) == _logical(rank["compressed rigl"][4:])
+
+
 def test_sharded_compressed_checkpoint_consolidates_and_loads_into_the_plain_model(sharded):
     """The distributed checkpoint the compressed run saved after its first epoch,
     consolidated by torch's ``dcp_to_torch_save`` (Lightning's consolidate_checkpoint reads
@@ -230,7 +248,6 @@ def test_sharding_refuses_what_it_cannot_serve(sharded):
         assert "exp_avg is a plain tensor of local shape (32, 16) for a parameter sharded" in (
             refused["plain state"])
         assert "FSDP1 (FullyShardedDataParallel" in refused["fsdp1"]
-        assert "regrow='rigl' moves their blocks across shards" in refused["compressed rigl"]
 
 
 def test_callback_refuses_lightning_fsdp1_strategy():

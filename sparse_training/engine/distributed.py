@@ -21,7 +21,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sparse_training.engine.protocol import Slot
 from sparse_training.engine.sharding import FSDP1_PROBLEM, FullyShardedDataParallel, is_sharded
-from sparse_training.pieces.regrowth import Regrowth
 
 
 def mask_checksum(mask: Tensor) -> Tensor:
@@ -121,11 +120,10 @@ def keep_masks_out_of_buffer_broadcast(wrapper: nn.Module,
             wrapper.broadcast_buffers = False
 
 
-def sharding_problem(model: nn.Module, slots: Sequence[Slot], regrowth: Regrowth | None,
+def sharding_problem(model: nn.Module, slots: Sequence[Slot],
                      dense_weights: bool) -> str | None:
     """Why the engine cannot serve this model's sharding, or None: FSDP1 modules, 2:4
-    layers with sharded weights, regrowth on sharded compressed layers, SR-STE on sharded
-    tensors."""
+    layers with sharded weights, SR-STE on sharded tensors."""
     if FullyShardedDataParallel is not None and any(
             isinstance(m, FullyShardedDataParallel) for m in model.modules()):
         return f"the model holds FullyShardedDataParallel modules: {FSDP1_PROBLEM}"
@@ -133,11 +131,6 @@ def sharding_problem(model: nn.Module, slots: Sequence[Slot], regrowth: Regrowth
     if two_four := [s.name for s in sharded_compressed if not s.movable]:
         return (f"2:4 layers {two_four} have sharded (FSDP2) weights, which their whole "
                 f"dense mask cannot follow yet; use pattern='2:4' on nn.Linear under FSDP")
-    if regrowth is not None and sharded_compressed:
-        return (f"compressed layers {[s.name for s in sharded_compressed]} have sharded "
-                f"(FSDP2) values; regrow={regrowth.name!r} moves their blocks across shards, "
-                f"which sharded training does not support yet: use compress=False (masked "
-                f"blocks) for regrowth under FSDP")
     if dense_weights and (sharded := [s.name for s in slots
                                       if s.sharded and not s.compressed]):
         return (f"tensors {sharded} are sharded (FSDP2): SR-STE keeps dense weights beside "

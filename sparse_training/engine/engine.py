@@ -48,7 +48,7 @@ from sparse_training.engine.selection import plan_model
 from sparse_training.engine.slot_set import SlotSet
 from sparse_training.engine.slots import MaskedSlot
 from sparse_training.engine.state import FORMAT, checked_masks, pack_compressed, pack_masks
-from sparse_training.engine.tensors import zeros_problem
+from sparse_training.engine.tensors import original_class, zeros_problem
 from sparse_training.engine.updaters import make_updater
 
 
@@ -75,8 +75,9 @@ class SparsityEngine(SlotSet):
         layers = [(name, m) for name, m in model.named_modules()
                   if isinstance(m, CompressedLayer)]
         # random streams by tensor, in model order over masked and compressed tensors: a
-        # tensor draws the same scores whether it trains masked-dense or compressed
-        compressed_kinds = {type(m).__name__ for _, m in layers}
+        # tensor draws the same scores whether it trains masked-dense or compressed, sharded
+        # (FSDP2's FSDPBlockSparseLinear) or not
+        compressed_kinds = {original_class(type(m)).__name__ for _, m in layers}
         super().__init__(
             slots=[MaskedSlot(p, t) for p, t in zip(self.plans, tensors, strict=True)
                    if p.selected] + [m.slot(f"{name}.{m.trained_weight}") for name, m in layers],
@@ -95,7 +96,7 @@ class SparsityEngine(SlotSet):
             self._restore(state, *restored)
 
     def _check_slots(self) -> None:
-        if problem := sharding_problem(self.model, self.slots, self.config.parsed_regrowth,
+        if problem := sharding_problem(self.model, self.slots,
                                        self.config.parsed_refinement is not None):
             raise ValueError(problem)
         for slot in self.masked:

@@ -30,9 +30,11 @@ These are collectives: every rank must make the same calls (Lightning calls the 
 logging and ``state_dict`` on every rank). The whole-tensor gather is the simple correct
 design; at 7B scale a distributed threshold search (docs/distributed.md) would replace it.
 The fused Triton step updates the local shards (``kernels._step_plan``). Compressed
-block-sparse layers train sharded along their kept blocks (``values`` dim 0) with fixed
-blocks. Not supported yet, and refused with a reason: SR-STE, regrowth on sharded compressed
-layers, 2:4 layers with sharded weights, and FSDP1 (:data:`FSDP1_PROBLEM`).
+block-sparse layers train sharded along their kept blocks (``values`` dim 0); when RigL or
+SET moves blocks, every rank gathers the layer's values, gradient and optimizer state,
+moves the blocks of the replicated block grid alike, and keeps its slice
+(:func:`copy_whole`). Not supported yet, and refused with a reason: SR-STE, 2:4 layers with
+sharded weights, and FSDP1 (:data:`FSDP1_PROBLEM`).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from sparse_training.kernels._shards import is_sharded, local  # noqa: F401  (sharding.local)
+from sparse_training.kernels._shards import is_sharded, local
 
 try:
     from torch.distributed.fsdp import FullyShardedDataParallel
@@ -76,6 +78,17 @@ def shard_like(whole: Tensor, like: Tensor) -> Tensor:
     ``like``'s local shard: a slice of ``whole``, nothing sent."""
     shard = distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None)
     return shard.to_local().contiguous()
+
+
+@torch.no_grad()
+def copy_whole(target: Tensor, whole: Tensor) -> None:
+    """Write ``whole`` (a plain tensor of ``target``'s global shape) into ``target``: into
+    its local shard, this rank's slice of ``whole`` (nothing sent), when ``target`` is a
+    DTensor."""
+    if is_sharded(target):
+        local(target).copy_(shard_like(whole, target))
+    else:
+        target.copy_(whole)
 
 
 def as_dtensor(shard: Tensor, like: Tensor) -> Tensor:

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from sparse_training.engine.protocol import CompressedLayer
+from sparse_training.engine.sharding import copy_whole, full
 from sparse_training.kernels._shards import is_sharded
 from sparse_training.kernels.block_sparse import (
     BlockTopology,
@@ -201,7 +202,7 @@ class BlockSparseLinear(CompressedLayer):
             raise ValueError(f"mask keeps {kept} blocks, the layer has nnz = {self.nnz}; "
                              f"set_block_mask keeps the count (build a new layer to change it)")
         if values is None:
-            values = gather_blocks(self.values, self.block_sources(mask))
+            values = gather_blocks(full(self.values), self.block_sources(mask))
         elif not isinstance(values, Tensor):
             raise ValueError(f"values must be a tensor [nnz, R, C] = "
                              f"{tuple(self.values.shape)}, got {type(values).__name__}")
@@ -210,7 +211,8 @@ class BlockSparseLinear(CompressedLayer):
                              f"{tuple(self.values.shape)}")
         topology = BlockTopology.from_block_mask(mask, self.out_features, self.in_features,
                                                  self.block, nnz=self.nnz)
-        self.values.copy_(values.to(self.values) * inside(topology))
+        copy_whole(self.values, values.to(dtype=self.values.dtype, device=mask.device)
+                   * inside(topology))
         self.block_mask.copy_(mask)
         self._topology = topology
 

@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from sparse_training.engine.protocol import CompressedLayer, LayerForm
+from sparse_training.engine.sharding import copy_whole, full
 from sparse_training.engine.slots import state_tensors
 from sparse_training.kernels.block_sparse import dense_to_values
 from sparse_training.layers.blocks import gather_blocks
@@ -42,7 +43,7 @@ class CompressedSlot:
 
     compressed = True
     # the mask is replicated on every rank (a sharded block layer's values split along the
-    # kept blocks; the engine refuses moving them, and 2:4 layers with sharded weights)
+    # kept blocks, gathered to move them; the engine refuses 2:4 layers with sharded weights)
     sharded = False
     input_dim = 1
     unit = "entries"  # what one entry of the mask keeps
@@ -184,7 +185,7 @@ class BlockSparseSlot(CompressedSlot):
         topology = self.layer.topology
         grid = torch.zeros(self.mask.shape, device=self.mask.device)
         grid[topology.row_indices.long(), topology.col_indices.long()] = (
-            self.param.detach().abs().float().sum((1, 2)))
+            full(self.param).detach().abs().float().sum((1, 2)))
         return grid
 
     held = drop_scores = magnitudes
@@ -209,17 +210,19 @@ class BlockSparseSlot(CompressedSlot):
         if torch.equal(mask.to(self.mask.device), self.mask):
             return
         sources = self.layer.block_sources(mask)
-        self.layer.set_block_mask(mask, gather_blocks(self.param, sources))
+        # sharded values (FSDP2): the whole of each tensor gathered, moved alike on every
+        # rank, and each rank keeps its slice
+        self.layer.set_block_mask(mask, gather_blocks(full(self.param), sources))
         grad = self.param.grad
         if grad is not None:
-            moved = gather_blocks(grad, sources)
+            moved = gather_blocks(full(grad), sources)
             if gradient is not None:
                 grown = dense_to_values(gradient.to(grad.dtype), self.layer.topology)
                 moved += torch.where((sources < 0)[:, None, None], grown, 0)
-            grad.copy_(moved)
+            copy_whole(grad, moved)
         for optimizer in optimizers:
             for state in state_tensors(optimizer, self.param):
-                state.copy_(gather_blocks(state, sources))
+                copy_whole(state, gather_blocks(full(state), sources))
 
 
 class SemiStructuredSlot(CompressedSlot):
