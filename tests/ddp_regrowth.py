@@ -6,7 +6,7 @@ the first epoch with a checkpoint and resumes from it.
     python tests/ddp_regrowth.py OUT_DIR [cpu|gpu]   # Lightning relaunches it for rank 1
 
 On CPU the ranks talk over gloo, with ``gpu`` over NCCL on 2 GPUs. Used by
-tests/test_ddp.py. After training, rank 1 flips one mask bit and the cross-rank check must
+tests/engine/test_ddp.py. After training, rank 1 flips one mask bit and the cross-rank check must
 raise on every rank.
 """
 

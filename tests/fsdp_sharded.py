@@ -9,7 +9,7 @@ checkpoint and resume from it for the second.
 
     python tests/fsdp_sharded.py OUT_DIR [cpu|gpu]   # Lightning relaunches it for rank 1
 
-With ``gpu``: the same on 2 GPUs (NCCL). Used by tests/test_fsdp.py, which trains the same
+With ``gpu``: the same on 2 GPUs (NCCL). Used by tests/engine/test_fsdp.py, which trains the same
 runs in one process (the reference). Each rank also records the errors that refuse what
 sharded training does not support: SR-STE, the fused step on plain (unsharded) optimizer
 state and FSDP1 modules.

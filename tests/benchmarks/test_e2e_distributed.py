@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 from conftest import two_process_problem  # noqa: E402
 
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "e2e_distributed.py"
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "e2e_distributed.py"
 VARIANTS = ["dense fused", "block B 90% compressed"]
 
 

@@ -16,13 +16,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 from conftest import two_process_problem  # noqa: E402
 
 from sparse_training import SparsityConfig, SparsityEngine, sparsify  # noqa: E402
 from sparse_training.engine.distributed import keep_masks_out_of_buffer_broadcast  # noqa: E402
 
-SCRIPT = Path(__file__).with_name("ddp_regrowth.py")
+SCRIPT = Path(__file__).parents[1] / "ddp_regrowth.py"
 
 
 @pytest.fixture(scope="module", params=["cpu", "gpu"])

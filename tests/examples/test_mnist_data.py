@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import mnist_data  # noqa: E402
 from mnist_data import SHA256, ensure_files, load_mnist, read_idx, resolve_data_dir  # noqa: E402

@@ -1,5 +1,5 @@
 """examples/reporting.py: progress lines, threads, result files, the plot, and a W&B summary run
-written offline and read back. Config loading and checks: tests/test_sweep_config.py."""
+written offline and read back. Config loading and checks: tests/examples/test_sweep_config.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 import reporting  # noqa: E402

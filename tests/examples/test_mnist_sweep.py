@@ -1,6 +1,6 @@
 """examples/mnist_sweep.py: config handling, and a reduced sweep on real MNIST whose outputs,
 printed lines and offline W&B runs are read back (3,000 training images, one sparsity, two
-methods). The generic pieces (examples/reporting.py) are tested in tests/test_reporting.py."""
+methods). The generic pieces (examples/reporting.py) are tested in tests/examples/test_reporting.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 import mnist_data  # noqa: E402

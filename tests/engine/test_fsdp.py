@@ -35,11 +35,11 @@ from sparse_training import SparsityCallback
 from sparse_training.kernels._triton import interpret_mode
 from sparse_training.layers.blocks import dense_state_dict
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 from conftest import make_loader, two_process_problem  # noqa: E402
 from fsdp_sharded import RUNS, WIDTHS, ShardedNet, fit  # noqa: E402
 
-SCRIPT = Path(__file__).with_name("fsdp_sharded.py")
+SCRIPT = Path(__file__).parents[1] / "fsdp_sharded.py"
 ACCELERATORS = ["cpu", "gpu"]
 OUTS: dict[str, Path] = {}  # accelerator -> the folder of its runs' checkpoints
 

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from sparse_training.layers.blocks import blocks_kept
 
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "fsdp_at_scale.py"
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "fsdp_at_scale.py"
 sys.path.insert(0, str(SCRIPT.parent))
 from fsdp_at_scale import MODELS, estimate, kept_values, parameters  # noqa: E402
 
