@@ -203,7 +203,7 @@ def read_offline_run(run_dir: Path) -> dict[str, Any]:
     spec. W&B's own "_" keys are left out; "_name" is the run's name, "_config" its config.
     """
     name, config, logged = None, {}, {}
-    for record in _wandb_records(next(Path(run_dir).glob("run-*.wandb"))):
+    for record in _finished_records(next(Path(run_dir).glob("run-*.wandb"))):
         kind = record.WhichOneof("record_type")
         if kind == "run":  # wandb.init's config rides in the run record
             name = record.run.display_name
@@ -227,6 +227,24 @@ def read_offline_run(run_dir: Path) -> dict[str, Any]:
         if isinstance(value, dict) and value.get("_type") == "table-file":
             value.update(json.loads((Path(run_dir) / "files" / value["path"]).read_text()))
     return run | {"_name": name, "_config": config}
+
+
+def _finished_records(path: Path, wait_s: float = 60.0) -> list[Any]:
+    """The records of a run's file once it holds the run's ``exit`` record: W&B's service
+    process may still be writing it after ``run.finish()`` returns on a busy machine.
+
+    Raises:
+        TimeoutError: no ``exit`` record after ``wait_s`` seconds, naming the file.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = list(_wandb_records(path))
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            return records
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} holds no exit record after {wait_s:.0f} s: the run "
+                               "is unfinished or its file truncated")
+        time.sleep(0.5)
 
 
 def _wandb_records(path: Path) -> Iterator[Any]:
