@@ -40,18 +40,19 @@ from sparse_training.pieces.scores import DenseWeight
 if TYPE_CHECKING:
     from sparse_training.config import SparsityConfig
 
-# reported in issue 24, measured end to end on an H100 through pl.Trainer (not yet reproduced
-# by benchmarks/e2e_step.py, whose BERT-base rows are in docs/performance.md): a Llama-8B-shaped
-# 4-layer decoder with 128x128 blocks at 90/75/50% trained 1.63x/1.36x/1.06x as fast as
-# dense with fused AdamW; BERT-base with 64x64 blocks at 90% 0.69x (host-bound: at its 2.4M
-# weights per matrix the kernels' launches cost more than they save)
+# from benchmarks/e2e_step.py through pl.Trainer on an H100 (bf16-mixed, against dense with
+# fused AdamW; results/e2e_step_llama2_NVIDIA_H100_80GB_HBM3.json and the BERT-base table of
+# docs/performance.md): a Llama-8B-shaped 2-layer decoder with 128x128 blocks at 90% / 50%
+# trained 1.45x / 1.01x as fast as dense; BERT-base with 64x64 blocks at 90% slower than
+# dense (host-bound: at its 2.4M weights per matrix the kernels' launches cost more than
+# they save)
 AUTO_MIN_WEIGHTS = 16 * 2**20
 AUTO_MAX_DENSITY = {128: 0.5, 64: 0.25}
-# 2:4 compressed layers: no faster than masked-dense end to end (issue 24's figures; the
-# BERT-base 2:4 row of docs/performance.md, 64.0 ms against 48.0 dense, agrees)
+# 2:4 compressed layers: no faster than masked-dense end to end (same benchmark: Llama-shaped
+# 79.8 vs 77.6 ms/step; BERT-base 64.0 ms against 48.0 dense)
 AUTO_2_4_REASON = ("auto: 2:4 layers trained no faster than masked-dense end to end (H100, "
-                   "Llama-8B-shaped: 134.8 vs 132.0 ms/step; BERT-base 0.83x of dense); "
-                   "compress=True forces them")
+                   "Llama-8B-shaped: 79.8 vs 77.6 ms/step masked-dense; BERT-base 0.75x of "
+                   "dense); compress=True forces them")
 
 
 def pattern_problem(pattern: Pattern) -> str | None:
