@@ -3,6 +3,8 @@
     python3 benchmarks/e2e_step.py --model bert-base            # GPU: one table, JSON in $OUT
     python3 benchmarks/e2e_step.py --model llama --layers 4
     python3 benchmarks/e2e_step.py --model tiny --steps 2 --warmup 1   # CPU: checks the script
+    python3 benchmarks/e2e_step.py --model llama --layers 2 --profile --variants "dense fused" \
+        "block B 90% compressed"                       # where the time goes, Amdahl limits
 
 Models: HF ``BertForQuestionAnswering(BertConfig())`` (bert-base, random init, 32 x 384
 tokens) or a Llama-3-8B-shaped ``LlamaForCausalLM`` from a config (hidden 4096,
@@ -19,6 +21,23 @@ median ms per step after ``--warmup`` steps (the GPU synchronized at each step e
 ratio to the dense fused step, peak GiB (``max_memory_allocated``), the training paths the
 callback chose (compressed / masked-dense tensors and the compressed layer types found in
 the model after the fit), the first and last loss, and the error if the run failed.
+
+``--profile`` (:mod:`_step_profile`) adds, from ``torch.profiler`` (CPU, and CUDA where
+present) over 2 more steps after the timed ones: ms per step by kernel family (sparse
+products, dense products, attention, optimizer, memory copies, elementwise/other; on a
+CPU-only run the aten ops' self CPU time), the 5 largest "other" kernels, ``busy`` (GPU busy:
+the union of the device activity) and ``host``, the *exposed host time*: the profiled step's
+wall time minus its GPU busy time (the profiler's own overhead is in it; ``wall_ms`` vs
+``profiled_wall_ms`` in the JSON shows how much). The dense fused row also measures the time
+the sparse variants shrink, outside the step on its real shapes: forward, dX and dW of every
+selected ``nn.Linear`` (all but the denied embeddings and heads) at the step's token count
+in bf16 with cuBLAS (fp32 on the CPU), ``P``, and ``AdamW(fused=True)`` on their fp32
+weights, ``O``. Each row's Amdahl limit at its density ``d`` (1 - reached sparsity) is the
+speed-up over the dense step ``T`` when only those shrink::
+
+    limit(d) = T / (T - (1 - d) * (P + O))
+
+printed beside the measured speed-up with their ratio (``of lim``; the goal is >= 0.85).
 """
 
 from __future__ import annotations
@@ -32,6 +51,15 @@ import sys
 import time
 import traceback
 from pathlib import Path
+
+from _step_profile import (
+    FAMILIES,
+    OTHER,
+    amdahl_limit,
+    kernel_families,
+    linear_shapes,
+    shrinkable_ms,
+)
 
 DENY = {"bert-base": ["embeddings", "qa_outputs"], "tiny": ["embeddings", "qa_outputs"],
         "llama": ["embed_tokens", "lm_head"], "tiny-llama": ["embed_tokens", "lm_head"]}
@@ -51,6 +79,7 @@ BASE_VARIANTS: dict[str, dict | None] = {
     "2:4 compressed": dict(pattern="2:4", compress=True),
     "2:4 masked-dense": dict(pattern="2:4", compress=False),
 }
+PROFILED_STEPS = 2
 COMPILE_MODES = {"compile": "default", "compile:mat": "max-autotune-no-cudagraphs",
                  "compile:ro": "reduce-overhead"}
 
@@ -107,10 +136,10 @@ def build(model_name: str, layers: int, device: str = "cpu"):
         "end_positions": torch.randint(0, seq, (batch,), generator=g)}
 
 
-def step_times(warmup: int, synchronize: bool):
+def step_times(warmup: int, until: int, synchronize: bool):
     """A Lightning callback that records in its ``ms`` list the milliseconds of every step
-    after the first ``warmup`` (step end to step end; the GPU synchronized at each step end
-    when ``synchronize``)."""
+    after the first ``warmup`` up to global step ``until`` (step end to step end; the GPU
+    synchronized at each step end when ``synchronize``)."""
     import torch
     from pytorch_lightning.callbacks import Callback
 
@@ -123,11 +152,40 @@ def step_times(warmup: int, synchronize: bool):
             if synchronize:
                 torch.cuda.synchronize()
             now = time.perf_counter()
-            if self.last is not None and trainer.global_step > warmup:
+            if self.last is not None and warmup < trainer.global_step <= until:
                 self.ms.append((now - self.last) * 1e3)
             self.last = now
 
     return StepTimes()
+
+
+def step_profiler(after: int, steps: int, gpu: bool):
+    """A Lightning callback that profiles (``torch.profiler``: CPU, and CUDA when ``gpu``)
+    ``steps`` steps from the end of global step ``after``; then its ``row`` holds
+    :func:`kernel_families` and the profiled wall ms per step (profiler overhead in it)."""
+    import torch
+    from pytorch_lightning.callbacks import Callback
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * gpu
+
+    class StepProfiler(Callback):
+        def __init__(self):
+            self.row: dict = {}
+            self.profiler = profile(activities=activities)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step in (after, after + steps) and gpu:
+                torch.cuda.synchronize()
+            if trainer.global_step == after:
+                self.profiler.__enter__()
+                self.began = time.perf_counter()
+            elif trainer.global_step == after + steps:
+                self.profiler.__exit__(None, None, None)
+                self.row = {"profiled_wall_ms": (time.perf_counter() - self.began) * 1e3 / steps,
+                            **kernel_families(self.profiler.events(), steps)}
+
+    return StepProfiler()
 
 
 def run_child(args: argparse.Namespace) -> dict:
@@ -158,13 +216,16 @@ def run_child(args: argparse.Namespace) -> dict:
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-5, fused=fused and gpu)
 
-    module, timer = Module(), step_times(args.warmup, gpu)
+    timed_total = args.warmup + args.steps + 1
+    module, timer = Module(), step_times(args.warmup, timed_total, gpu)
     callbacks: list = [timer]
+    if args.profile:
+        callbacks.append(profiler := step_profiler(timed_total, PROFILED_STEPS, gpu))
     sparse = None
     if settings is not None:
         sparse = SparsityCallback(**settings)
         callbacks.append(sparse)
-    total = args.warmup + args.steps + 1
+    total = timed_total + PROFILED_STEPS * args.profile
     trainer = pl.Trainer(accelerator="gpu" if gpu else "cpu", devices=1,
                          precision="bf16-mixed", max_steps=total, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False,
@@ -179,8 +240,16 @@ def run_child(args: argparse.Namespace) -> dict:
             kinds[type(m).__name__] = kinds.get(type(m).__name__, 0) + 1
     engine = sparse.engine if sparse is not None else None
     losses = [float(x) for x in module.losses]
+    ms = statistics.median(timer.ms) if timer.ms else None
+    profiled = {}
+    if args.profile:  # exposed host time: the profiled step's wall minus its GPU busy
+        row = profiler.row
+        profiled = {"profile": {**row, "exposed_host_ms": row["profiled_wall_ms"] - row["busy_ms"]}}
+    if args.profile and settings is None:
+        profiled["linear_shapes"] = linear_shapes(hf_model, DENY[args.model])
+        profiled["tokens"] = batch["input_ids"].numel()
     return {
-        "variant": args.child, "ms": statistics.median(timer.ms) if timer.ms else None,
+        "variant": args.child, "ms": ms, **profiled,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
         "compressed_layers": kinds,
         "masked_dense_tensors": len(engine.masked) if engine is not None else 0,
@@ -205,6 +274,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--variants", nargs="*", help="names (default: every base variant)")
+    parser.add_argument("--profile", action="store_true",
+                        help=f"profile {PROFILED_STEPS} more steps; Amdahl limits")
     parser.add_argument("--tag", default="")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -212,6 +283,8 @@ def main() -> None:
     if args.child:
         try:
             row = run_child(args)
+            if "linear_shapes" in row:
+                row["shrinkable"] = shrinkable_ms(row["linear_shapes"], row["tokens"])
         except Exception as err:  # noqa: BLE001 - a failed run is a row of the table
             row = {"variant": args.child, "error": f"{type(err).__name__}: {err}"[:400],
                    "traceback": traceback.format_exc()[-3000:]}
@@ -227,7 +300,8 @@ def main() -> None:
         start = time.perf_counter()
         proc = subprocess.run([sys.executable, __file__, "--child", variant, "--result",
                                str(result), "--model", args.model, "--layers", str(args.layers),
-                               "--steps", str(args.steps), "--warmup", str(args.warmup)],
+                               "--steps", str(args.steps), "--warmup", str(args.warmup),
+                               *["--profile"] * args.profile],
                               capture_output=True, text=True)
         row = (json.loads(result.read_text()) if result.exists() else
                {"variant": variant, "error": f"process died ({proc.returncode}): "
@@ -239,24 +313,46 @@ def main() -> None:
     report(args, rows, out)
 
 
+def add_limits(rows: list[dict]) -> None:
+    """Each successful row gets ``speedup`` (dense fused ms / its ms) and, when the dense
+    fused row measured its shrinkable time, ``amdahl_limit`` at the row's density and
+    ``of_limit`` (speed-up / limit)."""
+    dense = next((r for r in rows if r["variant"] == "dense fused" and "error" not in r), None)
+    for r in rows:
+        if "error" in r or dense is None or not r["ms"]:
+            continue
+        r["speedup"] = dense["ms"] / r["ms"]
+        if "shrinkable" in dense:
+            r["amdahl_limit"] = amdahl_limit(dense["ms"], sum(dense["shrinkable"].values()),
+                                             1 - r["sparsity"])
+            r["of_limit"] = r["speedup"] / r["amdahl_limit"] if r["amdahl_limit"] else None
+
+
 def report(args: argparse.Namespace, rows: list[dict], out: Path) -> None:
     import torch
 
-    base = next((r.get("ms") for r in rows if r["variant"] == "dense fused"), None)
+    add_limits(rows)
     print(f"\n{args.model}{f' ({args.layers} layers)' if args.model == 'llama' else ''}, "
           f"bf16-mixed, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
-    print(f"{'variant':34s} {'ms/step':>8s} {'vs dense':>8s} {'peak GiB':>8s} "
-          f"{'compressed':>22s} {'masked':>6s} {'loss first->last':>17s}")
+    print(f"{'variant':34s} {'ms/step':>8s} {'vs dense':>8s} {'limit':>6s} {'of lim':>6s} "
+          f"{'busy':>7s} {'host':>7s} {'peak GiB':>8s} {'compressed':>22s} {'masked':>6s} "
+          f"{'loss first->last':>17s}")
     for r in rows:
         if "error" in r:
             print(f"{r['variant']:34s} FAILED: {r['error'][:200]}")
             continue
-        ratio = f"{base / r['ms']:.2f}x" if base and r["ms"] else "-"
         kinds = ", ".join(f"{n} {k.replace('Linear', '')}" for k, n in
                           r["compressed_layers"].items()) or "none"
+        profile = r.get("profile", {})
+        cells = [f"{r[k]:.2f}x" if r.get(k) else "-" for k in ("speedup", "amdahl_limit")]
+        cells += [f"{r['of_limit']:.2f}" if r.get("of_limit") else "-"]
+        cells += [f"{profile[k]:.1f}" if k in profile else "-"
+                  for k in ("busy_ms", "exposed_host_ms")]
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
-        print(f"{r['variant']:34s} {r['ms']:8.1f} {ratio:>8s} {peak:>8s} {kinds:>22s} "
+        print(f"{r['variant']:34s} {r['ms']:8.1f} {cells[0]:>8s} {cells[1]:>6s} {cells[2]:>6s} "
+              f"{cells[3]:>7s} {cells[4]:>7s} {peak:>8s} {kinds:>22s} "
               f"{r['masked_dense_tensors']:6d} {r['loss_first']:8.3f}->{r['loss_last']:.3f}")
+    print_families(rows)
     payload = {"model": args.model, "layers": args.layers, "steps": args.steps,
                "warmup": args.warmup, "torch": torch.__version__,
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -264,6 +360,25 @@ def report(args: argparse.Namespace, rows: list[dict], out: Path) -> None:
     name = f"e2e_step_{args.model}{args.tag}.json"
     (out / name).write_text(json.dumps(payload, indent=1))
     print(f"wrote {out / name}")
+
+
+def print_families(rows: list[dict]) -> None:
+    """The profiled rows' ms per step by kernel family, then their largest "other" kernels."""
+    profiled = [r for r in rows if "profile" in r]
+    if not profiled:
+        return
+    families = [family for family, _ in FAMILIES] + [OTHER]
+    print(f"\nms per step by kernel family (profiled: {PROFILED_STEPS} steps)")
+    print(f"{'variant':34s} " + " ".join(f"{f[:14]:>14s}" for f in families))
+    for r in profiled:
+        print(f"{r['variant']:34s} " + " ".join(f"{r['profile']['family_ms'][f]:14.2f}"
+                                               for f in families))
+    for r in profiled:
+        print(f"{r['variant']}: largest other: " + "; ".join(
+            f"{name[:60]} {ms:.2f}" for name, ms in r["profile"]["top_other"]))
+    dense = next((r for r in rows if "shrinkable" in r), None)
+    if dense:
+        print(f"dense shrinkable ms (Linear products, AdamW): {dense['shrinkable']}")
 
 
 if __name__ == "__main__":

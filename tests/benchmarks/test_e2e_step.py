@@ -1,0 +1,79 @@
+"""benchmarks/e2e_step.py with ``--profile`` in its CPU mode (``--model tiny``): the kernel
+families, the dense row's Linear shapes and the Amdahl limits, end to end through the
+script, checked against the tiny BERT's config."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import BertConfig
+
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "e2e_step.py"
+sys.path.insert(0, str(SCRIPT.parent))
+from _step_profile import family_of  # noqa: E402
+
+# kernel names from H100 profiles (benchmarks/results/), one per family, and one unknown
+KERNELS = {
+    "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_bias_TNT": "dense products",
+    "sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize128x128x32": "dense products",
+    "sm90_xmma_sparse_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64": "sparse products",
+    "_dense_sparse_kernel": "sparse products",
+    "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7": "attention",
+    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous "
+    "namespace)::FusedOptimizerTensorListMetadata<4>, at::native::(anonymous namespace)::"
+    "FusedAdamMathFunctor<float, 4, (at::native::ADAM_MODE)1, false>>": "optimizer",
+    "masked_step_kernel": "optimizer",
+    "Memcpy DtoD (Device -> Device)": "memory copies",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>":
+        "elementwise/other",
+}
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_kernel_names_fall_in_their_family(name):
+    assert family_of(name) == KERNELS[name]
+
+
+@pytest.mark.slow
+def test_cpu_profile_gives_families_shapes_and_limits(tmp_path):
+    variants = ["dense fused", "block B 90% compressed"]
+    env = dict(os.environ, OUT=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--steps", "2",
+                           "--warmup", "1", "--profile", "--variants", *variants],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "ms per step by kernel family" in done.stdout
+    rows = {r["variant"]: r for r in
+            json.loads((tmp_path / "e2e_step_tiny.json").read_text())["rows"]}
+    assert sorted(rows) == sorted(variants) and not any("error" in r for r in rows.values())
+    dense, sparse = rows["dense fused"], rows["block B 90% compressed"]
+    for row in rows.values():
+        profile = row["profile"]
+        assert sum(profile["family_ms"].values()) == pytest.approx(profile["busy_ms"])
+        assert profile["exposed_host_ms"] == pytest.approx(
+            profile["profiled_wall_ms"] - profile["busy_ms"])
+        assert 0 < profile["busy_ms"] <= profile["profiled_wall_ms"]
+        assert len(profile["top_other"]) == 5
+    assert dense["profile"]["family_ms"]["sparse products"] == 0
+    assert dense["profile"]["family_ms"]["dense products"] > 0
+    assert sparse["profile"]["family_ms"]["sparse products"] > 0
+    # the selected Linears: q, k, v, attention output, intermediate, output per layer
+    config = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=128)
+    h, i, n = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    assert sorted(map(tuple, dense["linear_shapes"])) == sorted(
+        [(h, h, 1, 4 * n), (h, i, 1, n), (i, h, 1, n)])
+    assert dense["tokens"] == 4 * 32
+    shrinkable = dense["shrinkable"]["products_ms"] + dense["shrinkable"]["optimizer_ms"]
+    assert 0 < shrinkable < dense["ms"]
+    kept = 1 - sparse["sparsity"]
+    assert sparse["amdahl_limit"] == pytest.approx(
+        dense["ms"] / (dense["ms"] - (1 - kept) * shrinkable))
+    assert sparse["of_limit"] == pytest.approx(dense["ms"] / sparse["ms"] / sparse["amdahl_limit"])
+    assert dense["amdahl_limit"] == pytest.approx(1.0)
