@@ -78,7 +78,7 @@ def run_child(args: argparse.Namespace) -> dict | None:
     settings, _, fused = settings_of(args.child, model_name)
     gpu = args.accelerator == "gpu"
     total = args.warmup + args.steps + (args.profiled if gpu else 0)
-    timer = step_times(args.warmup, gpu)
+    timer = step_times(args.warmup, args.warmup + args.steps, gpu)
     probe = Probe(args.warmup + args.steps, args.profiled if gpu else 0, args.gather_dtype)
     sparse = SparsityCallback(**settings) if settings is not None else None
     trainer = pl.Trainer(
