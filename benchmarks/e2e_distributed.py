@@ -289,7 +289,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profiled", type=int, default=1,
                         help="GPU steps profiled after the timed ones (0: none)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS),
-                        help=f"e2e_step.py variant names (default: {', '.join(VARIANTS)})")
+                        help="e2e_step.py variant names (default: %s)" % ", ".join(VARIANTS).replace("%", "%%"))
     parser.add_argument("--gather-dtype", choices=GATHER_DTYPES, default="bf16",
                         help="FSDP2's param_dtype: what the all-gathers carry")
     parser.add_argument("--accelerator", choices=("gpu", "cpu"), default="gpu")
