@@ -15,7 +15,7 @@ initialization of 2 B parameters takes minutes) in the module's ``__init__``;
 with FSDP2 (``fully_shard``, through Lightning's ``ModelParallelStrategy``): each decoder layer
 one unit, the root the embeddings, the final norm and the LM head; parameters gathered in
 bf16 and gradients reduce-scattered in fp32 (``MixedPrecisionPolicy``, ``--gather-dtype``).
-The optimizer is the user's ``torch.optim.AdamW`` (``fused=True`` for dense on GPUs).
+The optimizer is the user's ``torch.optim.AdamW(fused=True)`` in every variant.
 Variants: dense; block 128x128 compressed (``compress=True``) at 90% and 75%; block 128x128
 masked-dense at 90% (``compress=False``: dense weights, the engine's fused masked step);
 embeddings and the LM head denied.
@@ -89,6 +89,8 @@ def run_child(args: argparse.Namespace) -> dict | None:
         callbacks=[timer, probe, *([sparse] if sparse else [])])
     device = f"cuda:{trainer.local_rank}" if gpu else "cpu"
     hf_model, batch = build(model_name, args.layers, device)
+    if args.checkpointing:  # HF's own switch, as a user turns it on; recomputed per layer
+        hf_model.gradient_checkpointing_enable({"use_reentrant": False})
     module = ShardedCausalLM(hf_model, fused=fused, gather_dtype=args.gather_dtype)
     trainer.fit(module, DataLoader([batch] * total, batch_size=None))
     if trainer.global_rank != 0:
@@ -102,7 +104,7 @@ def run_child(args: argparse.Namespace) -> dict | None:
             "tokens_per_s_per_gpu": tokens * 1e3 / ms, "step_ms": timer.ms[:args.steps],
             **probe.row,
             "compressed_layers": sum(isinstance(m, BlockSparseLinear) for m in module.modules()),
-            "masked_dense_tensors": len(engine.slots) if engine else 0,
+            "masked_dense_tensors": len(engine.masked) if engine else 0,
             "sparsity": engine.sparsity if engine else 0.0,
             "loss_first": losses[0], "loss_last": losses[-1]}
 
@@ -207,6 +209,7 @@ def run(variant: str, devices: int, args: argparse.Namespace, timeout: float) ->
     command = [sys.executable, __file__, "--child", variant, "--devices", str(devices)]
     for key in ("model", "layers", "warmup", "steps", "profiled", "accelerator", "gather_dtype"):
         command += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    command += ["--checkpointing"] * args.checkpointing
     start = time.perf_counter()
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=env, start_new_session=True)  # its ranks share its group
@@ -292,6 +295,9 @@ def parse_args() -> argparse.Namespace:
                         help="e2e_step.py variant names (default: %s)" % ", ".join(VARIANTS).replace("%", "%%"))
     parser.add_argument("--gather-dtype", choices=GATHER_DTYPES, default="bf16",
                         help="FSDP2's param_dtype: what the all-gathers carry")
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="activation checkpointing of every decoder layer (HF's "
+                             "gradient_checkpointing_enable, non-reentrant)")
     parser.add_argument("--accelerator", choices=("gpu", "cpu"), default="gpu")
     parser.add_argument("--budget", type=float, default=520,
                         help="seconds for all runs; runs that do not fit are not started")
@@ -318,7 +324,8 @@ def main() -> None:
     if skipped := [n for n in args.gpus if n > visible]:
         print(f"skipped GPU counts {skipped}: {visible} visible", flush=True)
     info = environment(args)
-    tag = args.model if args.accelerator == "gpu" else f"{args.model}_cpu"
+    tag = (args.model if args.accelerator == "gpu" else f"{args.model}_cpu") + (
+        "_ckpt" if args.checkpointing else "")
     path = args.out / f"e2e_distributed_{tag}{args.tag}.json"
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
@@ -335,8 +342,9 @@ def main() -> None:
             derived(rows)
             path.write_text(json.dumps({**info, "rows": rows, "table": table(rows, block)}, indent=1))
     device = next((r["device"] for r in rows if "device" in r), "no device: every run failed")
+    recompute = ", activation checkpointing" if args.checkpointing else ""
     print(f"\n{args.model} ({args.layers} layers) under FSDP2 on {device}, "
-          f"bf16-mixed, gathers in {args.gather_dtype}; torch {info['torch']}\n")
+          f"bf16-mixed, gathers in {args.gather_dtype}{recompute}; torch {info['torch']}\n")
     print(table(rows, block))
     print(f"wrote {path}")
     if failed := [f"{r['variant']!r} on {r['gpus']}" for r in rows if "error" in r]:

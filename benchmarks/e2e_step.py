@@ -11,8 +11,9 @@ tokens) or a Llama-3-8B-shaped ``LlamaForCausalLM`` from a config (hidden 4096,
 intermediate 14336, 32 heads, 8 KV heads, vocab 32000, ``--layers`` decoder layers, 4 x 2048
 tokens; ``tiny-llama``: hidden 128, 2 x 32 tokens, for CPU checks); embeddings, the QA
 head and the LM head denied. Every variant is a
-``LightningModule`` around the HF model with the user's ``torch.optim.AdamW`` (``fused=True``
-for the dense baseline, torch's default elsewhere), ``pl.Trainer(accelerator="gpu",
+``LightningModule`` around the HF model with the user's ``torch.optim.AdamW`` (``fused=True``,
+the fastest AdamW a user would pick, dense or sparse; the ``dense`` variant keeps torch's
+default, foreach), ``pl.Trainer(accelerator="gpu",
 precision="bf16-mixed")`` and ``SparsityCallback`` with its public options; ``+compile``
 variants compile the HF model in the module's ``__init__`` (``torch.compile(model, mode)``).
 
@@ -70,6 +71,7 @@ LLAMA_SHAPES = {"llama": ((4096, 14336, 32, 8, 32000), (4, 2048)),
 # name -> callback settings (None: dense); "+compile[:mode]" suffixes add torch.compile
 BASE_VARIANTS: dict[str, dict | None] = {
     "dense fused": None,
+    "dense": None,  # torch's default AdamW (foreach), every other variant AdamW(fused=True)
     "block B 90% auto": dict(pattern="block:BxB", sparsity=0.9, compress="auto"),
     "block B 90% compressed": dict(pattern="block:BxB", sparsity=0.9, compress=True),
     "block B 75% compressed": dict(pattern="block:BxB", sparsity=0.75, compress=True),
@@ -98,7 +100,7 @@ def settings_of(variant: str, model: str) -> tuple[dict | None, str | None, bool
         settings = {k: v.replace("BxB", f"{block}x{block}") if isinstance(v, str) else v
                     for k, v in settings.items()}
         settings["deny"] = DENY[model]
-    return settings, COMPILE_MODES.get(suffix), settings is None
+    return settings, COMPILE_MODES.get(suffix), base != "dense"
 
 
 def build(model_name: str, layers: int, device: str = "cpu"):

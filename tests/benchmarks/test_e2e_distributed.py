@@ -31,18 +31,24 @@ def tiny_llama_sizes() -> tuple[int, int]:
     return layers, sum(p.numel() for p in model.parameters()) - layers
 
 
-@pytest.mark.slow
-def test_cpu_mode_trains_dense_and_compressed_on_one_and_two_ranks(tmp_path):
-    if problem := two_process_problem("cpu"):
-        pytest.skip(problem)
+def run_script(out: Path, *args: str) -> subprocess.CompletedProcess:
+    """The script in its CPU mode (1 warm-up step, 2 timed) with ``args``, checked to exit 0."""
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE")}
     # this checkout's package, not an installed one (the script's folder is benchmarks/)
     env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parents[1]), env.get("PYTHONPATH", "")])
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model", "tiny", "--accelerator", "cpu", "--gpus", "1",
-         "2", "--warmup", "1", "--steps", "2", "--variants", *VARIANTS, "--out", str(tmp_path)],
+        [sys.executable, str(SCRIPT), "--model", "tiny", "--accelerator", "cpu", "--warmup", "1",
+         "--steps", "2", "--out", str(out), *args],
         env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+@pytest.mark.slow
+def test_cpu_mode_trains_dense_and_compressed_on_one_and_two_ranks(tmp_path):
+    if problem := two_process_problem("cpu"):
+        pytest.skip(problem)
+    done = run_script(tmp_path, "--gpus", "1", "2", "--variants", *VARIANTS)
     assert done.stdout.count("\nROW ") + done.stdout.startswith("ROW ") == 4  # streamed
     rows = json.loads((tmp_path / "e2e_distributed_tiny_cpu.json").read_text())["rows"]
     at = {(r["variant"], r["gpus"]): r for r in rows}
@@ -70,3 +76,20 @@ def test_cpu_mode_trains_dense_and_compressed_on_one_and_two_ranks(tmp_path):
         assert one["loss_first"] == two["loss_first"]
         assert one["loss_last"] == pytest.approx(two["loss_last"], rel=1e-4)
         assert one["loss_last"] != one["loss_first"]  # the model trained
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_recomputes_the_compressed_layers_to_the_same_losses(tmp_path):
+    """``--checkpointing`` (HF's per-layer recompute, as a user turns it on) trains the
+    compressed model under FSDP2 to the losses of the run without it."""
+    if problem := two_process_problem("cpu"):
+        pytest.skip(problem)
+    variant = "block B 90% compressed"
+    run_script(tmp_path, "--gpus", "2", "--variants", variant)
+    run_script(tmp_path, "--gpus", "2", "--variants", variant, "--checkpointing")
+    plain, recomputed = (json.loads((tmp_path / name).read_text())["rows"][0] for name in
+                         ("e2e_distributed_tiny_cpu.json", "e2e_distributed_tiny_cpu_ckpt.json"))
+    assert recomputed["compressed_layers"] == plain["compressed_layers"] == 14
+    assert recomputed["loss_first"] == plain["loss_first"]
+    assert recomputed["loss_last"] == pytest.approx(plain["loss_last"], rel=1e-5)
+    assert recomputed["loss_last"] != recomputed["loss_first"]
