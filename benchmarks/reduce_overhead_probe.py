@@ -8,7 +8,7 @@ Cases: a layer (``linear``, ``masked_mul`` = ``F.linear(x, W * M)``, ``semi`` 2:
 trained 4 steps compiled; ``semi_twin`` adds an eager twin's forward and backward between
 the compiled ones (as tests/test_gpu.py does); ``block_then_semi`` runs both in one
 process; ``trainer_*``: a small HF BERT QA through ``pl.Trainer`` (tests/test_gpu.py's
-``TinyQA``), dense or compressed.
+``TinyHF``), dense or compressed.
 """
 import copy
 import subprocess
@@ -72,13 +72,13 @@ def trainer_case(name):
 
     from sparse_training import SparsityCallback
     torch._dynamo.reset()
-    model = T.TinyQA("reduce-overhead")
+    model = T.TinyHF("reduce-overhead")
     settings = {"trainer_block": dict(pattern="block:64x64", sparsity=0.9),
                 "trainer_2:4": dict(pattern="2:4")}.get(name)
     cbs = [] if settings is None else [SparsityCallback(**settings, compress=True,
                                                         deny=["embeddings", "qa_outputs"])]
     trainer = T.gpu_trainer(cbs)
-    trainer.fit(model, T.qa_loader())
+    trainer.fit(model, T.hf_loader())
     print("  losses", [round(v, 3) for v in model.losses])
     print("  OK")
 

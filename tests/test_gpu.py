@@ -185,21 +185,35 @@ def test_semi_structured_never_crashes(shape, tokens, dtype):
     torch.cuda.synchronize()
 
 
-class TinyQA(pl.LightningModule):
-    """A small HF BERT question-answering model, compiled in ``__init__`` where asked (as
-    users write it), with the user's AdamW built from ``self.parameters()``."""
+class TinyHF(pl.LightningModule):
+    """A small HF model as users train it: BERT question answering (``family="bert"``) or a
+    Llama causal LM (``"llama"``: grouped-query attention, gated MLP), compiled in
+    ``__init__`` where asked, with the user's AdamW built from ``self.parameters()``."""
 
-    def __init__(self, compile_mode: str | None = None, hidden: int = 256) -> None:
+    def __init__(self, compile_mode: str | None = None, hidden: int = 256,
+                 family: str = "bert") -> None:
         super().__init__()
-        from transformers import BertConfig, BertForQuestionAnswering
+        from transformers import (
+            BertConfig,
+            BertForQuestionAnswering,
+            LlamaConfig,
+            LlamaForCausalLM,
+        )
 
         self.save_hyperparameters()
         torch.manual_seed(0)
-        config = BertConfig(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
-                            intermediate_size=4 * hidden, vocab_size=512,
-                            max_position_embeddings=128, hidden_dropout_prob=0.0,
-                            attention_probs_dropout_prob=0.0)
-        self.model = BertForQuestionAnswering(config)
+        if family == "bert":
+            config = BertConfig(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
+                                intermediate_size=4 * hidden, vocab_size=VOCAB,
+                                max_position_embeddings=128, hidden_dropout_prob=0.0,
+                                attention_probs_dropout_prob=0.0)
+            self.model = BertForQuestionAnswering(config)
+        else:
+            config = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden,
+                                 num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=VOCAB,
+                                 max_position_embeddings=128)
+            self.model = LlamaForCausalLM(config)
         if compile_mode is not None:
             self.model = torch.compile(self.model, mode=compile_mode)
         self.losses: list[float] = []
@@ -214,13 +228,23 @@ class TinyQA(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def qa_loader(batches: int = 6, batch: int = 8, seq: int = 64) -> DataLoader:
+VOCAB = 512
+# per family: (callback's deny list, compressible Linears per layer)
+FAMILIES = {"bert": (["embeddings", "qa_outputs"], 6), "llama": (["embed_tokens", "lm_head"], 7)}
+
+
+def hf_loader(family: str = "bert", batches: int = 6, batch: int = 8, seq: int = 64
+              ) -> DataLoader:
+    """Random token batches: span labels for BERT QA, next-token labels for Llama."""
     g = torch.Generator().manual_seed(0)
     n = batches * batch
-    ids = torch.randint(0, 512, (n, seq), generator=g)
-    start, end = torch.randint(0, seq, (n,), generator=g), torch.randint(0, seq, (n,), generator=g)
-    keys = ("input_ids", "start_positions", "end_positions")
-    data = TensorDataset(ids, start, end)
+    ids = torch.randint(0, VOCAB, (n, seq), generator=g)
+    if family == "bert":
+        keys = ("input_ids", "start_positions", "end_positions")
+        data = TensorDataset(ids, torch.randint(0, seq, (n,), generator=g),
+                             torch.randint(0, seq, (n,), generator=g))
+    else:
+        keys, data = ("input_ids", "labels"), TensorDataset(ids, ids)
     return DataLoader(data, batch_size=batch, collate_fn=lambda items: dict(zip(
         keys, (torch.stack(t) for t in zip(*items, strict=True)), strict=True)))
 
@@ -239,31 +263,36 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("name, compile_mode", [
-    *[("block 64x64 90%", mode) for mode in (None, *COMPILE_MODES)],
-    ("block 32x32 50%", None), ("2:4", None), ("2:4", "default"), ("2:4", "reduce-overhead")])
-def test_trainer_compressed_bert_trains_and_matches_eager(name, compile_mode, tmp_path):
-    """compress=True on HF BERT through pl.Trainer (bf16-mixed), eager and compiled: the
-    swapped layers are there, the losses are finite and a compiled run follows the eager
-    one; its checkpoint loads with the plain, strict load_from_checkpoint."""
+@pytest.mark.parametrize("family, name, compile_mode", [
+    *[("bert", "block 64x64 90%", mode) for mode in (None, *COMPILE_MODES)],
+    ("bert", "block 32x32 50%", None), ("bert", "2:4", None), ("bert", "2:4", "default"),
+    ("bert", "2:4", "reduce-overhead"),
+    *[("llama", "block 64x64 90%", mode) for mode in ("default", "reduce-overhead")],
+    ("llama", "2:4", "default")])
+def test_trainer_compressed_hf_model_trains_and_matches_eager(family, name, compile_mode,
+                                                              tmp_path):
+    """compress=True on HF BERT and Llama through pl.Trainer (bf16-mixed), eager and
+    compiled: the swapped layers are there, the losses are finite and a compiled run
+    follows the eager one; its checkpoint loads with the plain, strict
+    load_from_checkpoint."""
     fresh_compiler()
+    deny, per_layer = FAMILIES[family]
     runs = {}
     for mode in dict.fromkeys([None, compile_mode]):
-        model = TinyQA(mode)
-        sparse = SparsityCallback(**SETTINGS[name], compress=True,
-                                  deny=["embeddings", "qa_outputs"])
+        model = TinyHF(mode, family=family)
+        sparse = SparsityCallback(**SETTINGS[name], compress=True, deny=deny)
         trainer = gpu_trainer([sparse])
-        trainer.fit(model, qa_loader())
+        trainer.fit(model, hf_loader(family))
         layers = [m for m in model.modules() if isinstance(m, (BlockSparseLinear,
                                                              SemiStructuredLinear))]
-        assert len(layers) == 12, name  # 6 Linears per encoder layer, 2 layers
+        assert len(layers) == 2 * per_layer, name  # every Linear of the 2 layers
         assert all(torch.isfinite(torch.tensor(model.losses)))
         runs[mode] = model.losses
         path = tmp_path / f"{mode}.ckpt"
         trainer.save_checkpoint(path)
     eager, compiled = runs[None], runs[compile_mode]
     assert max(abs(a - b) for a, b in zip(eager, compiled, strict=True)) < 0.05 * max(eager)
-    plain = TinyQA.load_from_checkpoint(path)  # strict: the model class as written
+    plain = TinyHF.load_from_checkpoint(path)  # strict: the model class as written
     assert not any(isinstance(m, (BlockSparseLinear, SemiStructuredLinear))
                    for m in plain.modules())
     dense = dict(plain.model.named_parameters())
