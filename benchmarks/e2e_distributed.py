@@ -136,7 +136,9 @@ class ShardedCausalLM(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-5, fused=self.fused)
+        # fused=False would not mean the default: torch takes its single-tensor loop
+        return torch.optim.AdamW(self.parameters(), lr=1e-5,
+                                 **({"fused": True} if self.fused else {}))
 
 
 def collective_gb(module: torch.nn.Module, world: int, gather_bytes: int, reduce_bytes: int = 4) -> dict:
@@ -292,7 +294,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profiled", type=int, default=1,
                         help="GPU steps profiled after the timed ones (0: none)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS),
-                        help="e2e_step.py variant names (default: %s)" % ", ".join(VARIANTS).replace("%", "%%"))
+                        help=f"e2e_step.py variant names (default: {', '.join(VARIANTS)})"
+                        .replace("%", "%%"))  # argparse formats help with %
     parser.add_argument("--gather-dtype", choices=GATHER_DTYPES, default="bf16",
                         help="FSDP2's param_dtype: what the all-gathers carry")
     parser.add_argument("--checkpointing", action="store_true",

@@ -216,7 +216,10 @@ def run_child(args: argparse.Namespace) -> dict:
             return loss
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-5, fused=fused and gpu)
+            # fused=False would not mean the default: torch takes its single-tensor loop
+            # unless both fused and foreach are left unset
+            return torch.optim.AdamW(self.parameters(), lr=1e-5,
+                                     **({"fused": True} if fused and gpu else {}))
 
     timed_total = args.warmup + args.steps + 1
     module, timer = Module(), step_times(args.warmup, timed_total, gpu)
