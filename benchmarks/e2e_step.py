@@ -77,6 +77,12 @@ BASE_VARIANTS: dict[str, dict | None] = {
     "block B 75% compressed": dict(pattern="block:BxB", sparsity=0.75, compress=True),
     "block B 50% compressed": dict(pattern="block:BxB", sparsity=0.5, compress=True),
     "block B 90% masked-dense": dict(pattern="block:BxB", sparsity=0.9, compress=False),
+    "unstructured 90% masked-dense": dict(pattern="unstructured", sparsity=0.9, compress=False),
+    # RigL: drop and regrow every 4 steps, so inside the timed window of any --warmup >= 2
+    "rigl 90% masked-dense": dict(pattern="unstructured", sparsity=0.9, regrow="rigl",
+                                  frequency=4, compress=False),
+    "rigl block B 90% compressed": dict(pattern="block:BxB", sparsity=0.9, regrow="rigl",
+                                        frequency=4, compress=True),
     "2:4 auto": dict(pattern="2:4", compress="auto"),
     "2:4 compressed": dict(pattern="2:4", compress=True),
     "2:4 masked-dense": dict(pattern="2:4", compress=False),
