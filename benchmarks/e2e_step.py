@@ -302,7 +302,7 @@ def main() -> None:
         Path(args.result).write_text(json.dumps(row))
         return
     rows = []
-    out = Path(os.environ.get("OUT", "benchmarks/results"))
+    out = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     out.mkdir(parents=True, exist_ok=True)
     for variant in variants_for(args):
         settings_of(variant, args.model)  # a bad name stops before any run
