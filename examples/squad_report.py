@@ -196,13 +196,14 @@ def replay(cfg: DictConfig, group: str, title: str, rows: list[dict[str, Any]],
     results.md beside each file."""
     paths = replay_paths(cfg)
     headers = []
-    for path in paths:
+    for path in paths:  # the header: the lines above the table
         table = path.parent / "results.md"  # a cut-off sweep leaves none: then a plain header
-        headers.append(table.read_text().splitlines()[0] if table.is_file()
+        headers.append(table.read_text().split("\n\n")[0] if table.is_file()
                        else f"replayed from {path}")
     header = headers[0] if len(paths) == 1 else "\n".join(
         [f"merged from {len(paths)} results files:"]
-        + [f"- {path}: {line}" for path, line in zip(paths, headers, strict=True)])
+        + [f"- {path}: " + text.replace("\n", "\n  ")
+           for path, text in zip(paths, headers, strict=True)])
     for row in rows:
         logger = reporting.make_logger(cfg, group, f"{row['name']}@seed{row['seed']}",
                                        {"run": row["name"], "family": row["family"],

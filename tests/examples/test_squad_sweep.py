@@ -279,6 +279,9 @@ def test_replay_of_several_files_merges_a_split_sweep(tmp_path):
     assert table.startswith(f"merged from 3 results files:\n- {first}: call a\n"
                             f"- {second}: replayed from {second}\n- {third}: call c\n")
     assert "| 2:4 | N:M 50% | 0.500 | 68.25 | 68.50 / 68.00 | 0.50 | -4.25 | dense +KD |" in table
+    again = tmp_path / "again"  # the merged file replayed alone keeps the whole header
+    squad_sweep.main([f"replay={out / 'results.json'}", f"out_dir={again}", "logger=none"])
+    assert (again / "results.md").read_text() == table
 
 
 def test_replay_refuses_files_that_disagree(tmp_path):
