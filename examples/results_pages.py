@@ -27,9 +27,11 @@ from typing import Any
 
 import mnist_report
 import squad_report
+from omegaconf import OmegaConf
 from reporting import markdown_table, plot_vs_sparsity
 
 ROOT = Path(__file__).resolve().parents[1]
+SQUAD_CONFIG = ROOT / "examples" / "configs" / "squad.yaml"  # the runs and seeds of the sweep
 PAGES = [ROOT / "docs" / "results" / "mnist.md", ROOT / "docs" / "results" / "squad.md"]
 BLOCK = re.compile(r"(<!-- generated: (?P<renderer>\S+) (?P<files>[^>]*?) -->\n)(?P<body>.*?)"
                    r"(<!-- end generated -->)", re.DOTALL)
@@ -67,12 +69,31 @@ def squad_goals(rows: list[dict[str, Any]]) -> str:
     for name, goal in SQUAD_GOALS.items():
         line = lines.get(name, {})
         gap = line.get("f1_gap")
-        verdict = "not run" if gap is None else "met" if gap >= goal else "MISSED"
+        verdict = ("not run" if "f1" not in line else "baseline not run" if gap is None
+                   else "met" if gap >= goal else "MISSED")
         goals.append({"name": name, "goal": goal, "gap": gap, "verdict": verdict,
                       "seeds": line.get("seeds"), "baseline": line.get("baseline")})
     return markdown_table(goals, [("name", "run", ""), ("goal", "goal (F1 - baseline)", "+.1f"),
                                   ("gap", "F1 - baseline", "+.2f"), ("verdict", "verdict", ""),
                                   ("baseline", "baseline", ""), ("seeds", "seeds", "d")])
+
+
+def squad_left_to_run(rows: list[dict[str, Any]]) -> str:
+    """The (run, seed) pairs of examples/configs/squad.yaml without a result (failed ones
+    included), per run: what the next sweep calls have to run."""
+    config = OmegaConf.load(SQUAD_CONFIG)
+    done = {(row["name"], row["seed"]) for row in rows if "f1" in row}
+    left = []
+    for run in config.runs:
+        seeds = [seed for seed in config.seeds if (run.name, seed) not in done]
+        if seeds:
+            have = [seed for seed in config.seeds if seed not in seeds]
+            left.append({"name": run.name, "have": ", ".join(map(str, have)) or "none",
+                         "left": ", ".join(map(str, seeds))})
+    if not left:
+        return f"Every run of {SQUAD_CONFIG.name} has a result at every seed."
+    return markdown_table(left, [("name", "run", ""), ("have", "seeds with results", ""),
+                                 ("left", "seeds not run yet", "")])
 
 
 def squad_plot(rows: list[dict[str, Any]]) -> str:
@@ -86,6 +107,7 @@ RENDERERS: dict[str, Renderer] = {
     "mnist-summary": (mnist_summary, "content"),
     "squad-table": (squad_table, "rows"),
     "squad-goals": (squad_goals, "rows"),
+    "squad-left": (squad_left_to_run, "rows"),
     "squad-plot": (squad_plot, "rows"),
 }
 

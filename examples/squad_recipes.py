@@ -53,7 +53,10 @@ RULES = {  # what every key of configs/squad.yaml must be
     "seeds": list_of(integer(0), "[0, 1, 2]"),
     "dense_epochs": integer(1), "epochs": integer(1), "lr": positive_number(),
     "warmup": number(0, 1, high_open=True), "weight_decay": number(0, 1),
-    "replay": text(optional=True), "resume": one_of(True, False), "time_limit_s": integer(0),
+    "replay": Rule("null, a results.json path or a list of them, e.g. [a/results.json, "
+                   "b/results.json]", lambda v: v is None or isinstance(v, str)
+                   or list_of(text(), "").accepts(v)),
+    "resume": one_of(True, False), "time_limit_s": integer(0),
     "distillation": MAPPING, "baseline": text(optional=True),
     "only": Rule("a list of run names (quote N:M names: 'only=[\"2:4\"]')",
                  lambda v: isinstance(v, ListConfig)),

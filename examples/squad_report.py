@@ -51,13 +51,55 @@ def previous_results(cfg: DictConfig, settings: dict[str, dict[str, Any]]
     saved = {} if isinstance(content, list) else content.get("settings", {})
     for name, mine in settings.items():
         if name in saved and saved[name] != mine:
-            changed = sorted(k for k in {*mine, *saved[name]} if mine.get(k) != saved[name].get(k))
             raise ConfigError(
-                f"{path} holds run {name!r} made with other settings ({', '.join(changed)}: "
-                f"{[saved[name].get(k) for k in changed]} there, {[mine.get(k) for k in changed]} "
-                f"now); pass another out_dir, or resume=false to start over")
+                f"{path} holds run {name!r} made with other settings "
+                f"({differences(saved[name], mine, 'there', 'now')}); pass another out_dir, or "
+                f"resume=false to start over")
     rows = [r for r in read_rows(path) if "error" not in r]
     return rows, saved
+
+
+def differences(old: dict[str, Any], new: dict[str, Any], old_label: str, new_label: str) -> str:
+    """The keys whose values differ and both values: "epochs: [1] there, [2] now"."""
+    changed = sorted(k for k in {*old, *new} if old.get(k) != new.get(k))
+    return (f"{', '.join(changed)}: {[old.get(k) for k in changed]} {old_label}, "
+            f"{[new.get(k) for k in changed]} {new_label}")
+
+
+def merge_results(paths: list[Path]) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """The rows and run settings of several results.json files as one (a sweep split over
+    machines or calls): each (run, seed) pair's row once (a failed row gives way to a
+    finished one), each run's settings once, in the files' order.
+
+    Raises:
+        ConfigError: a missing file; a run whose settings differ between two files, or a
+            (run, seed) pair with two different finished rows (two trainings of it), naming
+            both files and what differs.
+    """
+    if missing := [str(path) for path in paths if not path.is_file()]:
+        raise ConfigError(f"replay: no results file {missing}")
+    rows: dict[tuple[str, int], tuple[dict[str, Any], Path]] = {}
+    settings: dict[str, tuple[dict[str, Any], Path]] = {}
+    for path in paths:
+        content = json.loads(path.read_text())
+        saved = {} if isinstance(content, list) else content.get("settings", {})
+        for name, mine in saved.items():
+            if name in settings and settings[name][0] != mine:
+                first, where = settings[name]
+                raise ConfigError(f"run {name!r} has other settings in {path} than in {where} "
+                                  f"({differences(first, mine, 'there', 'here')})")
+            settings.setdefault(name, (mine, path))
+        for row in read_rows(path):
+            key = (row["name"], row["seed"])
+            kept = rows.get(key)
+            if kept is None or ("error" in kept[0] and "error" not in row):
+                rows[key] = (row, path)
+            elif "error" not in kept[0] and "error" not in row and kept[0] != row:
+                raise ConfigError(
+                    f"run {key[0]!r} at seed {key[1]} has other results in {path} than in "
+                    f"{kept[1]} ({differences(kept[0], row, 'there', 'here')}): two trainings "
+                    f"of one (run, seed) pair; keep it in one file only")
+    return [row for row, _ in rows.values()], {name: s for name, (s, _) in settings.items()}
 
 
 def sorted_rows(rows: list[dict[str, Any]], order: dict[str, int]) -> list[dict[str, Any]]:
@@ -141,21 +183,32 @@ def report(cfg: DictConfig, rows: list[dict[str, Any]], group: str, header: str,
     return lines
 
 
-def replay(cfg: DictConfig, group: str, title: str) -> list[dict[str, Any]]:
-    """The rows of an earlier sweep's results.json, logged to W&B as its runs would have
-    been (one run per configuration and seed, its row as the summary), then reported under
-    the header line of the results.md beside it."""
-    path = Path(cfg.replay)
-    rows = read_rows(path)
-    content = json.loads(path.read_text())
-    settings = {} if isinstance(content, list) else content.get("settings", {})
-    table = path.parent / "results.md"  # a cut-off sweep leaves none: then a plain header
-    header = (table.read_text().splitlines()[0] if table.is_file()
-              else f"replayed from {path}")
+def replay_paths(cfg: DictConfig) -> list[Path]:
+    """The results.json files `replay` names: one path or a list."""
+    return [Path(cfg.replay)] if isinstance(cfg.replay, str) else [Path(p) for p in cfg.replay]
+
+
+def replay(cfg: DictConfig, group: str, title: str, rows: list[dict[str, Any]],
+           settings: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows and settings of an earlier sweep's results.json (or of several, merged by
+    `merge_results`), logged to W&B as its runs would have been (one run per configuration
+    and seed, its row as the summary), then reported under the header line of the
+    results.md beside each file."""
+    paths = replay_paths(cfg)
+    headers = []
+    for path in paths:  # the header: the lines above the table
+        table = path.parent / "results.md"  # a cut-off sweep leaves none: then a plain header
+        headers.append(table.read_text().split("\n\n")[0] if table.is_file()
+                       else f"replayed from {path}")
+    header = headers[0] if len(paths) == 1 else "\n".join(
+        [f"merged from {len(paths)} results files:"]
+        + [f"- {path}: " + text.replace("\n", "\n  ")
+           for path, text in zip(paths, headers, strict=True)])
     for row in rows:
         logger = reporting.make_logger(cfg, group, f"{row['name']}@seed{row['seed']}",
                                        {"run": row["name"], "family": row["family"],
-                                        "seed": row["seed"], "replayed_from": cfg.replay})
+                                        "seed": row["seed"],
+                                        "replayed_from": ", ".join(map(str, paths))})
         reporting.finish_logger(logger, row)
     report(cfg, rows, group, header, settings, title)
     return rows

@@ -299,7 +299,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                    __doc__.split("\n\n")[0], open_keys=("recipes",))
     specs = squad_recipes.check_config(cfg)
     settings = {spec.name: run_settings(cfg, spec) for spec in specs}
-    kept, saved = ([], {}) if cfg.replay else squad_report.previous_results(cfg, settings)
+    order = {run.name: i for i, run in enumerate(cfg.runs)}
+    kept, saved = (squad_report.merge_results(squad_report.replay_paths(cfg)) if cfg.replay
+                   else squad_report.previous_results(cfg, settings))
+    kept = squad_report.sorted_rows(kept, order)
     done = {(r["name"], r["seed"]) for r in kept}
     todo = [(seed, spec) for seed in cfg.seeds for spec in specs if (spec.name, seed) not in done]
     reporting.set_threads(cfg.threads)
@@ -314,14 +317,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     group = f"squad-{time.strftime('%Y%m%d-%H%M%S')}"
     title = f"SQuAD v1.1, {model_name(cfg)}: F1 vs sparsity"
     if cfg.replay:
-        return squad_report.replay(cfg, group, title)
+        return squad_report.replay(cfg, group, title, kept, saved)
     model_dir = squad_data.model_dir(cfg.model_dir)
     data = Data(cfg, BertTokenizerFast.from_pretrained(str(model_dir)))
     print(f"{len(data.train_questions)} train questions ({len(data.train)} windows), "
           f"{len(data.eval_questions)} eval questions; {len(todo)} of "
           f"{len(specs) * len(cfg.seeds)} (run, seed) pairs to do, {len(kept)} kept from "
           f"{Path(cfg.out_dir) / 'results.json'}", flush=True)
-    order = {run.name: i for i, run in enumerate(cfg.runs)}
     new: list[dict[str, Any]] = []
     seeds: dict[int, Seed] = {}
     longest = 0.0

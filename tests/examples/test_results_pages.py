@@ -51,3 +51,38 @@ def test_a_block_naming_a_missing_file_fails(tmp_path):
                     "<!-- end generated -->\n")
     with pytest.raises(FileNotFoundError, match=r"page.md renders from .*nowhere"):
         results_pages.render(page)
+
+
+def squad_row(name: str, seed: int, baseline: str = "dense +KD", f1: float = 70.0
+              ) -> dict[str, object]:
+    return {"name": name, "family": "f", "seed": seed, "baseline": baseline, "f1": f1,
+            "exact_match": f1 - 10, "sparsity": 0.5, "seconds": 1.0}
+
+
+def test_squad_goals_tell_a_missing_run_from_a_missing_baseline():
+    rows = [squad_row("dense +KD", 0, f1=73.0), squad_row("2:4", 0, f1=72.0),
+            squad_row("4:8", 0, f1=72.9), squad_row("gmp 80%", 0, "dense +KD 20 ep", 60.0)]
+    lines = {line.split(" | ")[0].strip("| "): line
+             for line in results_pages.squad_goals(rows).splitlines()[2:]}
+    assert "| -1.00 | MISSED | dense +KD | 1 |" in lines["2:4"]
+    assert "| -0.10 | met | dense +KD | 1 |" in lines["4:8"]
+    assert "| – | baseline not run | dense +KD 20 ep | 1 |" in lines["gmp 80%"]
+    assert "| – | not run | – | – |" in lines["16:32"]
+
+
+def test_squad_left_to_run_lists_the_configs_pairs_without_a_result():
+    """Every run of the config at every seed of it: a failed pair is left to run too."""
+    config = results_pages.OmegaConf.load(results_pages.SQUAD_CONFIG)
+    seeds = list(config.seeds)
+    rows = [squad_row("dense", seed) for seed in seeds] + [
+        squad_row("2:4", seeds[0]), {"name": "2:4", "family": "f", "seed": seeds[1],
+                                     "error": "RuntimeError: x"}]
+    table = results_pages.squad_left_to_run(rows)
+    names = [line.split(" | ")[0].strip("| ") for line in table.splitlines()[2:]]
+    assert names == [run.name for run in config.runs if run.name != "dense"]
+    rest = ", ".join(map(str, seeds[1:]))
+    assert f"| 2:4 | {seeds[0]} | {rest} |" in table
+    assert f"| 4:8 | none | {', '.join(map(str, seeds))} |" in table
+    everything = [squad_row(run.name, seed) for run in config.runs for seed in seeds]
+    assert results_pages.squad_left_to_run(everything) == (
+        "Every run of squad.yaml has a result at every seed.")

@@ -234,6 +234,78 @@ def test_replay_rebuilds_the_table_from_an_older_list_of_rows(tmp_path):
     assert "RuntimeError: boom" in table
 
 
+def write_results(folder: Path, rows: list[dict[str, Any]], settings: dict[str, Any],
+                  header: str | None = None) -> Path:
+    """A device's out_dir: results.json (and results.md's header line)."""
+    folder.mkdir(parents=True)
+    (folder / "results.json").write_text(json.dumps({"settings": settings, "rows": rows}))
+    if header:
+        (folder / "results.md").write_text(f"{header}\n\n| table |\n")
+    return folder / "results.json"
+
+
+def scored(name: str, seed: int, f1: float, sparsity: float = 0.5) -> dict[str, Any]:
+    return {"name": name, "family": "N:M 50%" if sparsity else "dense", "seed": seed,
+            "baseline": "dense +KD", "f1": f1, "exact_match": f1 - 10, "sparsity": sparsity,
+            "seconds": 9.0}
+
+
+SETTINGS = {"dense": {"epochs": 0}, "dense +KD": {"epochs": 10}, "2:4": {"epochs": 10},
+            "4:8": {"epochs": 10}}
+
+
+def test_replay_of_several_files_merges_a_split_sweep(tmp_path):
+    """Three device calls: the seed-0 dense row in two of them (equal: a cached model) is kept
+    once, a failed pair gives way to its finished row, the rows come in the config's order,
+    and out_dir/results.json holds every run's settings, so a sweep resumes from it."""
+    dense = scored("dense", 0, 70.0, 0.0)
+    first = write_results(tmp_path / "a", [dense, scored("dense +KD", 0, 73.0, 0.0),
+                                           {"name": "4:8", "family": "N:M 50%", "seed": 0,
+                                            "error": "RuntimeError: out of memory"}],
+                          {k: SETTINGS[k] for k in ("dense", "dense +KD", "4:8")}, "call a")
+    second = write_results(tmp_path / "b", [dense, scored("4:8", 0, 69.0)],
+                           {k: SETTINGS[k] for k in ("dense", "4:8")})
+    third = write_results(tmp_path / "c", [scored("2:4", 1, 68.0), scored("dense +KD", 1, 72.0, 0.0),
+                                           scored("2:4", 0, 68.5)],
+                          {k: SETTINGS[k] for k in ("dense +KD", "2:4")}, "call c")
+    out = tmp_path / "out"
+    rows = squad_sweep.main([f"replay=[{first},{second},{third}]", f"out_dir={out}",
+                             "logger=none"])
+    assert [(r["name"], r["seed"]) for r in rows] == [
+        ("dense", 0), ("dense +KD", 0), ("dense +KD", 1), ("2:4", 0), ("2:4", 1), ("4:8", 0)]
+    assert rows[-1]["f1"] == 69.0
+    assert json.loads((out / "results.json").read_text()) == {"settings": SETTINGS, "rows": rows}
+    table = (out / "results.md").read_text()
+    assert table.startswith(f"merged from 3 results files:\n- {first}: call a\n"
+                            f"- {second}: replayed from {second}\n- {third}: call c\n")
+    assert "| 2:4 | N:M 50% | 0.500 | 68.25 | 68.50 / 68.00 | 0.50 | -4.25 | dense +KD |" in table
+    again = tmp_path / "again"  # the merged file replayed alone keeps the whole header
+    squad_sweep.main([f"replay={out / 'results.json'}", f"out_dir={again}", "logger=none"])
+    assert (again / "results.md").read_text() == table
+
+
+def test_replay_refuses_files_that_disagree(tmp_path):
+    """A run with other settings, or two different results of one (run, seed) pair (two
+    trainings), or a missing file: refused, naming both files, before out_dir is made."""
+    first = write_results(tmp_path / "a", [scored("2:4", 0, 68.5)], {"2:4": {"epochs": 10}})
+    other_settings = write_results(tmp_path / "b", [], {"2:4": {"epochs": 20}})
+    other_result = write_results(tmp_path / "c", [scored("2:4", 0, 68.0)], {})
+    out = tmp_path / "out"
+    cases = [(other_settings, rf"run '2:4' has other settings in {other_settings} than in "
+                              rf"{first} \(epochs: \[10\] there, \[20\] here\)"),
+             (other_result, rf"run '2:4' at seed 0 has other results in {other_result} than in "
+                            rf"{first} \(exact_match, f1: \[58.5, 68.5\] there, \[58.0, 68.0\] "
+                            rf"here\): two trainings"),
+             (tmp_path / "nowhere.json", r"replay: no results file \[.*nowhere.json'\]")]
+    for path, message in cases:
+        with pytest.raises(sweep_config.ConfigError, match=message):
+            squad_sweep.main([f"replay=[{first},{path}]", f"out_dir={out}", "logger=none"])
+    with pytest.raises(sweep_config.ConfigError, match=r"replay must be null, a results.json "
+                                                       r"path or a list of them"):
+        squad_sweep.main(["replay=[1,2]", f"out_dir={out}", "logger=none"])
+    assert not out.exists()
+
+
 # -- the sweep end to end, on CPU ---------------------------------------------------------------
 
 
