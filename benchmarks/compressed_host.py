@@ -11,12 +11,18 @@ the default on a GPU, in three variants in one process: dense, masked-dense
     python3 benchmarks/compressed_host.py --products reference
     python3 benchmarks/compressed_host.py --device cuda     # GPU: real kernels, sync check
 
-Columns: median ms per step (step end to step end, after ``--warmup`` steps; on a GPU
-synchronized at every step end: at these widths the GPU waits for the host), the extra ms
-over masked-dense and per compressed layer (us), and, from cProfile over ``--profile-steps``
-more steps (backward on the calling thread), the own time of sparse_training's functions per
-step. Then, per sparse variant, its sparse_training functions by own time with calls and
-cumulative time per step. JSON in ``$OUT`` (or ``benchmarks/results/``).
+Each variant's timed steps run ``--rounds`` times, interleaved with the other variants'
+(a load change on a shared machine hits them all), in one process. Columns: median ms per
+step (step end to step end after ``--warmup`` steps; on a GPU synchronized at every step
+end: at these widths the GPU waits for the host), the extra over dense in ms and per
+compressed layer (us); from cProfile over ``--profile-steps`` more steps (backward on the
+calling thread) sparse_training's own time and the Python calls per step; the aten ops of
+one step (below autograd, views apart: on a GPU each is a launch or an allocation) and their
+extra per compressed layer; launches of the block-sparse kernels that missed the tuned-launch
+cache in the timed window (each pays Triton's launch path). Then, per sparse variant, its
+sparse_training functions by own time with calls and cumulative time per step, and one
+layer's forward + backward alone: host us of ``nn.Linear`` and ``BlockSparseLinear``, in
+float32 and under the precision's autocast. JSON in ``$OUT`` (or ``benchmarks/results/``).
 
 What is the product's compute and what is Python around it: on the CPU, ``--products launch``
 (the default) runs the Triton launchers' host path as the GPU runs it once tuned (checks,
@@ -24,8 +30,8 @@ allocations, the cached direct launch of :class:`~sparse_training.kernels.block_
 TunedKernel`) with a compiled kernel whose launch does nothing, so the compressed products
 cost no compute; ``--products reference`` runs the pure-torch references (what a CPU user
 gets). The dense variants' products do compute (bf16 matmuls of these shapes take ~15 us on
-a CPU, fp32 ~5 us, about a GPU launch): compare the sparse_training own-time column, which
-holds no product, for the library's share. On a GPU, ``--device cuda`` also runs
+a CPU, fp32 ~5 us, about what a GPU launch costs the host): compare the float32 rows, and
+the own-time and ops columns, which hold no product, for the library's share. On a GPU, ``--device cuda`` also runs
 ``--sync-steps`` steps under ``torch.cuda.set_sync_debug_mode("warn")`` and lists each
 synchronizing call site.
 """
@@ -48,63 +54,61 @@ import warnings
 os.environ["TRITON_INTERPRET"] = "0"  # products stubbed or referenced, never interpreted
 
 import torch  # noqa: E402
-from _common import write_json  # noqa: E402
+from _common import stubbed_products, write_json  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 VARIANTS = ("dense", "masked-dense", "compressed")
+AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 REFERENCES = ("forward_reference", "input_grad_reference", "weight_grad_reference")
 
 
-class _NoKernel:
-    """A compiled kernel whose launch enqueues nothing (``--products launch``)."""
-
-    function = packed_metadata = None
-
-    def run(self, *args) -> None:
-        pass
-
-    def launch_metadata(self, *args) -> None:
-        return None
+def products(args: argparse.Namespace):
+    """The context the products run in: :func:`stubbed_products` for ``--products launch``
+    on the CPU, else as they are."""
+    if args.device == "cpu" and args.products == "launch":
+        return stubbed_products()
+    return contextlib.nullcontext()
 
 
-class _NoTuning:
-    """An autotuner that hands back :class:`_NoKernel` with its first config."""
+def layer_host_us(args: argparse.Namespace, repeats: int = 7, calls: int = 200
+                  ) -> dict[str, float]:
+    """Host us of one forward + backward of a ``hidden -> 2 hidden`` layer at the step's
+    token count: ``nn.Linear`` against ``BlockSparseLinear`` (the step's block and
+    sparsity), in float32 and under the precision's autocast; the least of ``repeats`` runs
+    of ``calls`` back-to-back calls (on a GPU these only enqueue: the device is synchronized
+    around each run, not inside)."""
+    from sparse_training import BlockSparseLinear
 
-    def __init__(self, autotuner) -> None:
-        self.arg_names, self.fn = autotuner.arg_names, autotuner.fn
-        self.best_config = autotuner.configs[0]
+    device, autocast = args.device, AUTOCAST.get(args.precision)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(args.hidden, 2 * args.hidden, device=device)
+    layers = {"nn.Linear": dense, "BlockSparseLinear": BlockSparseLinear.from_dense(
+        dense, (args.block, args.block), density=1 - args.sparsity)}
+    x = torch.randn(args.batch * args.seq, args.hidden, device=device, requires_grad=True)
+    results = {}
+    with products(args):
+        for dtype in (None, autocast)[:1 + (autocast is not None)]:
+            grad = torch.ones(x.shape[0], 2 * args.hidden, device=device,
+                              dtype=dtype or torch.float32)
+            for name, layer in layers.items():
+                def call(layer=layer, dtype=dtype, grad=grad):
+                    with torch.autocast(device, dtype or torch.float32, enabled=bool(dtype)):
+                        y = layer(x)
+                    y.backward(grad)
 
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: _NoKernel()
-
-
-@contextlib.contextmanager
-def stubbed_products():
-    """The block-sparse launchers serve CPU tensors with kernels that do nothing: the
-    GPU's tuned launch path, host side only. The weight gradient is split in two token
-    chunks (summed after the kernel), as on a GPU at BERT-base's token count."""
-    from sparse_training.kernels.block_sparse import kernels as bsk
-    from sparse_training.kernels.block_sparse import launch, ops
-    from sparse_training.kernels.block_sparse.topology import KERNEL_DTYPES
-
-    saved = {(module, name): getattr(module, name) for module, name in [
-        (bsk, "_DENSE_SPARSE"), (bsk, "_SAMPLED_DENSE_DENSE"), (bsk, "_multiprocessors"),
-        (bsk, "_major_capability"), (bsk, "_token_splits"), (launch, "current_stream"),
-        (ops, "_use_kernels")]}
-    for name in ("_DENSE_SPARSE", "_SAMPLED_DENSE_DENSE"):
-        tuned = getattr(bsk, name)
-        stand_in = launch.TunedKernel(_NoTuning(tuned.kernel), tuned.grid)
-        stand_in.fast = True
-        setattr(bsk, name, stand_in)
-    bsk._multiprocessors, bsk._major_capability = (lambda index: 132), (lambda index: 9)
-    bsk._token_splits = lambda tokens, nnz, device: (-(-tokens // 2), 2)
-    launch.current_stream = lambda device: 0
-    ops._use_kernels = lambda t: t.dtype in KERNEL_DTYPES
-    try:
-        yield
-    finally:
-        for (module, name), value in saved.items():
-            setattr(module, name, value)
+                call()  # tunes and compiles on a GPU
+                best = float("inf")
+                for _ in range(repeats):
+                    sync()
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        call()
+                    best = min(best, time.perf_counter() - start)
+                    sync()
+                results[f"{name} {'float32' if dtype is None else f'autocast {dtype}'}"] = (
+                    best / calls * 1e6)
+    return results
 
 
 def build(args: argparse.Namespace):
@@ -259,9 +263,7 @@ def run(variant: str, args: argparse.Namespace, timed_only: bool = False) -> dic
                          enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=callbacks)
     module = Module()
-    stub = (stubbed_products() if not gpu and args.products == "launch"
-            else contextlib.nullcontext())
-    with stub:
+    with products(args):
         trainer.fit(module, DataLoader([batch] * total, batch_size=None))
     if timed_only:
         return {"variant": variant, "ms": statistics.median(window.ms), "step_ms": window.ms}
@@ -309,6 +311,16 @@ def report(rows: list[dict], top: int) -> None:
             print("synchronizing calls: " + ", ".join(r["sync_sites"]))
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux), and how many cores this process may use."""
+    name = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        name = next((line.split(":", 1)[1].strip() for line in f
+                     if line.startswith("model name")), name)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{name}, {cores} cores"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -343,12 +355,14 @@ def main(argv: list[str] | None = None) -> None:
                 run(row["variant"], args, timed_only=True)["ms"])
     for row in rows:
         row["ms"] = statistics.median(row.get("round_ms", [row["ms"]]))
+    layers = layer_host_us(args)
     report(rows, args.top)
-    device = (torch.cuda.get_device_name() if args.device == "cuda"
-              else f"cpu {platform.processor() or platform.machine()}")
+    print("\nlayer forward + backward, host us: " + ", ".join(
+        f"{name} {us:.1f}" for name, us in layers.items()))
+    device = torch.cuda.get_device_name() if args.device == "cuda" else cpu_name()
     path = write_json(f"compressed_host_{args.device}{args.tag}.json", {
         "device": device, "torch": torch.__version__, "python": sys.version.split()[0],
-        "args": vars(args), "rows": rows})
+        "args": vars(args), "rows": rows, "layer_host_us": layers})
     print(f"\n{path}")
 
 

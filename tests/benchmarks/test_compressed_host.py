@@ -37,3 +37,7 @@ def test_cpu_run_gives_the_host_table_and_json(tmp_path):
                     and "block_sparse/launch.py" in f["function"])
     assert launches["calls"] == 3 * 12 and compressed["reference_ms"] == 0
     assert rows["dense"]["own_ms"] == 0 < rows["masked-dense"]["own_ms"]
+    assert sorted(result["layer_host_us"]) == sorted(
+        f"{layer} {mode}" for layer in ("nn.Linear", "BlockSparseLinear")
+        for mode in ("float32", "autocast torch.bfloat16"))
+    assert all(us > 0 for us in result["layer_host_us"].values())
