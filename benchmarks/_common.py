@@ -1,7 +1,9 @@
-"""Shared helpers of the GPU benchmarks: environment, copy bandwidth, BERT-large shapes."""
+"""Shared helpers of the GPU benchmarks: environment, copy bandwidth, BERT-large shapes, and
+stand-ins for the Triton kernels in host-time runs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -18,6 +20,58 @@ class NoLaunch:
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: None
+
+
+class NoKernel:
+    """A compiled Triton kernel whose launch enqueues nothing (host-time runs)."""
+
+    function = packed_metadata = None
+
+    def run(self, *args) -> None:
+        pass
+
+    def launch_metadata(self, *args) -> None:
+        return None
+
+
+class NoTuning:
+    """An autotuner that hands back :class:`NoKernel` with its first config."""
+
+    def __init__(self, autotuner) -> None:
+        self.arg_names, self.fn = autotuner.arg_names, autotuner.fn
+        self.best_config = autotuner.configs[0]
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: NoKernel()
+
+
+@contextlib.contextmanager
+def stubbed_products():
+    """The block-sparse launchers serve CPU tensors with kernels that do nothing: the
+    GPU's tuned launch path, host side only. The weight gradient is split in two token
+    chunks (summed after the kernel), as on a GPU at BERT-base's token count."""
+    from sparse_training.kernels.block_sparse import kernels as bsk
+    from sparse_training.kernels.block_sparse import launch, ops
+    from sparse_training.kernels.block_sparse.topology import KERNEL_DTYPES
+
+    saved = {(module, name): getattr(module, name) for module, name in [
+        (bsk, "_DENSE_SPARSE"), (bsk, "_SAMPLED_DENSE_DENSE"), (bsk, "_multiprocessors"),
+        (bsk, "_major_capability"), (bsk, "_token_splits"), (launch, "current_stream"),
+        (ops, "_use_kernels")]}
+    for name in ("_DENSE_SPARSE", "_SAMPLED_DENSE_DENSE"):
+        tuned = getattr(bsk, name)
+        stand_in = launch.TunedKernel(NoTuning(tuned.kernel), tuned.grid)
+        stand_in.fast = True
+        setattr(bsk, name, stand_in)
+    bsk._multiprocessors, bsk._major_capability = (lambda index: 132), (lambda index: 9)
+    bsk._token_splits = lambda tokens, nnz, device: (-(-tokens // 2), 2)
+    launch.current_stream = lambda device: 0
+    ops._use_kernels = lambda t: t.dtype in KERNEL_DTYPES
+    try:
+        yield
+    finally:
+        for (module, name), value in saved.items():
+            setattr(module, name, value)
 
 
 def linear_and_inputs(in_features: int, out_features: int, tokens: int,

@@ -20,7 +20,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from sparse_training import BlockSparseLinear, SemiStructuredLinear, SparsityCallback
+from sparse_training import (
+    BlockSparseLinear,
+    SemiStructuredLinear,
+    SparsityCallback,
+    SparsityConfig,
+    SparsityEngine,
+)
 from sparse_training.kernels._triton import interpret_mode
 from sparse_training.kernels.block_sparse import BlockTopology, block_sparse_linear
 
@@ -327,3 +333,52 @@ def test_auto_compresses_large_blocks_on_a_gpu_trainer(lightning_log):
     gpu_trainer([sparse]).fit(model, DataLoader(data, batch_size=16))
     assert isinstance(model.net[0], BlockSparseLinear)
     assert "compressed" in lightning_log.text
+
+
+def engine_steps(model: nn.Module, engine, optimizer, x: torch.Tensor, steps: range) -> None:
+    """Training steps as Lightning runs them: the engine's step start, a closure (zero_grad,
+    forward under bf16 autocast, backward, the engine before the optimizer step) that the
+    optimizer's step runs, the step end."""
+    for step in steps:
+        engine.on_step_start(step)
+
+        def closure(step=step):
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", torch.bfloat16):
+                loss = model(x).float().square().mean()
+            loss.backward()
+            engine.before_optimizer_step(optimizer, step, clipping=False)
+            return loss
+
+        optimizer.step(closure)
+        engine.on_step_end()
+
+
+@pytest.mark.parametrize("masked", [False, True],
+                         ids=["compressed", "compressed and masked-dense"])
+def test_training_steps_of_compressed_layers_never_synchronize(masked):
+    """After two warm-up steps (autotuning, first launches and the mask update synchronize
+    there), training steps of compressed block layers (64x64 and 128x128, tensor
+    descriptors; the weight gradient split over token chunks) and, with ``masked``, a
+    masked-dense Linear (the fused optimizer step) make no host-device synchronization:
+    torch.cuda.set_sync_debug_mode("error") raises at the first."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(256),
+                          BlockSparseLinear(256, 512, (64, 64), density=0.1), nn.GELU(),
+                          BlockSparseLinear(512, 256, (128, 128), density=0.5),
+                          nn.Linear(256, 256)).cuda()
+    engine = SparsityEngine(model, SparsityConfig("block:64x64", sparsity=0.5,
+                                                  deny=[] if masked else [r"^4\."]))
+    assert (len(engine.compressed), len(engine.masked)) == (2, int(masked))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine.start(10)
+    engine.attach(optimizer)
+    x = torch.randn(2048, 256, device="cuda")
+    engine_steps(model, engine, optimizer, x, range(2))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine_steps(model, engine, optimizer, x, range(2, 5))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        engine.detach()

@@ -99,6 +99,7 @@ class SparsityCallback(Callback):
             raise TypeError(message)
         arguments = dict(locals())  # the settings, by the names of SparsityConfig's fields
         self.config = SparsityConfig(**{name: arguments[name] for name in SparsityConfig.names()})
+        self._state_key: str | None = None
         self.engine: SparsityEngine | None = None
         self._restored: dict[str, Any] | None = None
         self._unused_checked = False
@@ -114,9 +115,15 @@ class SparsityCallback(Callback):
 
     @property
     def state_key(self) -> str:
-        c = self.config
-        return self._generate_state_key(allow=list(c.allow), deny=list(c.deny),
-                                        layer_types=[t.__name__ for t in c.layer_types])
+        """Lightning's key of this callback's state: its selection (allow, deny, layer
+        types). Lightning reads it at every hook call; the config is frozen, so it is built
+        once."""
+        if self._state_key is None:
+            c = self.config
+            self._state_key = self._generate_state_key(
+                allow=list(c.allow), deny=list(c.deny),
+                layer_types=[t.__name__ for t in c.layer_types])
+        return self._state_key
 
     def _engine(self) -> SparsityEngine:
         if self.engine is None:

@@ -84,6 +84,30 @@ def test_weight_gradient_split_over_token_chunks_is_deterministic_and_exact():
     assert_close(first, want[2], torch.float32)
 
 
+@pytest.mark.parametrize("tokens", [11, 1100])  # one token chunk; fp32 partials summed
+def test_autocast_gradients_of_values_and_bias_come_unrounded_from_the_fp32_sums(tokens):
+    """Under bf16 autocast the eager op casts float32 values and bias inside its autograd
+    Function: the graph holds no cast node for them, and their float32 gradients are the
+    float64 reference of the bf16 operands to float32 accuracy (not rounded to bf16)."""
+    c = make_case(70, 45, tokens, (16, 32), "random", torch.float32).leaves()
+    with torch.autocast("cpu", torch.bfloat16):
+        out = block_sparse_linear(c.x, c.values, c.topology, c.bias)
+    function = out.grad_fn.next_functions[0][0]  # under the output's view
+    edges = [type(node).__name__ for node, _ in function.next_functions]  # tensor inputs
+    assert edges[1:] == ["AccumulateGrad", "AccumulateGrad"]  # values, bias: no cast node
+    grad = c.grad.bfloat16()
+    out.backward(grad)
+    rounded = make_case(70, 45, tokens, (16, 32), "random", torch.float32)
+    rounded.values, rounded.x, rounded.grad = (t.bfloat16().float() for t in (
+        c.values.detach(), c.x.detach(), grad))
+    rounded.bias = c.bias.detach().bfloat16().float()
+    _, grad_x, grad_values, grad_bias = rounded.want()
+    assert c.values.grad.dtype == c.bias.grad.dtype == c.x.grad.dtype == torch.float32
+    assert_close(c.values.grad, grad_values, torch.float32)
+    assert_close(c.bias.grad, grad_bias, torch.float32)
+    assert_close(c.x.grad, grad_x, torch.bfloat16)  # dX: the kernel's bf16 output
+
+
 class CompiledStandIn:
     """Plays the ``CompiledKernel`` that a GPU launch returns: its launcher gets every
     argument positionally (constexprs included) and runs the interpreted kernel."""

@@ -263,7 +263,8 @@ def _use_tma(requested: bool | None, block: tuple[int, int], *tensors: Tensor) -
 def _as_rows(t: Tensor) -> Tensor:
     """A 2-D operand as the kernels read it: unit stride along the features, any row
     stride; a contiguous copy only where ``t`` is not so (transposed, expanded views)."""
-    return t if t.stride(1) == 1 and t.stride(0) >= t.shape[1] else t.contiguous()
+    rows, features = t.stride()
+    return t if features == 1 and rows >= t.shape[1] else t.contiguous()
 
 
 _DENSE_SPARSE = TunedKernel(
@@ -289,7 +290,7 @@ def _dense_sparse(a: Tensor, values: Tensor, bias: Tensor | None, offsets: Tenso
         (a, values, out, values if bias is None else bias.contiguous(), offsets.contiguous(),
          indices, indices if block_ids is None else block_ids.contiguous()),
         (tokens, a.shape[1], out_width, segments, values.shape[0] * values.shape[1],
-         _token_bucket(tokens), a.stride(0), out.stride(0)),
+         _token_bucket(tokens), a.stride(0), out_width),  # out is contiguous
         KB=kb, NB=nb, GROUP_M=8, TRANS_B=transposed_blocks, USE_TMA=use_tma,
         HAS_BIAS=bias is not None, HAS_IDS=block_ids is not None,
         PRECISION=_precision(a.dtype), UPCAST=_INTERPRET)
@@ -323,6 +324,14 @@ def launch_input_grad(grad_out: Tensor, values: Tensor, topology: BlockTopology,
         ValueError: an operand that does not fit (:func:`~.topology.check_operands`).
     """
     check_operands(topology, values=values, grad_out=grad_out, kernel=True)
+    return input_grad_product(grad_out, values, topology, use_tma)
+
+
+def input_grad_product(grad_out: Tensor, values: Tensor, topology: BlockTopology,
+                       use_tma: bool | None = None) -> Tensor:
+    """:func:`launch_input_grad` without its checks, for operands that are known to fit
+    (the backward of a checked forward: autograd gives ``grad_out`` the output's shape,
+    dtype and device)."""
     r, c = topology.block
     return _dense_sparse(grad_out, values, None, topology.t_offsets, topology.t_row_indices,
                          topology.t_block_ids, topology.in_features, kb=r, nb=c,
@@ -352,8 +361,8 @@ def _token_splits(tokens: int, nnz: int, device: torch.device) -> tuple[int, int
 def launch_weight_grad(grad_out: Tensor, x: Tensor, topology: BlockTopology,
                        dtype: torch.dtype, use_tma: bool | None = None) -> Tensor:
     """``dV[p] = dY[:, rows(p)]^T X[:, cols(p)]`` at kept blocks (any strides), as a new
-    contiguous ``[nnz, R, C]`` tensor of ``dtype``; exactly 0 where a block hangs over the
-    weight's edge.
+    contiguous ``[nnz, R, C]`` tensor of ``dtype`` (rounded once from the fp32 sums);
+    exactly 0 where a block hangs over the weight's edge.
 
     Raises:
         ValueError: an operand that does not fit (:func:`~.topology.check_operands`), or
@@ -363,6 +372,13 @@ def launch_weight_grad(grad_out: Tensor, x: Tensor, topology: BlockTopology,
     if dtype not in KERNEL_DTYPES:
         raise ValueError(f"dtype {dtype!r} of the weight gradient is not one of "
                          f"{KERNEL_DTYPES}: pass values.dtype")
+    return weight_grad_product(grad_out, x, topology, dtype, use_tma)
+
+
+def weight_grad_product(grad_out: Tensor, x: Tensor, topology: BlockTopology,
+                        dtype: torch.dtype, use_tma: bool | None = None) -> Tensor:
+    """:func:`launch_weight_grad` without its checks, for operands that are known to fit
+    (:func:`input_grad_product`)."""
     (r, c), nnz, tokens = topology.block, topology.nnz, x.shape[0]
     if tokens == 0 or nnz == 0:
         return x.new_zeros((nnz, r, c), dtype=dtype)

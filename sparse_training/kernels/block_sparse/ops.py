@@ -56,48 +56,74 @@ def _forward(x: Tensor, values: Tensor, topology: BlockTopology, bias: Tensor | 
     return reference.forward_reference(x, values, topology, bias)
 
 
-def _input_grad(grad_out: Tensor, values: Tensor, topology: BlockTopology) -> Tensor:
+def _input_grad(grad_out: Tensor, values: Tensor, topology: BlockTopology,
+                checked: bool = True) -> Tensor:
+    """``dX``; ``checked`` False: operands known to fit, the launcher skips its checks."""
     if _use_kernels(grad_out):
+        if not checked:
+            return kernels.input_grad_product(grad_out, values, topology)
         return kernels.launch_input_grad(grad_out, values, topology)
     return reference.input_grad_reference(grad_out, values, topology)
 
 
-def _weight_grad(grad_out: Tensor, x: Tensor, values: Tensor, topology: BlockTopology
-                 ) -> Tensor:
+def _weight_grad(grad_out: Tensor, x: Tensor, topology: BlockTopology, dtype: torch.dtype,
+                 checked: bool = True) -> Tensor:
+    """``dValues`` in ``dtype``; ``checked`` as :func:`_input_grad`'s."""
     if _use_kernels(x):
-        return kernels.launch_weight_grad(grad_out, x, topology, values.dtype)
-    return reference.weight_grad_reference(grad_out, x, topology).to(values.dtype)
+        if not checked:
+            return kernels.weight_grad_product(grad_out, x, topology, dtype)
+        return kernels.launch_weight_grad(grad_out, x, topology, dtype)
+    return reference.weight_grad_reference(grad_out, x, topology).to(dtype)
 
 
-def _gradients(needs: tuple[bool, ...], grad_out: Tensor, x: Tensor, values: Tensor,
-               has_bias: bool, input_grad, weight_grad) -> tuple[Tensor | None, ...]:
-    """(dX, dValues, dBias) of ``Y = X W^T + b``; the products through the given ops."""
+def _gradients(needs: tuple[bool, ...], grad_out: Tensor, bias_dtype: torch.dtype | None,
+               input_grad, weight_grad) -> tuple[Tensor | None, ...]:
+    """(dX, dValues, dBias) of ``Y = X W^T + b``; the products through the given ops, the
+    bias gradient summed into ``bias_dtype`` (None: no bias)."""
     return (input_grad(grad_out) if needs[0] else None,
             weight_grad(grad_out) if needs[1] else None,
-            grad_out.sum(0) if has_bias and needs[2] else None)
+            grad_out.sum(0, dtype=bias_dtype) if bias_dtype is not None and needs[2] else None)
+
+
+def _autocast(t: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
+    """``t`` as autocast casts ``F.linear``'s operands to ``dtype``: the 32- and 16-bit
+    floats (others, int and float64, stay as they are and meet the checks)."""
+    if dtype is None or not isinstance(t, Tensor) or t.dtype not in AUTOCAST_DTYPES:
+        return t
+    return t.to(dtype)
 
 
 class BlockSparseLinearFunction(torch.autograd.Function):
     """Eager autograd of ``Y = X W^T + b`` (2-D ``x``): the launchers called directly,
-    without the custom ops' Python dispatch layers (host time the layer step pays)."""
+    without the custom ops' Python dispatch layers (host time the layer step pays).
+
+    ``dtype``: autocast's, or None. ``values`` and ``bias`` are cast to it here, where
+    autograd records no cast: their gradients come back in their own dtypes straight from
+    the fp32 sums (never rounded to ``dtype`` on the way), with no cast nodes or copies in
+    the backward. The operands are checked once, by the forward; the backward's are
+    autograd's (``grad_out`` has the output's shape, dtype and device) and the saved ones.
+    """
 
     @staticmethod
     def forward(ctx, x: Tensor, values: Tensor, topology: BlockTopology,
-                bias: Tensor | None) -> Tensor:
-        ctx.save_for_backward(x, values)
-        ctx.topology, ctx.has_bias = topology, bias is not None
-        return _forward(x, values, topology, bias)
+                bias: Tensor | None, dtype: torch.dtype | None) -> Tensor:
+        cast = _autocast(values, dtype)
+        out = _forward(x, cast, topology, _autocast(bias, dtype))
+        ctx.save_for_backward(x, cast)
+        ctx.topology, ctx.dtypes = topology, (values.dtype, None if bias is None else bias.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         refuse_create_graph("block_sparse_linear")
         x, values = ctx.saved_tensors
-        topology = ctx.topology
-        needs = ctx.needs_input_grad  # (x, values, topology, bias)
-        grads = _gradients((needs[0], needs[1], needs[3]), grad_out, x, values, ctx.has_bias,
-                           lambda g: _input_grad(g, values, topology),
-                           lambda g: _weight_grad(g, x, values, topology))
-        return grads[0], grads[1], None, grads[2]
+        topology, (values_dtype, bias_dtype) = ctx.topology, ctx.dtypes
+        needs = ctx.needs_input_grad  # (x, values, topology, bias, dtype)
+        grads = _gradients(
+            (needs[0], needs[1], needs[3]), grad_out, bias_dtype,
+            lambda g: _input_grad(g, values, topology, checked=False),
+            lambda g: _weight_grad(g, x, topology, values_dtype, checked=False))
+        return grads[0], grads[1], None, grads[2], None
 
 
 @torch.library.custom_op("sparse_training::block_sparse_linear", mutates_args=())
@@ -131,8 +157,8 @@ def _(grad_out, values, out_features, in_features, index_tensors):
 @torch.library.custom_op("sparse_training::block_sparse_linear_weight_grad", mutates_args=())
 def _weight_grad_op(grad_out: Tensor, x: Tensor, values: Tensor, out_features: int,
                     in_features: int, index_tensors: list[Tensor]) -> Tensor:
-    return _weight_grad(grad_out, x, values,
-                        _topology(values, out_features, in_features, index_tensors))
+    return _weight_grad(grad_out, x, _topology(values, out_features, in_features,
+                                               index_tensors), values.dtype)
 
 
 @_weight_grad_op.register_fake
@@ -146,13 +172,13 @@ def _setup_context(ctx, inputs, output) -> None:
     x, values, bias, out_features, in_features, index_tensors = inputs
     ctx.save_for_backward(x, values, *index_tensors)
     ctx.features = (out_features, in_features)
-    ctx.has_bias = bias is not None
+    ctx.bias_dtype = None if bias is None else bias.dtype
 
 
 def _backward(ctx, grad_out):
     x, values, *index_tensors = ctx.saved_tensors
     grads = _gradients(
-        ctx.needs_input_grad, grad_out, x, values, ctx.has_bias,
+        ctx.needs_input_grad, grad_out, ctx.bias_dtype,
         lambda g: _input_grad_op(g, values, *ctx.features, index_tensors),
         lambda g: _weight_grad_op(g, x, values, *ctx.features, index_tensors))
     return (*grads, None, None, [None] * len(index_tensors))
@@ -167,7 +193,9 @@ def block_sparse_linear(x: Tensor, values: Tensor, topology: BlockTopology,
 
     ``x`` has any leading dimensions and ``in_features`` last; every operand may have any
     strides. Under autocast ``x``, ``values`` and ``bias`` run in the autocast dtype, as
-    ``F.linear`` does; otherwise they share one dtype: float32, float16 or bfloat16 run
+    ``F.linear`` does (eager calls return the gradients of ``values`` and ``bias`` in their
+    own dtypes from the fp32 sums: :class:`BlockSparseLinearFunction`); otherwise they
+    share one dtype: float32, float16 or bfloat16 run
     the Triton kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``), float64 and other
     devices the pure-torch references. Eager calls go through
     :class:`BlockSparseLinearFunction`; under ``torch.compile`` through the custom ops,
@@ -183,18 +211,15 @@ def block_sparse_linear(x: Tensor, values: Tensor, topology: BlockTopology,
         what = f"shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
         raise ValueError(f"input must be a tensor of shape (..., {topology.in_features}), "
                          f"got {what}")
-    device_type = x.device.type  # meta, for one, has no autocast
+    device_type, dtype = x.device.type, None  # meta, for one, has no autocast
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
-        # as autocast casts F.linear's operands: the 32- and 16-bit floats (others, int and
-        # float64, stay as they are and meet the checks)
-        x, values, bias = (t.to(dtype) if isinstance(t, Tensor) and t.dtype in AUTOCAST_DTYPES
-                           else t for t in (x, values, bias))
+        x = _autocast(x, dtype)
     flat = x.reshape(-1, x.shape[-1])
     if torch.compiler.is_compiling():
         index_tensors = [getattr(topology, name) for name in INDEX_FIELDS]
-        out = _linear_op(flat, values, bias, topology.out_features, topology.in_features,
-                         index_tensors)
-    else:
-        out = BlockSparseLinearFunction.apply(flat, values, topology, bias)
+        out = _linear_op(flat, _autocast(values, dtype), _autocast(bias, dtype),
+                         topology.out_features, topology.in_features, index_tensors)
+    else:  # values and bias cast inside (BlockSparseLinearFunction)
+        out = BlockSparseLinearFunction.apply(flat, values, topology, bias, dtype)
     return out.view(*x.shape[:-1], topology.out_features)
