@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -99,7 +100,6 @@ class SparsityCallback(Callback):
             raise TypeError(message)
         arguments = dict(locals())  # the settings, by the names of SparsityConfig's fields
         self.config = SparsityConfig(**{name: arguments[name] for name in SparsityConfig.names()})
-        self._state_key: str | None = None
         self.engine: SparsityEngine | None = None
         self._restored: dict[str, Any] | None = None
         self._unused_checked = False
@@ -113,17 +113,14 @@ class SparsityCallback(Callback):
         """Build from a YAML file or dict with the constructor's keys; unknown keys raise."""
         return cls(**SparsityConfig.load(source))
 
-    @property
+    @functools.cached_property
     def state_key(self) -> str:
         """Lightning's key of this callback's state: its selection (allow, deny, layer
         types). Lightning reads it at every hook call; the config is frozen, so it is built
         once."""
-        if self._state_key is None:
-            c = self.config
-            self._state_key = self._generate_state_key(
-                allow=list(c.allow), deny=list(c.deny),
-                layer_types=[t.__name__ for t in c.layer_types])
-        return self._state_key
+        c = self.config
+        return self._generate_state_key(allow=list(c.allow), deny=list(c.deny),
+                                        layer_types=[t.__name__ for t in c.layer_types])
 
     def _engine(self) -> SparsityEngine:
         if self.engine is None:
