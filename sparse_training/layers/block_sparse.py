@@ -165,7 +165,9 @@ class BlockSparseLinear(CompressedLayer):
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> BlockSparseLinear:
         self._topology = None  # a device move replaces block_mask
-        return super()._apply(fn, recurse)
+        super()._apply(fn, recurse)
+        _rebuild_topology(self)
+        return self
 
     def block_sources(self, mask: Tensor) -> Tensor:
         """For each block ``mask`` keeps (row-major order), its position in ``values`` now,
@@ -371,3 +373,13 @@ class BlockSparseLinear(CompressedLayer):
 def _after_load(module: BlockSparseLinear, incompatible_keys) -> None:
     """After ``load_state_dict`` (checked in full before): the topology is rebuilt."""
     module._topology = None
+    _rebuild_topology(module)
+
+
+def _rebuild_topology(module: BlockSparseLinear) -> None:
+    """Build the topology now (not at the next forward) wherever the block mask has real
+    storage: a forward that ``torch.compile`` traces then finds it cached, where building
+    it would break the graph (:meth:`BlockSparseLinear._build_topology` runs eagerly) and
+    leave the compiled model in pieces for good."""
+    if module.block_mask.device.type != "meta" and not torch.compiler.is_compiling():
+        module._topology = module._build_topology()

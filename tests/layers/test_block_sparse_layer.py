@@ -96,6 +96,27 @@ def test_dtype_and_device_moves_rebuild_the_topology():
     assert layer.to("meta").topology.col_indices.device.type == "meta"  # as cpu -> cuda
 
 
+@pytest.mark.parametrize("change", ["device move", "load_state_dict"])
+def test_first_compiled_call_after_a_move_or_load_is_one_graph(change):
+    """A Trainer moves the model to its device (and a checkpoint loads into it) just before
+    the first, compiled forward: the topology is rebuilt eagerly there, so that forward
+    traces one graph (``fullgraph=True`` raises at a graph break) and matches eager."""
+    layer = BlockSparseLinear(IN, OUT, BLOCK, block_mask=masks_for_cases()["random"])
+    if change == "device move":
+        layer.to("cpu")
+    else:
+        layer.load_state_dict(copy.deepcopy(layer.state_dict()))
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    x = torch.randn(3, IN)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = compiled(x)
+    got.float().sum().backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = nn.functional.linear(x, layer.weight, layer.bias)
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+    assert layer.values.grad is not None and torch.isfinite(layer.values.grad).all()
+
+
 def test_sparsity_is_the_structural_zero_fraction_of_the_dense_weight():
     layer = BlockSparseLinear(IN, OUT, BLOCK, block_mask=masks_for_cases()["random"])
     with torch.no_grad():
