@@ -258,11 +258,12 @@ def run_child(args: argparse.Namespace) -> dict:
         profiled = {"profile": {**row, "exposed_host_ms": row["profiled_wall_ms"] - row["busy_ms"]}}
     if args.profile and settings is None:
         profiled["linear_shapes"] = linear_shapes(hf_model, DENY[args.model])
-        profiled["tokens"] = batch["input_ids"].numel()
     return {
         "variant": args.child, "ms": ms, **profiled,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
         "compressed_layers": kinds,
+        "trainable_parameters": sum(p.numel() for p in module.parameters() if p.requires_grad),
+        "tokens": batch["input_ids"].numel(),
         "masked_dense_tensors": len(engine.masked) if engine is not None else 0,
         "sparsity": engine.sparsity if engine is not None else 0.0,
         "loss_first": losses[0], "loss_last": losses[-1],
@@ -346,7 +347,7 @@ def report(args: argparse.Namespace, rows: list[dict], out: Path) -> None:
     print(f"\n{args.model}{f' ({args.layers} layers)' if args.model == 'llama' else ''}, "
           f"bf16-mixed, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
     print(f"{'variant':34s} {'ms/step':>8s} {'vs dense':>8s} {'limit':>6s} {'of lim':>6s} "
-          f"{'busy':>7s} {'host':>7s} {'peak GiB':>8s} {'compressed':>22s} {'masked':>6s} "
+          f"{'busy':>7s} {'host':>7s} {'peak GiB':>8s} {'tokens/s':>9s} {'trainable':>10s} {'compressed':>22s} {'masked':>6s} "
           f"{'loss first->last':>17s}")
     for r in rows:
         if "error" in r:
@@ -361,7 +362,8 @@ def report(args: argparse.Namespace, rows: list[dict], out: Path) -> None:
                   for k in ("busy_ms", "exposed_host_ms")]
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
         print(f"{r['variant']:34s} {r['ms']:8.1f} {cells[0]:>8s} {cells[1]:>6s} {cells[2]:>6s} "
-              f"{cells[3]:>7s} {cells[4]:>7s} {peak:>8s} {kinds:>22s} "
+              f"{cells[3]:>7s} {cells[4]:>7s} {peak:>8s} {r['tokens'] / r['ms'] * 1e3:9,.0f} "
+              f"{r['trainable_parameters'] / 1e6:9.1f}M {kinds:>22s} "
               f"{r['masked_dense_tensors']:6d} {r['loss_first']:8.3f}->{r['loss_last']:.3f}")
     print_families(rows)
     payload = {"model": args.model, "layers": args.layers, "steps": args.steps,

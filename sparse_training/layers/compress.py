@@ -40,12 +40,11 @@ from sparse_training.pieces.scores import DenseWeight
 if TYPE_CHECKING:
     from sparse_training.config import SparsityConfig
 
-# from benchmarks/e2e_step.py through pl.Trainer on an H100 (bf16-mixed, against dense with
-# fused AdamW; results/e2e_step_llama2_NVIDIA_H100_80GB_HBM3.json and the BERT-base table of
-# docs/performance.md): a Llama-8B-shaped 2-layer decoder with 128x128 blocks at 90% / 50%
-# trained 1.45x / 1.01x as fast as dense; BERT-base with 64x64 blocks at 90% slower than
-# dense (host-bound: at its 2.4M weights per matrix the kernels' launches cost more than
-# they save)
+# from benchmarks/e2e_step.py through pl.Trainer on an H100 (bf16-mixed, every variant
+# AdamW(fused=True); docs/performance.md "Whole training steps"): a Llama-8B-shaped 8-layer
+# decoder with 128x128 blocks at 90% / 75% / 50% trained 1.98x / 1.63x / 1.25x as fast as
+# dense; BERT-base (2.4M weights per matrix) with 64x64 blocks at 90% 1.04x, level with
+# masked-dense there (host time per layer call eats what the smaller products save)
 AUTO_MIN_WEIGHTS = 16 * 2**20
 AUTO_MAX_DENSITY = {128: 0.5, 64: 0.25}
 # 2:4 compressed layers: no faster than masked-dense end to end (same benchmark: Llama-shaped

@@ -5,13 +5,14 @@ script, checked against the tiny BERT's config."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from transformers import BertConfig
+from transformers import BertConfig, BertForQuestionAnswering
 
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "e2e_step.py"
 sys.path.insert(0, str(SCRIPT.parent))
@@ -69,7 +70,13 @@ def test_cpu_profile_gives_families_shapes_and_limits(tmp_path):
     h, i, n = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     assert sorted(map(tuple, dense["linear_shapes"])) == sorted(
         [(h, h, 1, 4 * n), (h, i, 1, n), (i, h, 1, n)])
-    assert dense["tokens"] == 4 * 32
+    assert dense["tokens"] == sparse["tokens"] == 4 * 32
+    # trainable parameters: the model's, less each selected weight's dropped 16x16 blocks
+    total = sum(p.numel() for p in BertForQuestionAnswering(config).parameters())
+    dropped = sum(count * 256 * math.floor(0.9 * (inp // 16) * (out // 16) + 0.5)
+                  for inp, out, _, count in dense["linear_shapes"])
+    assert dense["trainable_parameters"] == total
+    assert sparse["trainable_parameters"] == total - dropped
     shrinkable = dense["shrinkable"]["products_ms"] + dense["shrinkable"]["optimizer_ms"]
     assert 0 < shrinkable < dense["ms"]
     kept = 1 - sparse["sparsity"]
