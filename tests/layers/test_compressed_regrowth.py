@@ -131,3 +131,30 @@ def test_rigl_records_the_dense_gradient_only_at_regrowth_steps_and_frees_it():
         callbacks=[Watch()])
     assert recording == [True, False, False, False] * 3 + [False] * 4  # periods of 4 steps
     assert kept == [False] * 16  # the dense-sized buffer is freed at the update
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_the_recorded_dense_gradient_is_what_a_dense_linear_gets(autocast):
+    """RigL's recorded ``dY^T X`` of a compressed layer, summed over two backward passes as
+    over micro-batches, against a float64 sum and the weight gradient of an ``nn.Linear`` on
+    the same inputs and output gradients: in float32, and under bf16 autocast, where both
+    products run in bf16 (the recording costs a bf16 matmul, not an fp32 one)."""
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(48, 40)
+    layer = BlockSparseLinear.from_dense(dense, block=(16, 16), density=0.5)
+    slot = layer.slot("net.0.weight")
+    slot.recording = True
+    want = torch.zeros(40, 48, dtype=torch.float64)
+    for _ in range(2):
+        x, grad = torch.randn(3, 7, 48), torch.randn(3, 7, 40)
+        with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
+            outputs = layer(x), dense(x)
+        for out in outputs:
+            out.backward(grad.to(out.dtype))
+        want += grad.reshape(-1, 40).double().T @ x.reshape(-1, 48).double()
+    slot.recording = False
+    got = slot.dense_gradient
+    assert got.dtype == torch.float32 and got.shape == (40, 48)
+    tol = dict(atol=1e-5, rtol=1e-5) if autocast is None else dict(atol=0.1, rtol=0.02)
+    torch.testing.assert_close(got.double(), want, **tol)
+    torch.testing.assert_close(got, dense.weight.grad, **tol)
