@@ -1,0 +1,87 @@
+"""``torch.compile`` of an HF model whose Linears the callback compresses, through
+``pl.Trainer`` on the CPU (bf16 autocast, the kernels under the Triton interpreter): the
+compiled model traces one graph per step shape (``fullgraph=True`` raises at any graph
+break) after the Trainer has moved it, and trains as the eager model does. The GPU test of
+the same path is ``tests/test_gpu.py::test_trainer_compressed_hf_model_trains_and_matches_eager``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from sparse_training import BlockSparseLinear, SparsityCallback
+
+VOCAB, SEQ = 96, 16
+DENY = {"bert": ["embeddings", "qa_outputs"], "llama": ["embed_tokens", "lm_head"]}
+LINEARS_PER_LAYER = {"bert": 6, "llama": 7}
+
+
+class TinyHF(pl.LightningModule):
+    """A 2-layer HF BERT QA or Llama LM, compiled in ``__init__`` when ``compiled``."""
+
+    def __init__(self, family: str, compiled: bool) -> None:
+        super().__init__()
+        from transformers import (
+            BertConfig,
+            BertForQuestionAnswering,
+            LlamaConfig,
+            LlamaForCausalLM,
+        )
+
+        torch.manual_seed(0)
+        if family == "bert":
+            self.model = BertForQuestionAnswering(BertConfig(
+                hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                vocab_size=VOCAB, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0))
+        else:
+            self.model = LlamaForCausalLM(LlamaConfig(
+                hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, vocab_size=VOCAB,
+                max_position_embeddings=SEQ))
+        if compiled:
+            self.model = torch.compile(self.model, backend="aot_eager", fullgraph=True)
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def loader(family: str) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (6, SEQ), generator=g)
+    if family == "bert":
+        keys = ("input_ids", "attention_mask", "start_positions", "end_positions")
+        data = TensorDataset(ids, torch.ones_like(ids), torch.randint(0, SEQ, (6,), generator=g),
+                             torch.randint(0, SEQ, (6,), generator=g))
+    else:
+        keys, data = ("input_ids", "labels"), TensorDataset(ids, ids)
+    return DataLoader(data, batch_size=2, collate_fn=lambda items: dict(zip(
+        keys, (torch.stack(t) for t in zip(*items, strict=True)), strict=True)))
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_a_compiled_compressed_hf_model_is_one_graph_and_trains_as_eager(family):
+    torch._dynamo.reset()
+    losses = {}
+    for compiled in (False, True):
+        model = TinyHF(family, compiled)
+        sparse = SparsityCallback(pattern="block:16x16", sparsity=0.5, compress=True,
+                                  deny=DENY[family])
+        pl.Trainer(accelerator="cpu", precision="bf16-mixed", max_epochs=1, logger=False,
+                   enable_progress_bar=False, enable_model_summary=False,
+                   enable_checkpointing=False, callbacks=[sparse]).fit(model, loader(family))
+        layers = [m for m in model.modules() if isinstance(m, BlockSparseLinear)]
+        assert len(layers) == 2 * LINEARS_PER_LAYER[family]
+        losses[compiled] = model.losses
+    assert len(losses[True]) == 3 and all(map(torch.isfinite, torch.tensor(losses[True])))
+    torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]),
+                               atol=0.05, rtol=0.02)
