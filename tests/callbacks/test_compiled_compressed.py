@@ -85,3 +85,43 @@ def test_a_compiled_compressed_hf_model_is_one_graph_and_trains_as_eager(family)
     assert len(losses[True]) == 3 and all(map(torch.isfinite, torch.tensor(losses[True])))
     torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]),
                                atol=0.05, rtol=0.02)
+
+
+class GraphCount(pl.Callback):
+    """torch._dynamo's count of distinct compiled graphs at the end of every step, and the
+    compressed layers' block masks when training starts."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+        self.first_masks: list[torch.Tensor] = []
+
+    def on_train_start(self, trainer, pl_module):
+        self.first_masks = [m.block_mask.clone() for m in pl_module.modules()
+                            if isinstance(m, BlockSparseLinear)]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        from torch._dynamo.utils import counters
+
+        self.counts.append(counters["stats"]["unique_graphs"])
+
+
+def test_compiled_rigl_on_compressed_layers_regrows_without_piling_up_graphs():
+    """RigL on compressed layers records the dense gradient by hooks at its update steps,
+    which ``torch.compile`` (default, not ``fullgraph``) traces apart: regrowing at every
+    step, the graphs stop growing once each kind of step has compiled, and blocks move."""
+    torch._dynamo.reset()
+    model = TinyHF("llama", compiled=False)
+    model.model = torch.compile(model.model, backend="aot_eager")
+    sparse = SparsityCallback(pattern="block:16x16", sparsity=0.5, compress=True,
+                              deny=DENY["llama"], regrow="rigl", frequency=1, regrow_end=1.0)
+    counter, base = GraphCount(), loader("llama")
+    data = DataLoader(list(base.dataset) * 3, batch_size=2, collate_fn=base.collate_fn)
+    pl.Trainer(accelerator="cpu", precision="bf16-mixed", max_epochs=1, logger=False,
+               enable_progress_bar=False, enable_model_summary=False,
+               enable_checkpointing=False, callbacks=[sparse, counter]).fit(model, data)
+    assert sparse.engine.updater.last_regrow == 8 and len(counter.counts) == 9
+    assert counter.counts[4] == counter.counts[-1] > 0  # none after the first steps
+    last = [m.block_mask for m in model.modules() if isinstance(m, BlockSparseLinear)]
+    assert len(last) == 14
+    assert any(not torch.equal(a, b) for a, b in zip(counter.first_masks, last, strict=True))
+    assert all(map(torch.isfinite, torch.tensor(model.losses)))
