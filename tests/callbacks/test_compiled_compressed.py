@@ -69,22 +69,34 @@ def loader(family: str) -> DataLoader:
 
 
 @pytest.mark.parametrize("family", ["bert", "llama"])
-def test_a_compiled_compressed_hf_model_is_one_graph_and_trains_as_eager(family):
+def test_a_compiled_compressed_hf_model_is_one_graph_and_trains_as_eager(family, tmp_path):
+    """Compiled with ``fullgraph=True``, the compressed model trains as the eager one, and
+    its Lightning checkpoint loads strictly into the plain model as written (compiled in
+    ``__init__``, never compressed): each weight is the compressed layer's dense form."""
     torch._dynamo.reset()
     losses = {}
     for compiled in (False, True):
         model = TinyHF(family, compiled)
         sparse = SparsityCallback(pattern="block:16x16", sparsity=0.5, compress=True,
                                   deny=DENY[family])
-        pl.Trainer(accelerator="cpu", precision="bf16-mixed", max_epochs=1, logger=False,
-                   enable_progress_bar=False, enable_model_summary=False,
-                   enable_checkpointing=False, callbacks=[sparse]).fit(model, loader(family))
+        trainer = pl.Trainer(accelerator="cpu", precision="bf16-mixed", max_epochs=1,
+                             logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, enable_checkpointing=False,
+                             callbacks=[sparse])
+        trainer.fit(model, loader(family))
         layers = [m for m in model.modules() if isinstance(m, BlockSparseLinear)]
         assert len(layers) == 2 * LINEARS_PER_LAYER[family]
         losses[compiled] = model.losses
     assert len(losses[True]) == 3 and all(map(torch.isfinite, torch.tensor(losses[True])))
     torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]),
                                atol=0.05, rtol=0.02)
+    trainer.save_checkpoint(tmp_path / "compiled.ckpt")
+    plain = TinyHF.load_from_checkpoint(tmp_path / "compiled.ckpt", family=family,
+                                        compiled=True)  # strict
+    weights = dict(plain.named_parameters())
+    for name, layer in model.named_modules():
+        if isinstance(layer, BlockSparseLinear):
+            assert torch.equal(weights[f"{name}.weight"], layer.to_dense().weight.detach())
 
 
 class GraphCount(pl.Callback):
