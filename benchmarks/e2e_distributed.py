@@ -58,7 +58,7 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 from _common import NO_MULTICAST, communication_ms, print_row, printed_rows
-from e2e_step import BLOCK, LLAMA_SHAPES, build, settings_of, step_times
+from e2e_step import BLOCK, LLAMA_SHAPES, build, settings_of, step_times, user_adamw
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader
@@ -136,9 +136,7 @@ class ShardedCausalLM(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        # fused=False would not mean the default: torch takes its single-tensor loop
-        return torch.optim.AdamW(self.parameters(), lr=1e-5,
-                                 **({"fused": True} if self.fused else {}))
+        return user_adamw(self.parameters(), self.fused)
 
 
 def collective_gb(module: torch.nn.Module, world: int, gather_bytes: int, reduce_bytes: int = 4) -> dict:

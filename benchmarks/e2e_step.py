@@ -109,6 +109,15 @@ def settings_of(variant: str, model: str) -> tuple[dict | None, str | None, bool
     return settings, COMPILE_MODES.get(suffix), base != "dense"
 
 
+def user_adamw(parameters, fused: bool):
+    """The user's ``torch.optim.AdamW(lr=1e-5)``: ``fused=True`` when ``fused``, else torch's
+    default (foreach). ``fused=False`` would not mean the default: torch then takes its
+    single-tensor loop, since it picks foreach only when both options are left unset."""
+    import torch
+
+    return torch.optim.AdamW(parameters, lr=1e-5, **({"fused": True} if fused else {}))
+
+
 def build(model_name: str, layers: int, device: str = "cpu"):
     """(HF model on ``device``, one batch on the CPU), seeded."""
     import torch
@@ -222,10 +231,7 @@ def run_child(args: argparse.Namespace) -> dict:
             return loss
 
         def configure_optimizers(self):
-            # fused=False would not mean the default: torch takes its single-tensor loop
-            # unless both fused and foreach are left unset
-            return torch.optim.AdamW(self.parameters(), lr=1e-5,
-                                     **({"fused": True} if fused and gpu else {}))
+            return user_adamw(self.parameters(), fused and gpu)
 
     timed_total = args.warmup + args.steps + 1
     module, timer = Module(), step_times(args.warmup, timed_total, gpu)
@@ -347,8 +353,8 @@ def report(args: argparse.Namespace, rows: list[dict], out: Path) -> None:
     print(f"\n{args.model}{f' ({args.layers} layers)' if args.model == 'llama' else ''}, "
           f"bf16-mixed, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
     print(f"{'variant':34s} {'ms/step':>8s} {'vs dense':>8s} {'limit':>6s} {'of lim':>6s} "
-          f"{'busy':>7s} {'host':>7s} {'peak GiB':>8s} {'tokens/s':>9s} {'trainable':>10s} {'compressed':>22s} {'masked':>6s} "
-          f"{'loss first->last':>17s}")
+          f"{'busy':>7s} {'host':>7s} {'peak GiB':>8s} {'tokens/s':>9s} {'trainable':>10s} "
+          f"{'compressed':>22s} {'masked':>6s} {'loss first->last':>17s}")
     for r in rows:
         if "error" in r:
             print(f"{r['variant']:34s} FAILED: {r['error'][:200]}")

@@ -29,11 +29,18 @@ COLUMNS = [("name", "run", ""), ("family", "family", ""), ("sparsity", "sparsity
            ("seeds", "seeds", "d"), ("seconds", "s per run", ".0f"), ("error", "error", "")]
 
 
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of a results.json: ``{"settings": ..., "rows": [...]}``, or the plain list of
-    rows earlier sweeps wrote."""
+def read_results(path: Path) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """The rows and the run settings of a results.json: ``{"settings": ..., "rows": [...]}``,
+    or the plain list of rows earlier sweeps wrote (no settings)."""
     content = json.loads(path.read_text())
-    return content if isinstance(content, list) else content["rows"]
+    if isinstance(content, list):
+        return content, {}
+    return content["rows"], content.get("settings", {})
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a results.json (:func:`read_results`)."""
+    return read_results(path)[0]
 
 
 def previous_results(cfg: DictConfig, settings: dict[str, dict[str, Any]]
@@ -47,16 +54,14 @@ def previous_results(cfg: DictConfig, settings: dict[str, dict[str, Any]]
     path = Path(cfg.out_dir) / "results.json"
     if not cfg.resume or not path.is_file():
         return [], {}
-    content = json.loads(path.read_text())
-    saved = {} if isinstance(content, list) else content.get("settings", {})
+    rows, saved = read_results(path)
     for name, mine in settings.items():
         if name in saved and saved[name] != mine:
             raise ConfigError(
                 f"{path} holds run {name!r} made with other settings "
                 f"({differences(saved[name], mine, 'there', 'now')}); pass another out_dir, or "
                 f"resume=false to start over")
-    rows = [r for r in read_rows(path) if "error" not in r]
-    return rows, saved
+    return [r for r in rows if "error" not in r], saved
 
 
 def differences(old: dict[str, Any], new: dict[str, Any], old_label: str, new_label: str) -> str:
@@ -81,15 +86,14 @@ def merge_results(paths: list[Path]) -> tuple[list[dict[str, Any]], dict[str, di
     rows: dict[tuple[str, int], tuple[dict[str, Any], Path]] = {}
     settings: dict[str, tuple[dict[str, Any], Path]] = {}
     for path in paths:
-        content = json.loads(path.read_text())
-        saved = {} if isinstance(content, list) else content.get("settings", {})
+        file_rows, saved = read_results(path)
         for name, mine in saved.items():
             if name in settings and settings[name][0] != mine:
                 first, where = settings[name]
                 raise ConfigError(f"run {name!r} has other settings in {path} than in {where} "
                                   f"({differences(first, mine, 'there', 'here')})")
             settings.setdefault(name, (mine, path))
-        for row in read_rows(path):
+        for row in file_rows:
             key = (row["name"], row["seed"])
             kept = rows.get(key)
             if kept is None or ("error" in kept[0] and "error" not in row):

@@ -164,9 +164,8 @@ class BlockSparseLinear(CompressedLayer):
         return block_sparse_linear(x, self.values, self.topology, self.bias)
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> BlockSparseLinear:
-        self._topology = None  # a device move replaces block_mask
         super()._apply(fn, recurse)
-        _rebuild_topology(self)
+        _rebuild_topology(self)  # a device move replaces block_mask
         return self
 
     def block_sources(self, mask: Tensor) -> Tensor:
@@ -372,7 +371,6 @@ class BlockSparseLinear(CompressedLayer):
 
 def _after_load(module: BlockSparseLinear, incompatible_keys) -> None:
     """After ``load_state_dict`` (checked in full before): the topology is rebuilt."""
-    module._topology = None
     _rebuild_topology(module)
 
 
@@ -380,6 +378,7 @@ def _rebuild_topology(module: BlockSparseLinear) -> None:
     """Build the topology now (not at the next forward) wherever the block mask has real
     storage: a forward that ``torch.compile`` traces then finds it cached, where building
     it would break the graph (:meth:`BlockSparseLinear._build_topology` runs eagerly) and
-    leave the compiled model in pieces for good."""
-    if module.block_mask.device.type != "meta" and not torch.compiler.is_compiling():
-        module._topology = module._build_topology()
+    leave the compiled model in pieces for good. Elsewhere (meta tensors, inside a trace)
+    it is dropped, to be built at its next use."""
+    real = module.block_mask.device.type != "meta" and not torch.compiler.is_compiling()
+    module._topology = module._build_topology() if real else None

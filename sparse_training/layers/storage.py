@@ -170,10 +170,9 @@ class BlockSparseSlot(CompressedSlot):
     def _accumulate(self, x: Tensor, grad_out: Tensor) -> None:
         """Add ``dY^T X`` of one backward. With a bfloat16 ``dY`` (bf16 autocast) the product
         runs in bfloat16 (fp32 accumulation inside the matmul, its result rounded to bf16),
-        as autocast computes a masked-dense ``nn.Linear``'s weight gradient; in float32 it
-        would run at a fraction of the tensor cores' rate (no TF32 by default) and take
-        longer than the training step at LLM shapes. float16 ``dY`` (loss-scaled) stays in
-        float32, whose range holds any scaled sum."""
+        as autocast computes a masked-dense ``nn.Linear``'s weight gradient; float32 (no
+        TF32 by default) runs at a fraction of the tensor cores' bf16 rate. float16 ``dY``
+        (loss-scaled) stays in float32, whose range holds any scaled sum."""
         dtype = torch.bfloat16 if grad_out.dtype == torch.bfloat16 else torch.float32
         gradient = (grad_out.reshape(-1, grad_out.shape[-1]).T.to(dtype)
                     @ x.reshape(-1, x.shape[-1]).to(dtype)).float()
