@@ -7,6 +7,8 @@ Strides, poisoned tails in every load path, NaN ranking, ``torch.compile`` and t
 ops' fake implementations: ``test_block_sparse_inputs.py``.
 """
 
+import gc
+
 import pytest
 import torch
 import triton
@@ -199,6 +201,18 @@ def test_direct_launch_of_the_tuned_kernel_matches_the_autotuner_path(
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b)
     assert all(len(k._launches) > n for k, n in zip(tuned.values(), cached, strict=True))
+
+    # the direct launches are kept per topology (3 products, more for the strided operands
+    # where their keys differ), and go with it: a mask change makes a new topology
+    assert len(launch._OWNED[topology]) > 3
+
+    def owners_with_a_new_topology() -> int:
+        new = BlockTopology.from_block_mask(mask, out_f, in_f, block, nnz=topology.nnz)
+        bsk.launch_forward(x2, values, new, bias)
+        return len(launch._OWNED)
+    owners = owners_with_a_new_topology()
+    gc.collect()
+    assert len(launch._OWNED) == owners - 1
 
 
 def test_topology_views_describe_the_same_blocks():

@@ -18,7 +18,8 @@ there included. The launchers take operands of any strides: the kernels read ``x
 ``dY`` by row stride with unit feature stride, and ``values``, ``bias`` and the index
 tensors contiguous, so an operand is copied (``.contiguous()``) only where it is not so
 already. The tile sizes are tuned per shape bucket over :func:`block_sparse_configs`; once
-tuned, the GPU launches the compiled kernel directly (:class:`~.launch.TunedKernel`).
+tuned, the GPU launches the compiled kernel directly, by the launches kept per topology
+(:meth:`~.launch.TunedKernel.launch_by`, keyed by the token count, strides, dtypes, alignment).
 ``UPCAST``: Triton 3.9's interpreter multiplies 16-bit floats wrong in ``tl.dot``, so under
 ``TRITON_INTERPRET=1`` the operands are upcast to fp32 first (the GPU build never is).
 """
@@ -31,7 +32,7 @@ import torch
 from torch import Tensor
 
 from sparse_training.kernels._triton import interpret_mode, tl, triton
-from sparse_training.kernels.block_sparse.launch import TunedKernel
+from sparse_training.kernels.block_sparse.launch import TunedKernel, alignment
 from sparse_training.kernels.block_sparse.topology import (
     KERNEL_DTYPES,
     BlockTopology,
@@ -275,25 +276,33 @@ _SAMPLED_DENSE_DENSE = TunedKernel(
     lambda args: (args["nnz"], triton.cdiv(args["M"], args["chunk"])))
 
 
-def _dense_sparse(a: Tensor, values: Tensor, bias: Tensor | None, offsets: Tensor,
-                  indices: Tensor, block_ids: Tensor | None, out_width: int, kb: int,
-                  nb: int, transposed_blocks: bool, use_tma: bool | None) -> Tensor:
-    """``OUT = A @ S`` by :func:`_dense_sparse_kernel`, operands of any strides."""
+def _dense_sparse(a: Tensor, values: Tensor, bias: Tensor | None, topology: BlockTopology,
+                  transposed_blocks: bool, use_tma: bool | None) -> Tensor:
+    """``OUT = A @ S`` by :func:`_dense_sparse_kernel`, operands of any strides: over block
+    rows (``transposed_blocks``, the forward) or block columns (the input gradient)."""
     a, values = _as_rows(a), values.contiguous()
-    tokens, segments = a.shape[0], offsets.shape[0] - 1
-    out = a.new_empty(tokens, out_width)
+    if transposed_blocks:  # kept blocks in values' order: no block ids (a placeholder)
+        (nb, kb), out_width = topology.block, topology.out_features
+        index = (topology.row_offsets, topology.col_indices, topology.col_indices)
+    else:
+        (kb, nb), out_width = topology.block, topology.in_features
+        index = (topology.t_offsets, topology.t_row_indices, topology.t_block_ids)
+    out = a.new_empty(tokens := a.shape[0], out_width)
     if tokens == 0:
         return out
     use_tma = _use_tma(use_tma, (kb, nb), a, out, values)
-    indices = indices.contiguous()
-    _DENSE_SPARSE(
-        (a, values, out, values if bias is None else bias.contiguous(), offsets.contiguous(),
-         indices, indices if block_ids is None else block_ids.contiguous()),
-        (tokens, a.shape[1], out_width, segments, values.shape[0] * values.shape[1],
-         _token_bucket(tokens), a.stride(0), out_width),  # out is contiguous
-        KB=kb, NB=nb, GROUP_M=8, TRANS_B=transposed_blocks, USE_TMA=use_tma,
-        HAS_BIAS=bias is not None, HAS_IDS=block_ids is not None,
-        PRECISION=_precision(a.dtype), UPCAST=_INTERPRET)
+    operands = (a, values, out, values if bias is None else bias.contiguous())
+    precision = _precision(a.dtype)
+    _DENSE_SPARSE.launch_by(  # keyed by what the topology does not fix
+        topology, (transposed_blocks, tokens, a.shape[1], a.stride(0), a.dtype, values.dtype,
+                   bias is None or bias.dtype, use_tma, precision, alignment(operands)),
+        operands + index,
+        lambda: ((tokens, a.shape[1], out_width, index[0].shape[0] - 1,
+                  values.shape[0] * values.shape[1], _token_bucket(tokens), a.stride(0),
+                  out_width),  # out is contiguous
+                 dict(KB=kb, NB=nb, GROUP_M=8, TRANS_B=transposed_blocks, USE_TMA=use_tma,
+                      HAS_BIAS=bias is not None, HAS_IDS=not transposed_blocks,
+                      PRECISION=precision, UPCAST=_INTERPRET)))
     return out
 
 
@@ -309,10 +318,7 @@ def launch_forward(x: Tensor, values: Tensor, topology: BlockTopology,
         ValueError: an operand that does not fit (:func:`~.topology.check_operands`).
     """
     check_operands(topology, values=values, x=x, bias=bias, kernel=True)
-    r, c = topology.block
-    return _dense_sparse(x, values, bias, topology.row_offsets, topology.col_indices, None,
-                         topology.out_features, kb=c, nb=r, transposed_blocks=True,
-                         use_tma=use_tma)
+    return _dense_sparse(x, values, bias, topology, transposed_blocks=True, use_tma=use_tma)
 
 
 def launch_input_grad(grad_out: Tensor, values: Tensor, topology: BlockTopology,
@@ -332,10 +338,8 @@ def input_grad_product(grad_out: Tensor, values: Tensor, topology: BlockTopology
     """:func:`launch_input_grad` without its checks, for operands that are known to fit
     (the backward of a checked forward: autograd gives ``grad_out`` the output's shape,
     dtype and device)."""
-    r, c = topology.block
-    return _dense_sparse(grad_out, values, None, topology.t_offsets, topology.t_row_indices,
-                         topology.t_block_ids, topology.in_features, kb=r, nb=c,
-                         transposed_blocks=False, use_tma=use_tma)
+    return _dense_sparse(grad_out, values, None, topology, transposed_blocks=False,
+                         use_tma=use_tma)
 
 
 @functools.cache
@@ -386,10 +390,13 @@ def weight_grad_product(grad_out: Tensor, x: Tensor, topology: BlockTopology,
     chunk, splits = _token_splits(tokens, nnz, x.device)
     partial = x.new_empty((splits, nnz, r, c), dtype=torch.float32 if splits > 1 else dtype)
     use_tma = _use_tma(use_tma, (r, c), grad_out, x)
-    _SAMPLED_DENSE_DENSE(
-        (grad_out, x, partial, topology.row_indices.contiguous(),
-         topology.col_indices.contiguous()),
-        (tokens, grad_out.shape[1], x.shape[1], nnz, chunk, _token_bucket(tokens),
-         grad_out.stride(0), x.stride(0)),
-        R=r, C=c, USE_TMA=use_tma, PRECISION=_precision(x.dtype), UPCAST=_INTERPRET)
+    operands, precision = (grad_out, x, partial), _precision(x.dtype)
+    _SAMPLED_DENSE_DENSE.launch_by(  # keyed as _dense_sparse's
+        topology, (tokens, grad_out.shape[1], x.shape[1], grad_out.stride(0), x.stride(0),
+                   grad_out.dtype, x.dtype, partial.dtype, chunk, use_tma, precision,
+                   alignment(operands)),
+        (*operands, topology.row_indices, topology.col_indices),
+        lambda: ((tokens, grad_out.shape[1], x.shape[1], nnz, chunk, _token_bucket(tokens),
+                  grad_out.stride(0), x.stride(0)),
+                 dict(R=r, C=c, USE_TMA=use_tma, PRECISION=precision, UPCAST=_INTERPRET)))
     return partial[0] if splits == 1 else partial.sum(0).to(dtype)

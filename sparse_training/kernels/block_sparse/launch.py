@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+from weakref import WeakKeyDictionary
 
 from torch import Tensor
 from triton import knobs
@@ -35,6 +36,39 @@ def _hooks() -> tuple[Any, Any]:
             exit_ if getattr(exit_, "calls", exit_) else None)
 
 
+def alignment(tensors: tuple[Tensor, ...]) -> int:
+    """Which of ``tensors`` start 16-byte aligned, as bits (the first the highest): what
+    Triton specializes pointers on."""
+    aligned = 0
+    for t in tensors:
+        aligned = aligned << 1 | (t.data_ptr() % 16 == 0)
+    return aligned
+
+
+class Launch:
+    """The direct launch of one tuned and compiled specialization of a kernel: its launcher,
+    loaded function and packed metadata, the grid, and the arguments after the tensors (the
+    scalars, then the constexprs as the autotuner and the heuristics chose them)."""
+
+    __slots__ = ("compiled", "run", "function", "packed", "grid", "arguments", "device")
+
+    def __init__(self, compiled: Any, grid: tuple[int, ...], arguments: tuple,
+                 device: int | None) -> None:
+        self.compiled, self.grid, self.arguments, self.device = compiled, grid, arguments, device
+        self.run, self.function = compiled.run, compiled.function
+        self.packed = compiled.packed_metadata
+
+    def __call__(self, tensors: tuple[Tensor, ...]) -> None:
+        """Launch on ``tensors`` (of the dtypes, alignment and device it was built for) on
+        torch's current stream, with Triton's launch hooks where a profiler set them."""
+        grid, stream = self.grid, current_stream(self.device)
+        args = (*tensors, *self.arguments)
+        enter, exit_ = _hooks()
+        metadata = (None if enter is None and exit_ is None
+                    else self.compiled.launch_metadata(grid, stream, *args))
+        self.run(*grid, stream, self.function, self.packed, metadata, enter, exit_, *args)
+
+
 class TunedKernel:
     """An ``@triton.autotune`` kernel (over optional ``@triton.heuristics``) whose
     parameters are its tensors, then its runtime integers, then its constexprs.
@@ -55,32 +89,29 @@ class TunedKernel:
         while isinstance(fn, Heuristics):
             self._heuristics.update(fn.values)
             fn = fn.fn
-        self._launches: dict[tuple, tuple] = {}
+        self._launches: dict[tuple, Launch] = {}
 
     def __call__(self, tensors: tuple[Tensor, ...], scalars: tuple[int, ...],
-                 **meta: Any) -> None:
+                 **meta: Any) -> Launch | None:
         """Launch on ``tensors`` and ``scalars`` (in parameter order) with constexprs
-        ``meta`` (those the autotuner and the heuristics do not set)."""
+        ``meta`` (those the autotuner and the heuristics do not set); the direct launch of
+        this call's specialization, which serves later calls of the same key, or None where
+        there is none (the interpreter, or a cache hook that skipped compiling)."""
         if not self.fast:
             self._launch(tensors, scalars, meta)
-            return
-        aligned = 0  # Triton specializes pointers on 16-byte alignment
-        for t in tensors:
-            aligned = aligned << 1 | (t.data_ptr() % 16 == 0)
+            return None
         device = tensors[0].device.index
-        key = (device, aligned, *scalars, *meta.values(), *[t.dtype for t in tensors])
+        key = (device, alignment(tensors), *scalars, *meta.values(),
+               *[t.dtype for t in tensors])
         launch = self._launches.get(key)
         if launch is None:
             compiled = self._launch(tensors, scalars, meta)
             if compiled is not None:
-                self._launches[key] = self._remember(compiled, tensors + scalars, meta)
-            return
-        compiled, run, function, packed, grid, constexprs = launch
-        stream, args = current_stream(device), (*tensors, *scalars, *constexprs)
-        enter, exit_ = _hooks()
-        metadata = (None if enter is None and exit_ is None
-                    else compiled.launch_metadata(grid, stream, *args))
-        run(*grid, stream, function, packed, metadata, enter, exit_, *args)
+                launch = self._launches[key] = self._remember(compiled, tensors, scalars,
+                                                              meta, device)
+        else:
+            launch(tensors)
+        return launch
 
     def _launch(self, tensors: tuple[Tensor, ...], scalars: tuple[int, ...],
                 meta: dict[str, Any]) -> Any:
@@ -91,15 +122,38 @@ class TunedKernel:
         return self.kernel[lambda bound: self.grid({**bound, **named})](
             *tensors, *scalars, **meta)
 
-    def _remember(self, compiled: Any, args: tuple, meta: dict[str, Any]) -> tuple:
-        """What the direct launch needs: the compiled kernel, its launcher, loaded function
-        and packed metadata, the grid and the constexpr arguments as the autotuner chose
-        them."""
+    def _remember(self, compiled: Any, tensors: tuple[Tensor, ...], scalars: tuple[int, ...],
+                  meta: dict[str, Any], device: int | None) -> Launch:
+        """The direct launch of ``compiled`` with the grid and the constexpr arguments as
+        the autotuner and the heuristics chose them."""
+        args = tensors + scalars
         named = {**dict(zip(self._names, args, strict=False)),
                  **meta, **self.kernel.best_config.kwargs}
         for name, rule in self._heuristics.items():
             named[name] = rule(named)
         grid = (*self.grid(named), 1, 1)[:3]
         constexprs = tuple(named[name] for name in self._names[len(args):])
-        return (compiled, compiled.run, compiled.function, compiled.packed_metadata, grid,
-                constexprs)
+        return Launch(compiled, grid, scalars + constexprs, device)
+
+    def launch_by(self, owner: object, key: tuple, tensors: tuple[Tensor, ...],
+                  arguments: Callable[[], tuple[tuple[int, ...], dict[str, Any]]]) -> None:
+        """Launch on ``tensors`` by a key of the caller's: directly where ``owner`` (a
+        topology) holds a launch of ``key``, else with ``arguments()`` (the scalars and
+        the constexprs) as :meth:`__call__` does, keeping its launch for ``owner``.
+
+        ``key`` must determine the arguments and the dtypes, the alignment and the device
+        of ``tensors`` wherever ``owner`` does not: what it costs is only the key.
+        """
+        launches = _OWNED.get(owner)
+        launch = None if launches is None else launches.get(key)
+        if launch is not None:
+            launch(tensors)
+            return
+        scalars, meta = arguments()
+        launch = self(tensors, scalars, **meta)
+        if launch is not None:
+            _OWNED.setdefault(owner, {})[key] = launch
+
+
+_OWNED: WeakKeyDictionary[object, dict[tuple, Launch]] = WeakKeyDictionary()
+"""The launches :meth:`TunedKernel.launch_by` keeps, per owner (dropped with it)."""

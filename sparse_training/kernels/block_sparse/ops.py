@@ -56,22 +56,17 @@ def _forward(x: Tensor, values: Tensor, topology: BlockTopology, bias: Tensor | 
     return reference.forward_reference(x, values, topology, bias)
 
 
-def _input_grad(grad_out: Tensor, values: Tensor, topology: BlockTopology,
-                checked: bool = True) -> Tensor:
-    """``dX``; ``checked`` False: operands known to fit, the launcher skips its checks."""
+def _input_grad(grad_out: Tensor, values: Tensor, topology: BlockTopology) -> Tensor:
+    """``dX``, its operands checked."""
     if _use_kernels(grad_out):
-        if not checked:
-            return kernels.input_grad_product(grad_out, values, topology)
         return kernels.launch_input_grad(grad_out, values, topology)
     return reference.input_grad_reference(grad_out, values, topology)
 
 
-def _weight_grad(grad_out: Tensor, x: Tensor, topology: BlockTopology, dtype: torch.dtype,
-                 checked: bool = True) -> Tensor:
-    """``dValues`` in ``dtype``; ``checked`` as :func:`_input_grad`'s."""
+def _weight_grad(grad_out: Tensor, x: Tensor, topology: BlockTopology,
+                 dtype: torch.dtype) -> Tensor:
+    """``dValues`` in ``dtype``, its operands checked."""
     if _use_kernels(x):
-        if not checked:
-            return kernels.weight_grad_product(grad_out, x, topology, dtype)
         return kernels.launch_weight_grad(grad_out, x, topology, dtype)
     return reference.weight_grad_reference(grad_out, x, topology).to(dtype)
 
@@ -100,15 +95,17 @@ class BlockSparseLinearFunction(torch.autograd.Function):
     ``dtype``: autocast's, or None. ``values`` and ``bias`` are cast to it here, where
     autograd records no cast: their gradients come back in their own dtypes straight from
     the fp32 sums (never rounded to ``dtype`` on the way), with no cast nodes or copies in
-    the backward. The operands are checked once, by the forward; the backward's are
+    the backward. The operands are checked once, by the forward, which also picks the
+    kernels or the references for all three products: the backward's operands are
     autograd's (``grad_out`` has the output's shape, dtype and device) and the saved ones.
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, values: Tensor, topology: BlockTopology,
                 bias: Tensor | None, dtype: torch.dtype | None) -> Tensor:
-        cast = _autocast(values, dtype)
-        out = _forward(x, cast, topology, _autocast(bias, dtype))
+        cast, ctx.kernels = _autocast(values, dtype), _use_kernels(x)
+        product = kernels.launch_forward if ctx.kernels else reference.forward_reference
+        out = product(x, cast, topology, _autocast(bias, dtype))
         ctx.save_for_backward(x, cast)
         ctx.topology, ctx.dtypes = topology, (values.dtype, None if bias is None else bias.dtype)
         return out
@@ -119,10 +116,12 @@ class BlockSparseLinearFunction(torch.autograd.Function):
         x, values = ctx.saved_tensors
         topology, (values_dtype, bias_dtype) = ctx.topology, ctx.dtypes
         needs = ctx.needs_input_grad  # (x, values, topology, bias, dtype)
+        input_grad, weight_grad = ((kernels.input_grad_product, kernels.weight_grad_product)
+                                   if ctx.kernels else (_input_grad, _weight_grad))
         grads = _gradients(
             (needs[0], needs[1], needs[3]), grad_out, bias_dtype,
-            lambda g: _input_grad(g, values, topology, checked=False),
-            lambda g: _weight_grad(g, x, topology, values_dtype, checked=False))
+            lambda g: input_grad(g, values, topology),
+            lambda g: weight_grad(g, x, topology, values_dtype))
         return grads[0], grads[1], None, grads[2], None
 
 

@@ -69,7 +69,10 @@ class BlockTopology:
     t_block_ids: Tensor
 
     def __post_init__(self) -> None:
-        """Raises ValueError where the fields do not describe one block grid: sizes that
+        """Keeps the index tensors contiguous (copied where given otherwise): the kernels
+        read them so, at addresses fixed for the topology's life.
+
+        Raises ValueError where the fields do not describe one block grid: sizes that
         are not positive, index tensors that are not 1-D integer tensors on one device, or
         of lengths other than ``grid + 1`` (offsets) and ``nnz`` (indices)."""
         _check_weight_shape(self.out_features, self.in_features, self.block)
@@ -87,6 +90,7 @@ class BlockTopology:
                     f"({length},) on {device} for a ({self.out_features}, "
                     f"{self.in_features}) weight in {tuple(self.block)} blocks with {nnz} "
                     f"kept, got {got}: build topologies with BlockTopology.from_block_mask")
+            object.__setattr__(self, name, t.contiguous())  # (frozen)
 
     @classmethod
     def from_block_mask(cls, block_mask: Tensor, out_features: int, in_features: int,
