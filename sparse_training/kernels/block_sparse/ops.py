@@ -10,8 +10,11 @@ graph break, and the backward is registered on the forward op.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from sparse_training.kernels._autograd import AUTOCAST_DTYPES, refuse_create_graph
 from sparse_training.kernels._triton import HAS_TRITON, kernels_run_on
@@ -31,7 +34,10 @@ else:  # the references serve every device
 
 def _topology(values: Tensor, out_features: int, in_features: int,
               index_tensors: list[Tensor]) -> BlockTopology:
-    """The topology the custom ops' arguments describe (the block from ``values``).
+    """The topology the custom ops' arguments describe (the block from ``values``): the
+    one already built on these very index tensors where it is still alive (a compiled
+    graph passes a layer's own tensors at every call, and the launches the kernels keep
+    per topology serve it), else a new one.
 
     Raises:
         ValueError: ``values`` not 3-D, or fields that do not fit one block grid.
@@ -41,7 +47,23 @@ def _topology(values: Tensor, out_features: int, in_features: int,
     if len(index_tensors) != len(INDEX_FIELDS):
         raise ValueError(f"index_tensors must hold the topology's {', '.join(INDEX_FIELDS)}, "
                          f"got {len(index_tensors)} tensors")
-    return BlockTopology(out_features, in_features, tuple(values.shape[1:]), *index_tensors)
+    block = tuple(values.shape[1:])
+    known = _BUILT.get(index_tensors[0])
+    topology = None if known is None else known()
+    if topology is not None and all(
+            getattr(topology, name) is t
+            for name, t in zip(INDEX_FIELDS, index_tensors, strict=True)) and (
+            (topology.out_features, topology.in_features, topology.block)
+            == (out_features, in_features, block)):
+        return topology
+    topology = BlockTopology(out_features, in_features, block, *index_tensors)
+    _BUILT[index_tensors[0]] = weakref.ref(topology)
+    return topology
+
+
+_BUILT: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""The topologies :func:`_topology` built, by their first index tensor, held weakly (the
+layer that owns a topology keeps it alive)."""
 
 
 def _use_kernels(t: Tensor) -> bool:
@@ -210,8 +232,11 @@ def block_sparse_linear(x: Tensor, values: Tensor, topology: BlockTopology,
         what = f"shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
         raise ValueError(f"input must be a tensor of shape (..., {topology.in_features}), "
                          f"got {what}")
-    device_type, dtype = x.device.type, None  # meta, for one, has no autocast
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    device_type, dtype = x.device.type, None
+    # meta, for one, has no autocast; torch 2.11's compiler breaks the graph on the check
+    # (and then runs a model's loop over its layers eagerly), and traces real devices only
+    available = torch.compiler.is_compiling() or torch.amp.is_autocast_available(device_type)
+    if available and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         x = _autocast(x, dtype)
     flat = x.reshape(-1, x.shape[-1])
