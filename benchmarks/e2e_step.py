@@ -326,6 +326,7 @@ def main() -> None:
                                              f"{proc.stderr.strip()[-400:]}"})
         row["wall_s"] = time.perf_counter() - start
         rows.append(row)
+        save(args, rows, out)
         print(f"{variant}: {row.get('ms') or row.get('error')}", flush=True)
     result.unlink(missing_ok=True)
     report(args, rows, out)
@@ -372,13 +373,21 @@ def report(args: argparse.Namespace, rows: list[dict], out: Path) -> None:
               f"{r['trainable_parameters'] / 1e6:9.1f}M {kinds:>22s} "
               f"{r['masked_dense_tensors']:6d} {r['loss_first']:8.3f}->{r['loss_last']:.3f}")
     print_families(rows)
+    print(f"wrote {save(args, rows, out)}")
+
+
+def save(args: argparse.Namespace, rows: list[dict], out: Path) -> Path:
+    """The rows so far as ``e2e_step_<model><tag>.json`` in ``out`` (written after every
+    run, so a sweep cut short by a time limit keeps the rows it finished)."""
+    import torch
+
     payload = {"model": args.model, "layers": args.layers, "steps": args.steps,
                "warmup": args.warmup, "torch": torch.__version__,
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "rows": rows}
-    name = f"e2e_step_{args.model}{args.tag}.json"
-    (out / name).write_text(json.dumps(payload, indent=1))
-    print(f"wrote {out / name}")
+    path = out / f"e2e_step_{args.model}{args.tag}.json"
+    path.write_text(json.dumps(payload, indent=1))
+    return path
 
 
 def print_families(rows: list[dict]) -> None:
