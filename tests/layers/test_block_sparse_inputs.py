@@ -10,6 +10,7 @@ built by loops over the kept blocks) or, for compiled runs, against the eager ru
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -157,6 +158,31 @@ def test_custom_ops_pass_opcheck_with_strided_inputs(op, args):
     torch.library.opcheck(getattr(OPS, op).default, args(c, index_tensors))
     real = getattr(OPS, op)(*args(c, index_tensors))
     assert real.is_contiguous() and not real.isnan().any()
+
+
+def test_custom_op_calls_on_the_same_index_tensors_share_one_topology(monkeypatch):
+    """A compiled graph passes a layer's own index tensors at every call: the ops build
+    its topology once (the kernels keep their direct launches per topology) and build a
+    new one for other tensors and after the first one is gone."""
+    from sparse_training.kernels.block_sparse import ops
+
+    c = strided_case(LAYOUTS["all"])
+    built = []
+    real = ops._forward
+    monkeypatch.setattr(ops, "_forward", lambda x, v, t, b: built.append(t) or real(x, v, t, b))
+    index = [getattr(c.topology, name) for name in INDEX_FIELDS]
+    with torch.no_grad():
+        first = OPS.block_sparse_linear(c.x, c.values, c.bias, 70, 45, index)
+        again = OPS.block_sparse_linear(c.x, c.values, c.bias, 70, 45, index)
+        OPS.block_sparse_linear(c.x, c.values, c.bias, 70, 45, [t.clone() for t in index])
+    assert torch.equal(first, again)
+    assert built[0] is built[1] and built[2] is not built[0]
+    assert (built[0].out_features, built[0].in_features) == (70, 45)
+    del built[:]
+    gc.collect()  # the topologies are gone: a call builds a new one on the same tensors
+    with torch.no_grad():
+        OPS.block_sparse_linear(c.x, c.values, c.bias, 70, 45, index)
+    assert len(built) == 1
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf")])
