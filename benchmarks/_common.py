@@ -1,5 +1,5 @@
-"""Shared helpers of the GPU benchmarks: environment, copy bandwidth, BERT-large shapes, and
-stand-ins for the Triton kernels in host-time runs."""
+"""Shared helpers of the GPU benchmarks: environment and CPU name, copy bandwidth, BERT-large
+shapes, and stand-ins for the Triton kernels in host-time runs."""
 
 from __future__ import annotations
 
@@ -180,6 +180,16 @@ def environment() -> dict:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
     }
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), and how many cores this process may use."""
+    name = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        name = next((line.split(":", 1)[1].strip() for line in f
+                     if line.startswith("model name")), name)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{name}, {cores} cores"
 
 
 def bert_large_shapes() -> list[tuple[int, ...]]:

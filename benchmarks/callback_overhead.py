@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import re
 import statistics
 import time
 from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
+from _common import cpu_name
 from pytorch_lightning.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -103,8 +104,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
-    device_name = (torch.cuda.get_device_name() if args.device == "cuda"
-                   else platform.processor() or platform.machine())
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else cpu_name()
     rows = [time_steps(m, v, args.device, args.steps) for m in MODELS for v in VARIANTS]
     lines = [f"Callback overhead per training step on {device_name}, torch {torch.__version__}",
              "", "| model | variant | median step (ms) | vs dense | first step (ms) |",
@@ -117,7 +117,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
-    tag = device_name.replace(" ", "_")
+    tag = re.sub(r"[^\w.-]+", "_", device_name)  # a CPU's name holds commas and parentheses
     (args.out / f"callback_overhead_{tag}.json").write_text(json.dumps(
         {"device": device_name, "torch": torch.__version__, "rows": rows, "table": table},
         indent=2))

@@ -44,7 +44,6 @@ import cProfile
 import gc
 import logging
 import os
-import platform
 import pstats
 import statistics
 import sys
@@ -54,7 +53,7 @@ import warnings
 os.environ["TRITON_INTERPRET"] = "0"  # products stubbed or referenced, never interpreted
 
 import torch  # noqa: E402
-from _common import stubbed_products, write_json  # noqa: E402
+from _common import cpu_name, stubbed_products, write_json  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 VARIANTS = ("dense", "masked-dense", "compressed")
@@ -309,16 +308,6 @@ def report(rows: list[dict], top: int) -> None:
             print(f"{f['calls']:7.0f} {f['own_us']:8.0f} {f['cum_us']:8.0f}  {f['function']}")
         if r["sync_sites"]:
             print("synchronizing calls: " + ", ".join(r["sync_sites"]))
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux), and how many cores this process may use."""
-    name = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        name = next((line.split(":", 1)[1].strip() for line in f
-                     if line.startswith("model name")), name)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{name}, {cores} cores"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -38,6 +38,7 @@ from benchmarks._common import (  # noqa: E402
     bench_ms,
     bert_large_shapes,
     copy_bandwidth_gbs,
+    cpu_name,
     environment,
     host_ms,
     write_json,
@@ -155,8 +156,6 @@ def main() -> None:
 
 def host_cpu(calls: int = 200, repeats: int = 7) -> None:
     """Host time per ``nm_topk_masks`` call on the CPU, launch stubbed (see the docstring)."""
-    import platform
-
     os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors take the kernel path (stubbed)
     nmk._nm_topk_kernel = NoLaunch()
     shapes = [s for s in bert_large_shapes() if len(s) == 2 and s[0] % 16 == 0]
@@ -187,7 +186,7 @@ def host_cpu(calls: int = 200, repeats: int = 7) -> None:
         "views_us": best_us(lambda: plan.views(out)),
         "empty_us": best_us(lambda: torch.empty(plan.total, dtype=torch.uint8)),
     }
-    cpu = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
+    cpu = cpu_name()
     path = write_json("mask_host_cpu.json", {"cpu": cpu, "torch": torch.__version__, **row})
     print(f"nm_topk_masks over {len(scores)} BERT-large shapes, launch stubbed ({cpu}):")
     for key, value in row.items():

@@ -44,6 +44,7 @@ from benchmarks._common import (  # noqa: E402
     bench_ms,
     bert_large_shapes,
     copy_bandwidth_gbs,
+    cpu_name,
     environment,
     host_ms,
     write_json,
@@ -335,18 +336,12 @@ def host_cpu(calls: int = 100, repeats: int = 5) -> None:
             }
             del opt, params, grads, masks
             gc.collect()
-    path = write_json("host_step_cpu.json", {"cpu": platform_cpu(), "runs": rows})
+    path = write_json("host_step_cpu.json", {"cpu": f"{cpu_name()}, torch {torch.__version__}", "runs": rows})
     print("| case | tensors | host us/call, cached plan | plan rebuilt each call |")
     print("|---|---|---|---|")
     for case, r in rows.items():
         print(f"| {case} | {r['tensors']} | {r['cached_us']:.0f} | {r['plan_rebuilt_us']:.0f} |")
     print(f"(best of {repeats} x {calls} calls, set_grads subtracted; JSON: {path})")
-
-
-def platform_cpu() -> str:
-    import platform
-
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
 
 
 if __name__ == "__main__":

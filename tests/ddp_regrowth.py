@@ -27,7 +27,7 @@ import pytorch_lightning as pl  # noqa: E402
 from pytorch_lightning.callbacks import Callback  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import BlockNet, SaveAndStop, TinyNet, make_loader  # noqa: E402
+from conftest import BlockNet, SaveAndStop, TinyNet, exit_skipping_teardown, make_loader  # noqa: E402
 
 from sparse_training import SparsityCallback  # noqa: E402
 from sparse_training.engine.distributed import check_across_ranks, mask_checksum  # noqa: E402
@@ -139,9 +139,4 @@ if __name__ == "__main__":
     for run_name in RUNS:
         run(run_name, out_dir, accelerator_name)
     stop_and_resume("rigl", out_dir, accelerator_name)
-    # every record is written: skip the interpreter's teardown, where gloo's threads, still
-    # joinable in a process group's destructor, now and then abort the process
-    # ("terminate called without an active exception", exit -6) after the work is done
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_skipping_teardown()

@@ -35,7 +35,7 @@ from pytorch_lightning.callbacks import Callback  # noqa: E402
 from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import SaveAndStop, make_loader  # noqa: E402
+from conftest import SaveAndStop, exit_skipping_teardown, make_loader  # noqa: E402
 
 from sparse_training import SparsityCallback, SparsityConfig, SparsityEngine  # noqa: E402
 from sparse_training.engine.distributed import mask_checksum  # noqa: E402
@@ -286,9 +286,4 @@ if __name__ == "__main__":
     out_dir = Path(sys.argv[1])
     out_dir.mkdir(parents=True, exist_ok=True)
     main(out_dir, sys.argv[2] if len(sys.argv) > 2 else "cpu")
-    # every record is written: skip the interpreter's teardown, where gloo's threads, still
-    # joinable in a process group's destructor, now and then abort the process
-    # ("terminate called without an active exception", exit -6) after the work is done
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_skipping_teardown()
