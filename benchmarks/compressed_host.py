@@ -10,6 +10,7 @@ the default on a GPU, in three variants in one process: dense, masked-dense
     python3 benchmarks/compressed_host.py                   # CPU: products stubbed
     python3 benchmarks/compressed_host.py --products reference
     python3 benchmarks/compressed_host.py --device cuda     # GPU: real kernels, sync check
+    python3 benchmarks/compressed_host.py --compile default --rounds 1   # torch.compile
 
 Each variant's timed steps run ``--rounds`` times, interleaved with the other variants'
 (a load change on a shared machine hits them all), in one process. Columns: median ms per
@@ -22,7 +23,12 @@ extra per compressed layer; launches of the block-sparse kernels that missed the
 cache in the timed window (each pays Triton's launch path). Then, per sparse variant, its
 sparse_training functions by own time with calls and cumulative time per step, and one
 layer's forward + backward alone: host us of ``nn.Linear`` and ``BlockSparseLinear``, in
-float32 and under the precision's autocast. JSON in ``$OUT`` (or ``benchmarks/results/``).
+float32 and under the precision's autocast. ``--compile default`` compiles the HF model
+(``torch.compile``, default mode, ``--backend`` inductor: the Python wrapper Inductor
+generates calls the block-sparse custom ops) before the callback swaps its layers; the
+profile then also splits the step's host time by package (``torch/_functorch`` is
+AOTAutograd's runtime wrappers, ``torch/_library`` the custom ops' dispatch layers) and
+lists the step's top functions of any package. JSON in ``$OUT`` (or ``benchmarks/results/``).
 
 What is the product's compute and what is Python around it: on the CPU, ``--products launch``
 (the default) runs the Triton launchers' host path as the GPU runs it once tuned (checks,
@@ -84,6 +90,7 @@ def layer_host_us(args: argparse.Namespace, repeats: int = 7, calls: int = 200
     dense = torch.nn.Linear(args.hidden, 2 * args.hidden, device=device)
     layers = {"nn.Linear": dense, "BlockSparseLinear": BlockSparseLinear.from_dense(
         dense, (args.block, args.block), density=1 - args.sparsity)}
+    layers = {name: compiled(layer, args) for name, layer in layers.items()}
     x = torch.randn(args.batch * args.seq, args.hidden, device=device, requires_grad=True)
     results = {}
     with products(args):
@@ -108,6 +115,14 @@ def layer_host_us(args: argparse.Namespace, repeats: int = 7, calls: int = 200
                 results[f"{name} {'float32' if dtype is None else f'autocast {dtype}'}"] = (
                     best / calls * 1e6)
     return results
+
+
+def compiled(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:
+    """``model`` under ``torch.compile`` (default mode, ``--backend``) for ``--compile
+    default``, else as it is."""
+    if args.compile == "none":
+        return model
+    return torch.compile(model, backend=args.backend)
 
 
 def build(args: argparse.Namespace):
@@ -215,18 +230,42 @@ def step_windows(args: argparse.Namespace, gpu: bool, timed_only: bool):
     return Windows()
 
 
-def own_functions(profiler: cProfile.Profile, steps: int) -> list[dict]:
-    """sparse_training's functions in a profile: calls, own and cumulative us per step."""
+def package(where: str) -> str:
+    """What a profiled file belongs to: ``sparse_training``, a torch subpackage or module
+    (``torch/_functorch``), another site package, Inductor's generated code, the standard
+    library, or ``C`` (builtins: the dispatcher and the kernels below it)."""
+    if where == "~":
+        return "C"
+    if "site-packages/" in where:
+        parts = where.split("site-packages/", 1)[1].split("/")
+        return "/".join(parts[:2]) if parts[0] == "torch" and len(parts) > 1 else parts[0]
+    if "/sparse_training/" in where:
+        return "sparse_training"
+    if "torchinductor" in where:
+        return "inductor output code"
+    return "stdlib" if "/lib/python3" in where else "other"
+
+
+def profile_rows(profiler: cProfile.Profile, steps: int) -> list[dict]:
+    """Every function in a profile: its package, calls, own and cumulative us per step, by
+    own time."""
     rows = []
     for (filename, line, name), (_, calls, own, cumulative, _) in \
             pstats.Stats(profiler).stats.items():
         where = filename.replace(os.sep, "/")
-        if "/sparse_training/" not in where:
-            continue
-        rows.append({"function": f"{where.split('/sparse_training/')[-1]}:{line}({name})",
+        short = where.split("/sparse_training/")[-1].split("site-packages/")[-1]
+        rows.append({"package": package(where), "function": f"{short}:{line}({name})",
                      "calls": calls / steps, "own_us": own * 1e6 / steps,
                      "cum_us": cumulative * 1e6 / steps})
     return sorted(rows, key=lambda r: -r["own_us"])
+
+
+def by_package(rows: list[dict]) -> dict[str, float]:
+    """Own us per step summed by package, the largest first."""
+    totals: dict[str, float] = {}
+    for row in rows:
+        totals[row["package"]] = totals.get(row["package"], 0.0) + row["own_us"]
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
 def run(variant: str, args: argparse.Namespace, timed_only: bool = False) -> dict:
@@ -237,12 +276,13 @@ def run(variant: str, args: argparse.Namespace, timed_only: bool = False) -> dic
     from sparse_training import BlockSparseLinear, SparsityCallback
 
     gpu = args.device == "cuda"
+    torch._dynamo.reset()  # each variant's model compiles afresh (no recompile limit)
     hf_model, batch = build(args)
 
     class Module(pl.LightningModule):
         def __init__(self):
             super().__init__()
-            self.model = hf_model
+            self.model = compiled(hf_model, args)  # traced at the first step, swapped
 
         def training_step(self, batch, batch_idx):
             return self.model(**batch).loss
@@ -266,7 +306,8 @@ def run(variant: str, args: argparse.Namespace, timed_only: bool = False) -> dic
         trainer.fit(module, DataLoader([batch] * total, batch_size=None))
     if timed_only:
         return {"variant": variant, "ms": statistics.median(window.ms), "step_ms": window.ms}
-    functions = own_functions(window.profiler, args.profile_steps)
+    everything = profile_rows(window.profiler, args.profile_steps)
+    functions = [f for f in everything if f["package"] == "sparse_training"]
     return {"variant": variant, "ms": statistics.median(window.ms), "step_ms": window.ms,
             "compressed_layers": sum(isinstance(m, BlockSparseLinear) for m in module.modules()),
             "own_ms": sum(f["own_us"] for f in functions) / 1e3,
@@ -276,7 +317,8 @@ def run(variant: str, args: argparse.Namespace, timed_only: bool = False) -> dic
             "python_calls": pstats.Stats(window.profiler).total_calls / args.profile_steps,
             "aten_ops": sum(window.counter.ops.values()), "views": window.counter.views,
             "ops": dict(sorted(window.counter.ops.items(), key=lambda kv: -kv[1])),
-            "functions": functions, "sync_sites": window.syncs}
+            "functions": functions, "packages": by_package(everything),
+            "top_functions": everything[:args.top], "sync_sites": window.syncs}
 
 
 def report(rows: list[dict], top: int) -> None:
@@ -300,6 +342,11 @@ def report(rows: list[dict], top: int) -> None:
           "their extra over dense per compressed layer; misses: block-sparse launches that "
           "missed the tuned-launch cache in the timed window")
     for r in rows:
+        print(f"\n{r['variant']}: host us per step under cProfile by package (own time): "
+              + ", ".join(f"{name} {us:.0f}" for name, us in r["packages"].items() if us >= 1))
+        print(f"{'calls':>7s} {'own us':>8s} {'cum us':>8s}  top function of any package")
+        for f in r["top_functions"]:
+            print(f"{f['calls']:7.0f} {f['own_us']:8.0f} {f['cum_us']:8.0f}  {f['function']}")
         if not r["functions"]:
             continue
         print(f"\n{r['variant']}: sparse_training functions per step (top {top} by own time)")
@@ -315,6 +362,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--products", choices=["launch", "reference"], default="launch",
                         help="CPU: the launchers with no-op kernels, or the references")
+    parser.add_argument("--compile", choices=["none", "default"], default="none",
+                        help="torch.compile the model (and the single layers), default mode")
+    parser.add_argument("--backend", default="inductor", help="torch.compile's backend")
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--variants", nargs="*", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--layers", type=int, default=12)

@@ -41,3 +41,25 @@ def test_cpu_run_gives_the_host_table_and_json(tmp_path):
         f"{layer} {mode}" for layer in ("nn.Linear", "BlockSparseLinear")
         for mode in ("float32", "autocast torch.bfloat16"))
     assert all(us > 0 for us in result["layer_host_us"].values())
+
+
+def test_compiled_run_finds_the_layers_topologies_and_splits_host_time_by_package(tmp_path):
+    """``--compile default`` (aot_eager here, for time): the compiled step's custom-op calls
+    build no topology (they find the layers' own, and the launches kept for them) and the
+    profile splits the host time by package, the custom ops' dispatch layers included."""
+    env = dict(os.environ, OUT=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(SCRIPT), "--layers", "2", "--steps", "3",
+                           "--warmup", "2", "--profile-steps", "2", "--rounds", "1",
+                           "--variants", "compressed", "--compile", "default",
+                           "--backend", "aot_eager", "--top", "40"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "compressed_host_cpu.json").read_text())
+    (row,) = result["rows"]
+    assert row["compressed_layers"] == 12 and row["launch_misses"] == 0
+    assert row["packages"]["torch/_library"] > 0 and row["packages"]["sparse_training"] > 0
+    names = [f["function"] for f in row["functions"]]
+    assert any(name.endswith("(_topology)") for name in names)
+    assert not any(name.endswith("(__post_init__)") for name in names)
+    assert any("torch/_library" in f["function"] for f in row["top_functions"])

@@ -160,29 +160,31 @@ def test_custom_ops_pass_opcheck_with_strided_inputs(op, args):
     assert real.is_contiguous() and not real.isnan().any()
 
 
-def test_custom_op_calls_on_the_same_index_tensors_share_one_topology(monkeypatch):
-    """A compiled graph passes a layer's own index tensors at every call: the ops build
-    its topology once (the kernels keep their direct launches per topology) and build a
-    new one for other tensors and after the first one is gone."""
+def test_custom_op_calls_on_a_live_topologys_index_tensors_use_it(monkeypatch):
+    """A compiled graph passes a layer's own index tensors at every call: the ops find its
+    topology (the kernels keep their direct launches per topology) and build a new one for
+    other tensors, or once the topology of these tensors is gone."""
     from sparse_training.kernels.block_sparse import ops
 
     c = strided_case(LAYOUTS["all"])
     built = []
     real = ops._forward
-    monkeypatch.setattr(ops, "_forward", lambda x, v, t, b: built.append(t) or real(x, v, t, b))
-    index = [getattr(c.topology, name) for name in INDEX_FIELDS]
+    monkeypatch.setattr(ops, "_forward", lambda x, v, t, *rest: built.append(t) or real(
+        x, v, t, *rest))
+    own = dataclasses.replace(c.topology)  # the same index tensors, held here only
+    index = [getattr(own, name) for name in INDEX_FIELDS]
     with torch.no_grad():
         first = OPS.block_sparse_linear(c.x, c.values, c.bias, 70, 45, index)
         again = OPS.block_sparse_linear(c.x, c.values, c.bias, 70, 45, index)
         OPS.block_sparse_linear(c.x, c.values, c.bias, 70, 45, [t.clone() for t in index])
     assert torch.equal(first, again)
-    assert built[0] is built[1] and built[2] is not built[0]
-    assert (built[0].out_features, built[0].in_features) == (70, 45)
-    del built[:]
-    gc.collect()  # the topologies are gone: a call builds a new one on the same tensors
+    assert built[0] is own and built[1] is own and built[2] is not own
+    del built[:], own
+    gc.collect()  # gone: a call builds a new one on the same tensors
     with torch.no_grad():
-        OPS.block_sparse_linear(c.x, c.values, c.bias, 70, 45, index)
-    assert len(built) == 1
+        assert torch.equal(OPS.block_sparse_linear(c.x, c.values, c.bias, 70, 45, index),
+                           first)
+    assert len(built) == 1 and built[0].col_indices is index[2]
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf")])
@@ -299,6 +301,37 @@ def eager_and_compiled(backend: str):
         out.backward(grad)
         results.append([out.detach(), x.grad, *(p.grad.clone() for p in net.parameters())])
     return net, results
+
+
+def test_compiled_calls_use_the_layers_topology_and_skip_the_checks(monkeypatch):
+    """Once traced (the fake implementations check the operands), a compiled step's
+    custom-op calls launch on the layers' own topologies with ``checked`` set: no topology
+    built, no operand checked again, the results those of the eager run."""
+    from sparse_training.kernels.block_sparse import ops
+
+    net, _ = eager_and_compiled("aot_eager")  # traced
+    calls, checks = [], []
+
+    def spy(real):
+        def recorded(*args):
+            calls.append((args[2], args[-1]))  # (topology, checked)
+            return real(*args)
+        return recorded
+
+    for name in ("_forward", "_input_grad", "_weight_grad"):
+        monkeypatch.setattr(ops, name, spy(getattr(ops, name)))
+    real_check = bsk.check_operands
+    monkeypatch.setattr(bsk, "check_operands", lambda *a, **k: checks.append(a) or real_check(
+        *a, **k))
+    model = torch.compile(net, backend="aot_eager", fullgraph=True)  # the cached graph
+    net.zero_grad(set_to_none=True)
+    x = torch.randn(45, 7, requires_grad=True)
+    out = model(x)
+    out.sum().backward()
+    assert len(calls) == 6 and checks == []
+    assert {id(t) for t, _ in calls} == {id(net.first.topology), id(net.topology)}
+    assert all(checked is True for _, checked in calls)
+    assert_close(out.detach(), net(x.detach()).detach().double(), torch.float32)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

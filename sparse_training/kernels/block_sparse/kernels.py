@@ -318,6 +318,13 @@ def launch_forward(x: Tensor, values: Tensor, topology: BlockTopology,
         ValueError: an operand that does not fit (:func:`~.topology.check_operands`).
     """
     check_operands(topology, values=values, x=x, bias=bias, kernel=True)
+    return forward_product(x, values, topology, bias, use_tma)
+
+
+def forward_product(x: Tensor, values: Tensor, topology: BlockTopology, bias: Tensor | None,
+                    use_tma: bool | None = None) -> Tensor:
+    """:func:`launch_forward` without its checks, for operands that are known to fit (a
+    compiled graph's: the custom op's fake implementation checked them when it traced)."""
     return _dense_sparse(x, values, bias, topology, transposed_blocks=True, use_tma=use_tma)
 
 

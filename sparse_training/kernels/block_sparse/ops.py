@@ -5,16 +5,16 @@
 ``..._weight_grad`` each run the Triton launcher where the kernels can run (CUDA, or CPU
 under ``TRITON_INTERPRET=1``) and the pure-torch reference elsewhere. Being custom ops
 with fake (meta) implementations, ``torch.compile`` traces through them without a
-graph break, and the backward is registered on the forward op.
+graph break, and the backward is registered on the forward op. Their last argument,
+``checked``, says that the operands were checked already: the fake implementations check
+them whenever a graph is traced, and the graphs pass True, so that a compiled step's
+launches skip the checks; a direct call (False by default) checks them.
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import Tensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from sparse_training.kernels._autograd import AUTOCAST_DTYPES, refuse_create_graph
 from sparse_training.kernels._triton import HAS_TRITON, kernels_run_on
@@ -35,9 +35,9 @@ else:  # the references serve every device
 def _topology(values: Tensor, out_features: int, in_features: int,
               index_tensors: list[Tensor]) -> BlockTopology:
     """The topology the custom ops' arguments describe (the block from ``values``): the
-    one already built on these very index tensors where it is still alive (a compiled
-    graph passes a layer's own tensors at every call, and the launches the kernels keep
-    per topology serve it), else a new one.
+    live one on these very index tensors (:meth:`BlockTopology.live`: a compiled graph
+    passes a layer's own tensors at every call, and the launches the kernels keep per
+    topology serve it), else a new one.
 
     Raises:
         ValueError: ``values`` not 3-D, or fields that do not fit one block grid.
@@ -48,22 +48,11 @@ def _topology(values: Tensor, out_features: int, in_features: int,
         raise ValueError(f"index_tensors must hold the topology's {', '.join(INDEX_FIELDS)}, "
                          f"got {len(index_tensors)} tensors")
     block = tuple(values.shape[1:])
-    known = _BUILT.get(index_tensors[0])
-    topology = None if known is None else known()
-    if topology is not None and all(
-            getattr(topology, name) is t
-            for name, t in zip(INDEX_FIELDS, index_tensors, strict=True)) and (
-            (topology.out_features, topology.in_features, topology.block)
-            == (out_features, in_features, block)):
+    topology = BlockTopology.live(index_tensors)
+    if topology is not None and (topology.out_features, topology.in_features,
+                                 topology.block) == (out_features, in_features, block):
         return topology
-    topology = BlockTopology(out_features, in_features, block, *index_tensors)
-    _BUILT[index_tensors[0]] = weakref.ref(topology)
-    return topology
-
-
-_BUILT: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""The topologies :func:`_topology` built, by their first index tensor, held weakly (the
-layer that owns a topology keeps it alive)."""
+    return BlockTopology(out_features, in_features, block, *index_tensors)
 
 
 def _use_kernels(t: Tensor) -> bool:
@@ -72,24 +61,32 @@ def _use_kernels(t: Tensor) -> bool:
     return kernels is not None and t.dtype in KERNEL_DTYPES and kernels_run_on(t.device)
 
 
-def _forward(x: Tensor, values: Tensor, topology: BlockTopology, bias: Tensor | None) -> Tensor:
+def _forward(x: Tensor, values: Tensor, topology: BlockTopology, bias: Tensor | None,
+             checked: bool = False) -> Tensor:
+    """``Y``, its operands checked unless ``checked`` (the kernels' launch only: the
+    references always check, their products cost far more)."""
     if _use_kernels(x):
-        return kernels.launch_forward(x, values, topology, bias)
+        launch = kernels.forward_product if checked else kernels.launch_forward
+        return launch(x, values, topology, bias)
     return reference.forward_reference(x, values, topology, bias)
 
 
-def _input_grad(grad_out: Tensor, values: Tensor, topology: BlockTopology) -> Tensor:
-    """``dX``, its operands checked."""
+def _input_grad(grad_out: Tensor, values: Tensor, topology: BlockTopology,
+                checked: bool = False) -> Tensor:
+    """``dX``, its operands checked unless ``checked`` (as :func:`_forward`)."""
     if _use_kernels(grad_out):
-        return kernels.launch_input_grad(grad_out, values, topology)
+        launch = kernels.input_grad_product if checked else kernels.launch_input_grad
+        return launch(grad_out, values, topology)
     return reference.input_grad_reference(grad_out, values, topology)
 
 
 def _weight_grad(grad_out: Tensor, x: Tensor, topology: BlockTopology,
-                 dtype: torch.dtype) -> Tensor:
-    """``dValues`` in ``dtype``, its operands checked."""
+                 dtype: torch.dtype, checked: bool = False) -> Tensor:
+    """``dValues`` in ``dtype``, its operands checked unless ``checked`` (as
+    :func:`_forward`)."""
     if _use_kernels(x):
-        return kernels.launch_weight_grad(grad_out, x, topology, dtype)
+        launch = kernels.weight_grad_product if checked else kernels.launch_weight_grad
+        return launch(grad_out, x, topology, dtype)
     return reference.weight_grad_reference(grad_out, x, topology).to(dtype)
 
 
@@ -149,13 +146,13 @@ class BlockSparseLinearFunction(torch.autograd.Function):
 
 @torch.library.custom_op("sparse_training::block_sparse_linear", mutates_args=())
 def _linear_op(x: Tensor, values: Tensor, bias: Tensor | None, out_features: int,
-               in_features: int, index_tensors: list[Tensor]) -> Tensor:
+               in_features: int, index_tensors: list[Tensor], checked: bool = False) -> Tensor:
     return _forward(x, values, _topology(values, out_features, in_features, index_tensors),
-                    bias)
+                    bias, checked)
 
 
 @_linear_op.register_fake
-def _(x, values, bias, out_features, in_features, index_tensors):
+def _(x, values, bias, out_features, in_features, index_tensors, checked=False):
     topology = _topology(values, out_features, in_features, index_tensors)
     check_operands(topology, values=values, x=x, bias=bias)
     return x.new_empty(x.shape[0], out_features)  # contiguous, as the launcher's
@@ -163,13 +160,13 @@ def _(x, values, bias, out_features, in_features, index_tensors):
 
 @torch.library.custom_op("sparse_training::block_sparse_linear_input_grad", mutates_args=())
 def _input_grad_op(grad_out: Tensor, values: Tensor, out_features: int, in_features: int,
-                   index_tensors: list[Tensor]) -> Tensor:
+                   index_tensors: list[Tensor], checked: bool = False) -> Tensor:
     return _input_grad(grad_out, values,
-                       _topology(values, out_features, in_features, index_tensors))
+                       _topology(values, out_features, in_features, index_tensors), checked)
 
 
 @_input_grad_op.register_fake
-def _(grad_out, values, out_features, in_features, index_tensors):
+def _(grad_out, values, out_features, in_features, index_tensors, checked=False):
     topology = _topology(values, out_features, in_features, index_tensors)
     check_operands(topology, values=values, grad_out=grad_out)
     return grad_out.new_empty(grad_out.shape[0], in_features)
@@ -177,32 +174,36 @@ def _(grad_out, values, out_features, in_features, index_tensors):
 
 @torch.library.custom_op("sparse_training::block_sparse_linear_weight_grad", mutates_args=())
 def _weight_grad_op(grad_out: Tensor, x: Tensor, values: Tensor, out_features: int,
-                    in_features: int, index_tensors: list[Tensor]) -> Tensor:
+                    in_features: int, index_tensors: list[Tensor],
+                    checked: bool = False) -> Tensor:
     return _weight_grad(grad_out, x, _topology(values, out_features, in_features,
-                                               index_tensors), values.dtype)
+                                               index_tensors), values.dtype, checked)
 
 
 @_weight_grad_op.register_fake
-def _(grad_out, x, values, out_features, in_features, index_tensors):
+def _(grad_out, x, values, out_features, in_features, index_tensors, checked=False):
     topology = _topology(values, out_features, in_features, index_tensors)
     check_operands(topology, values=values, x=x, grad_out=grad_out)
     return values.new_empty(values.shape)  # contiguous whatever the strides of values
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, values, bias, out_features, in_features, index_tensors = inputs
+    x, values, bias, out_features, in_features, index_tensors, _ = inputs
     ctx.save_for_backward(x, values, *index_tensors)
     ctx.features = (out_features, in_features)
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
 def _backward(ctx, grad_out):
+    """The gradients' ops with ``checked``: the forward checked its operands, and autograd
+    gives ``grad_out`` the output's shape, dtype and device."""
     x, values, *index_tensors = ctx.saved_tensors
     grads = _gradients(
         ctx.needs_input_grad, grad_out, ctx.bias_dtype,
-        lambda g: _input_grad_op(g, values, *ctx.features, index_tensors),
-        lambda g: _weight_grad_op(g, x, values, *ctx.features, index_tensors))
-    return (*grads, None, None, [None] * len(index_tensors))
+        lambda g: _input_grad_op(g, values, *ctx.features, index_tensors, checked=True),
+        lambda g: _weight_grad_op(g, x, values, *ctx.features, index_tensors, checked=True))
+    # one per argument passed: the dispatcher drops ``checked`` where it is the default
+    return (*grads, None, None, [None] * len(index_tensors), None)[:len(ctx.needs_input_grad)]
 
 
 _linear_op.register_autograd(_backward, setup_context=_setup_context)
@@ -243,7 +244,8 @@ def block_sparse_linear(x: Tensor, values: Tensor, topology: BlockTopology,
     if torch.compiler.is_compiling():
         index_tensors = [getattr(topology, name) for name in INDEX_FIELDS]
         out = _linear_op(flat, _autocast(values, dtype), _autocast(bias, dtype),
-                         topology.out_features, topology.in_features, index_tensors)
+                         topology.out_features, topology.in_features, index_tensors,
+                         checked=True)  # by the fake implementation, as the graph traces
     else:  # values and bias cast inside (BlockSparseLinearFunction)
         out = BlockSparseLinearFunction.apply(flat, values, topology, bias, dtype)
     return out.view(*x.shape[:-1], topology.out_features)

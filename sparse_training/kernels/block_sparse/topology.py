@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +93,22 @@ class BlockTopology:
                     f"{self.in_features}) weight in {tuple(self.block)} blocks with {nnz} "
                     f"kept, got {got}: build topologies with BlockTopology.from_block_mask")
             object.__setattr__(self, name, t.contiguous())  # (frozen)
+        key = id(self.row_offsets)  # alive as long as this topology: its id is not reused
+        _LIVE[key] = weakref.ref(self, lambda ref: _LIVE.pop(key) if _LIVE.get(key) is ref
+                                 else None)
+
+    @classmethod
+    def live(cls, index_tensors: Sequence[Tensor]) -> BlockTopology | None:
+        """The topology still alive whose index tensors are these very tensors (in
+        :data:`INDEX_FIELDS` order), or None: a compiled graph hands the custom ops a
+        layer's own index tensors at every call, and this finds the layer's topology (and
+        the launches the kernels keep for it) without building one."""
+        ref = _LIVE.get(id(index_tensors[0]))
+        topology = None if ref is None else ref()
+        if topology is None or any(getattr(topology, name) is not t for name, t in
+                                   zip(INDEX_FIELDS, index_tensors, strict=True)):
+            return None
+        return topology
 
     @classmethod
     def from_block_mask(cls, block_mask: Tensor, out_features: int, in_features: int,
@@ -148,6 +166,10 @@ class BlockTopology:
         mask[self.row_indices.long(), self.col_indices.long()] = True
         return mask
 
+
+_LIVE: dict[int, weakref.ref] = {}
+"""Every topology alive, held weakly, by the id of its ``row_offsets`` (the latest built on
+that tensor): :meth:`BlockTopology.live`."""
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """What the Triton kernels compute in (fp32 accumulation); float64 runs the references."""
