@@ -333,18 +333,28 @@ def main() -> None:
 
 
 def add_limits(rows: list[dict]) -> None:
-    """Each successful row gets ``speedup`` (dense fused ms / its ms) and, when the dense
-    fused row measured its shrinkable time, ``amdahl_limit`` at the row's density and
-    ``of_limit`` (speed-up / limit)."""
-    dense = next((r for r in rows if r["variant"] == "dense fused" and "error" not in r), None)
-    for r in rows:
-        if "error" in r or dense is None or not r["ms"]:
+    """Each successful row gets ``speedup`` (eager dense fused ms / its ms), and a compiled
+    row ``speedup_same_mode`` against the dense fused row compiled alike. Where its baseline
+    (that row; the eager one for eager rows) measured its shrinkable time, the row gets
+    ``amdahl_limit`` at its density from the baseline's step and ``of_limit`` (its speed-up
+    against the baseline / the limit)."""
+    done = {r["variant"]: r for r in rows if "error" not in r and r["ms"]}
+    eager = done.get("dense fused")
+    for r in done.values():
+        suffix = r["variant"].partition(" +")[2]
+        baseline = done.get("dense fused" + (f" +{suffix}" if suffix else ""))
+        if eager is not None:
+            r["speedup"] = eager["ms"] / r["ms"]
+        if baseline is None:
             continue
-        r["speedup"] = dense["ms"] / r["ms"]
-        if "shrinkable" in dense:
-            r["amdahl_limit"] = amdahl_limit(dense["ms"], sum(dense["shrinkable"].values()),
+        speedup = baseline["ms"] / r["ms"]
+        if suffix:
+            r["speedup_same_mode"] = speedup
+        if "shrinkable" in baseline:
+            r["amdahl_limit"] = amdahl_limit(baseline["ms"],
+                                             sum(baseline["shrinkable"].values()),
                                              1 - r["sparsity"])
-            r["of_limit"] = r["speedup"] / r["amdahl_limit"] if r["amdahl_limit"] else None
+            r["of_limit"] = speedup / r["amdahl_limit"] if r["amdahl_limit"] else None
 
 
 def report(args: argparse.Namespace, rows: list[dict], out: Path) -> None:
@@ -353,7 +363,8 @@ def report(args: argparse.Namespace, rows: list[dict], out: Path) -> None:
     add_limits(rows)
     print(f"\n{args.model}{f' ({args.layers} layers)' if args.model == 'llama' else ''}, "
           f"bf16-mixed, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
-    print(f"{'variant':34s} {'ms/step':>8s} {'vs dense':>8s} {'limit':>6s} {'of lim':>6s} "
+    print(f"{'variant':34s} {'ms/step':>8s} {'vs dense':>8s} {'vs mode':>7s} {'limit':>6s} "
+          f"{'of lim':>6s} "
           f"{'busy':>7s} {'host':>7s} {'peak GiB':>8s} {'tokens/s':>9s} {'trainable':>10s} "
           f"{'compressed':>22s} {'masked':>6s} {'loss first->last':>17s}")
     for r in rows:
@@ -363,13 +374,15 @@ def report(args: argparse.Namespace, rows: list[dict], out: Path) -> None:
         kinds = ", ".join(f"{n} {k.replace('Linear', '')}" for k, n in
                           r["compressed_layers"].items()) or "none"
         profile = r.get("profile", {})
-        cells = [f"{r[k]:.2f}x" if r.get(k) else "-" for k in ("speedup", "amdahl_limit")]
+        cells = [f"{r[k]:.2f}x" if r.get(k) else "-"
+                 for k in ("speedup", "speedup_same_mode", "amdahl_limit")]
         cells += [f"{r['of_limit']:.2f}" if r.get("of_limit") else "-"]
         cells += [f"{profile[k]:.1f}" if k in profile else "-"
                   for k in ("busy_ms", "exposed_host_ms")]
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
-        print(f"{r['variant']:34s} {r['ms']:8.1f} {cells[0]:>8s} {cells[1]:>6s} {cells[2]:>6s} "
-              f"{cells[3]:>7s} {cells[4]:>7s} {peak:>8s} {r['tokens'] / r['ms'] * 1e3:9,.0f} "
+        print(f"{r['variant']:34s} {r['ms']:8.1f} {cells[0]:>8s} {cells[1]:>7s} {cells[2]:>6s} "
+              f"{cells[3]:>6s} {cells[4]:>7s} {cells[5]:>7s} {peak:>8s} "
+              f"{r['tokens'] / r['ms'] * 1e3:9,.0f} "
               f"{r['trainable_parameters'] / 1e6:9.1f}M {kinds:>22s} "
               f"{r['masked_dense_tensors']:6d} {r['loss_first']:8.3f}->{r['loss_last']:.3f}")
     print_families(rows)

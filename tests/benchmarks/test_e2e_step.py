@@ -84,3 +84,35 @@ def test_cpu_profile_gives_families_shapes_and_limits(tmp_path):
         dense["ms"] / (dense["ms"] - (1 - kept) * shrinkable))
     assert sparse["of_limit"] == pytest.approx(dense["ms"] / sparse["ms"] / sparse["amdahl_limit"])
     assert dense["amdahl_limit"] == pytest.approx(1.0)
+
+
+def test_compiled_rows_are_measured_against_dense_compiled_alike():
+    """``speedup`` is against eager dense fused for every row; a compiled row's limit and
+    ``of_limit`` come from the dense fused row of its own compile mode, and a row whose
+    baseline did not run (or failed) gets no limit."""
+    from e2e_step import add_limits
+
+    shrink = {"products_ms": 6.0, "optimizer_ms": 2.0}
+    rows = [
+        {"variant": "dense fused", "ms": 30.0, "sparsity": 0.0, "shrinkable": shrink},
+        {"variant": "dense fused +compile:ro", "ms": 24.0, "sparsity": 0.0, "shrinkable": shrink},
+        {"variant": "block B 90% compressed", "ms": 25.0, "sparsity": 0.9},
+        {"variant": "block B 90% compressed +compile:ro", "ms": 20.0, "sparsity": 0.9},
+        {"variant": "block B 90% compressed +compile", "ms": 40.0, "sparsity": 0.9},
+        {"variant": "dense fused +compile:mat", "error": "died"},
+        {"variant": "block B 50% compressed +compile:mat", "ms": 22.0, "sparsity": 0.5},
+    ]
+    add_limits(rows)
+    by = {r["variant"]: r for r in rows}
+    eager, ro = by["block B 90% compressed"], by["block B 90% compressed +compile:ro"]
+    assert eager["speedup"] == pytest.approx(30 / 25) and "speedup_same_mode" not in eager
+    assert eager["amdahl_limit"] == pytest.approx(30 / (30 - 0.9 * 8))
+    assert eager["of_limit"] == pytest.approx(30 / 25 / eager["amdahl_limit"])
+    assert ro["speedup"] == pytest.approx(30 / 20)
+    assert ro["speedup_same_mode"] == pytest.approx(24 / 20)
+    assert ro["amdahl_limit"] == pytest.approx(24 / (24 - 0.9 * 8))
+    assert ro["of_limit"] == pytest.approx(24 / 20 / ro["amdahl_limit"])
+    for name in ("block B 90% compressed +compile", "block B 50% compressed +compile:mat"):
+        assert by[name]["speedup"] == pytest.approx(30 / by[name]["ms"])
+        assert not {"speedup_same_mode", "amdahl_limit", "of_limit"} & set(by[name])
+    assert "speedup" not in by["dense fused +compile:mat"]
