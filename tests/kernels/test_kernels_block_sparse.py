@@ -204,15 +204,54 @@ def test_direct_launch_of_the_tuned_kernel_matches_the_autotuner_path(
 
     # the direct launches are kept per topology (3 products, more for the strided operands
     # where their keys differ), and go with it: a mask change makes a new topology
-    assert len(launch._OWNED[topology]) > 3
+    assert sum(len(k._owned[topology]) for k in tuned.values()) > 3
 
     def owners_with_a_new_topology() -> int:
         new = BlockTopology.from_block_mask(mask, out_f, in_f, block, nnz=topology.nnz)
         bsk.launch_forward(x2, values, new, bias)
-        return len(launch._OWNED)
+        return len(bsk._DENSE_SPARSE._owned)
     owners = owners_with_a_new_topology()
     gc.collect()
-    assert len(launch._OWNED) == owners - 1
+    assert len(bsk._DENSE_SPARSE._owned) == owners - 1
+
+
+def test_launches_kept_per_owner_belong_to_their_kernel_and_stay_few(monkeypatch):
+    """``launch_by`` serves a kept launch only to the kernel that made it (a stand-in kernel,
+    as the host benchmarks swap in, never leaks into the real one), and keeps at most
+    ``OWNED_PER_OWNER`` per owner: the oldest go when token counts keep changing."""
+    class Recorded:
+        def __init__(self, maker):
+            self.maker, self.direct = maker, 0
+
+        def __call__(self, tensors):
+            self.direct += 1
+
+    made = []
+
+    def through_the_autotuner(self, tensors, scalars, **meta):
+        made.append(Recorded(self))
+        return made[-1]
+
+    monkeypatch.setattr(launch.TunedKernel, "__call__", through_the_autotuner)
+    first, second = (launch.TunedKernel(bsk._DENSE_SPARSE.kernel, bsk._DENSE_SPARSE.grid)
+                     for _ in range(2))
+
+    class Owner:
+        pass
+
+    owner, arguments = Owner(), lambda: ((), {})
+    first.launch_by(owner, ("key",), (), arguments)
+    first.launch_by(owner, ("key",), (), arguments)
+    second.launch_by(owner, ("key",), (), arguments)
+    assert [m.maker for m in made] == [first, second] and made[0].direct == 1
+    for tokens in range(2 * launch.OWNED_PER_OWNER):
+        first.launch_by(owner, (tokens,), (), arguments)
+    kept = first._owned[owner]
+    assert list(kept) == [(t,) for t in range(launch.OWNED_PER_OWNER,
+                                              2 * launch.OWNED_PER_OWNER)]
+    del owner
+    gc.collect()
+    assert len(first._owned) == 0
 
 
 def test_topology_views_describe_the_same_blocks():

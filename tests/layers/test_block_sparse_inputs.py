@@ -9,8 +9,10 @@ built by loops over the kept blocks) or, for compiled runs, against the eager ru
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
+import pickle
 
 import pytest
 import torch
@@ -28,6 +30,7 @@ from torch import nn
 
 from sparse_training import BlockSparseLinear, sparsify
 from sparse_training.kernels.block_sparse import (
+    BlockTopology,
     block_norms,
     block_sparse_linear,
     dense_to_values,
@@ -171,8 +174,12 @@ def test_custom_op_calls_on_a_live_topologys_index_tensors_use_it(monkeypatch):
     real = ops._forward
     monkeypatch.setattr(ops, "_forward", lambda x, v, t, *rest: built.append(t) or real(
         x, v, t, *rest))
-    own = dataclasses.replace(c.topology)  # the same index tensors, held here only
+    own = BlockTopology(70, 45, c.topology.block,  # new index tensors, held here only
+                        *(getattr(c.topology, name).clone() for name in INDEX_FIELDS))
     index = [getattr(own, name) for name in INDEX_FIELDS]
+    twin = dataclasses.replace(own)  # on the same tensors: the first one stays found
+    del twin
+    gc.collect()
     with torch.no_grad():
         first = OPS.block_sparse_linear(c.x, c.values, c.bias, 70, 45, index)
         again = OPS.block_sparse_linear(c.x, c.values, c.bias, 70, 45, index)
@@ -185,6 +192,31 @@ def test_custom_op_calls_on_a_live_topologys_index_tensors_use_it(monkeypatch):
         assert torch.equal(OPS.block_sparse_linear(c.x, c.values, c.bias, 70, 45, index),
                            first)
     assert len(built) == 1 and built[0].col_indices is index[2]
+
+
+@pytest.mark.parametrize("copy_of", [copy.copy, copy.deepcopy,
+                                     lambda t: pickle.loads(pickle.dumps(t))])
+def test_copied_topologies_are_checked_and_found_as_built_ones(copy_of):
+    """Copies, deep copies (an EMA model, a teacher) and unpickled topologies (torch.load)
+    go through ``__init__``: contiguous index tensors, and found by the ops (a shallow
+    copy shares the original's tensors: the original is found)."""
+    c = strided_case(LAYOUTS["all"])
+    copied = copy_of(c.topology)
+    index = [getattr(copied, name) for name in INDEX_FIELDS]
+    found = c.topology if copy_of is copy.copy else copied
+    assert BlockTopology.live(index) is found and all(t.is_contiguous() for t in index)
+    assert torch.equal(copied.block_mask(), c.topology.block_mask())
+
+
+def test_block_sparse_layers_compile_and_export_on_meta():
+    """A model built on the meta device (shapes only) traces: meta has no autocast to ask."""
+    with torch.device("meta"):
+        layer = BlockSparseLinear(64, 32, block=(16, 16), density=0.5)
+        x = torch.randn(4, 64)
+    assert torch.compile(layer, backend="eager", fullgraph=True)(x).shape == (4, 32)
+    for strict in (True, False):
+        graph = torch.export.export(layer, (x,), strict=strict)
+        assert graph.module()(x).shape == (4, 32)
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf")])

@@ -90,6 +90,7 @@ class TunedKernel:
             self._heuristics.update(fn.values)
             fn = fn.fn
         self._launches: dict[tuple, Launch] = {}
+        self._owned: WeakKeyDictionary[object, dict[tuple, Launch]] = WeakKeyDictionary()
 
     def __call__(self, tensors: tuple[Tensor, ...], scalars: tuple[int, ...],
                  **meta: Any) -> Launch | None:
@@ -144,16 +145,20 @@ class TunedKernel:
         ``key`` must determine the arguments and the dtypes, the alignment and the device
         of ``tensors`` wherever ``owner`` does not: what it costs is only the key.
         """
-        launches = _OWNED.get(owner)
+        launches = self._owned.get(owner)
         launch = None if launches is None else launches.get(key)
         if launch is not None:
             launch(tensors)
             return
         scalars, meta = arguments()
         launch = self(tensors, scalars, **meta)
-        if launch is not None:
-            _OWNED.setdefault(owner, {})[key] = launch
+        if launch is not None:  # (None under the interpreter: nothing kept)
+            launches = self._owned.setdefault(owner, {})
+            if len(launches) >= OWNED_PER_OWNER:  # token counts that vary: the oldest go
+                del launches[next(iter(launches))]
+            launches[key] = launch
 
 
-_OWNED: WeakKeyDictionary[object, dict[tuple, Launch]] = WeakKeyDictionary()
-"""The launches :meth:`TunedKernel.launch_by` keeps, per owner (dropped with it)."""
+OWNED_PER_OWNER = 8
+"""How many launches :meth:`TunedKernel.launch_by` keeps per owner and kernel (one per
+token count, stride and alignment met), dropped with the owner."""

@@ -234,9 +234,11 @@ def block_sparse_linear(x: Tensor, values: Tensor, topology: BlockTopology,
         raise ValueError(f"input must be a tensor of shape (..., {topology.in_features}), "
                          f"got {what}")
     device_type, dtype = x.device.type, None
-    # meta, for one, has no autocast; torch 2.11's compiler breaks the graph on the check
-    # (and then runs a model's loop over its layers eagerly), and traces real devices only
-    available = torch.compiler.is_compiling() or torch.amp.is_autocast_available(device_type)
+    # meta has no autocast; while compiling, the other devices are taken to have it:
+    # torch 2.11's compiler breaks the graph on is_autocast_available (and then runs a
+    # model's loop over its layers eagerly)
+    available = device_type != "meta" and (torch.compiler.is_compiling()
+                                           or torch.amp.is_autocast_available(device_type))
     if available and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         x = _autocast(x, dtype)

@@ -94,8 +94,16 @@ class BlockTopology:
                     f"kept, got {got}: build topologies with BlockTopology.from_block_mask")
             object.__setattr__(self, name, t.contiguous())  # (frozen)
         key = id(self.row_offsets)  # alive as long as this topology: its id is not reused
-        _LIVE[key] = weakref.ref(self, lambda ref: _LIVE.pop(key) if _LIVE.get(key) is ref
-                                 else None)
+        known = _LIVE.get(key)
+        if known is None or known() is None:  # the first one on these tensors stays found
+            _LIVE[key] = weakref.ref(self, lambda ref: _LIVE.pop(key) if _LIVE.get(key) is ref
+                                     else None)
+
+    def __reduce__(self):
+        """Copies, deep copies and unpickled topologies are built through ``__init__``:
+        checked, contiguous and registered for :meth:`live` as any other."""
+        return type(self), (self.out_features, self.in_features, self.block,
+                            *(getattr(self, name) for name in INDEX_FIELDS))
 
     @classmethod
     def live(cls, index_tensors: Sequence[Tensor]) -> BlockTopology | None:
