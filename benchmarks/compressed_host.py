@@ -160,11 +160,13 @@ class OpCounter(TorchDispatchMode):
 
 
 def cached_launches() -> int:
-    """Argument signatures the block-sparse kernels have cached launches for: a count that
-    grows after the warmup means launches that miss the cache (and pay Triton's path)."""
+    """Argument signatures the block-sparse kernels have cached launches for, plus the
+    launches that found none kept for their topology: a count that grows after the warmup
+    means launches that miss a cache (and pay Triton's path, or the kernels' own)."""
     from sparse_training.kernels.block_sparse import kernels as bsk
 
-    return sum(len(k._launches) for k in (bsk._DENSE_SPARSE, bsk._SAMPLED_DENSE_DENSE))
+    return sum(len(k._launches) + k.owned_misses
+               for k in (bsk._DENSE_SPARSE, bsk._SAMPLED_DENSE_DENSE))
 
 
 def step_windows(args: argparse.Namespace, gpu: bool, timed_only: bool):
@@ -340,7 +342,8 @@ def report(rows: list[dict], top: int) -> None:
           "sparse_training's own time, ref ms: the references' (cumulative), py calls: Python "
           "calls, each per step under cProfile; aten ops: non-view ops of one step, ops/layer: "
           "their extra over dense per compressed layer; misses: block-sparse launches that "
-          "missed the tuned-launch cache in the timed window")
+          "missed the tuned-launch cache or the launches kept per topology in the timed "
+          "window")
     for r in rows:
         print(f"\n{r['variant']}: host us per step under cProfile by package (own time): "
               + ", ".join(f"{name} {us:.0f}" for name, us in r["packages"].items() if us >= 1))

@@ -244,6 +244,7 @@ def test_launches_kept_per_owner_belong_to_their_kernel_and_stay_few(monkeypatch
     first.launch_by(owner, ("key",), (), arguments)
     second.launch_by(owner, ("key",), (), arguments)
     assert [m.maker for m in made] == [first, second] and made[0].direct == 1
+    assert (first.owned_misses, second.owned_misses) == (1, 1)
     for tokens in range(2 * launch.OWNED_PER_OWNER):
         first.launch_by(owner, (tokens,), (), arguments)
     kept = first._owned[owner]

@@ -91,6 +91,9 @@ class TunedKernel:
             fn = fn.fn
         self._launches: dict[tuple, Launch] = {}
         self._owned: WeakKeyDictionary[object, dict[tuple, Launch]] = WeakKeyDictionary()
+        self.owned_misses = 0
+        """Calls of :meth:`launch_by` that found no launch kept for their owner and key
+        and kept one (the interpreter keeps none, and counts none)."""
 
     def __call__(self, tensors: tuple[Tensor, ...], scalars: tuple[int, ...],
                  **meta: Any) -> Launch | None:
@@ -153,6 +156,7 @@ class TunedKernel:
         scalars, meta = arguments()
         launch = self(tensors, scalars, **meta)
         if launch is not None:  # (None under the interpreter: nothing kept)
+            self.owned_misses += 1
             launches = self._owned.setdefault(owner, {})
             if len(launches) >= OWNED_PER_OWNER:  # token counts that vary: the oldest go
                 del launches[next(iter(launches))]
