@@ -7,7 +7,7 @@ fresh process per case, with dense controls beside them (GPU only).
 Cases: a layer (``linear``, ``masked_mul`` = ``F.linear(x, W * M)``, ``semi`` 2:4, ``block``)
 trained 4 steps compiled; ``semi_twin`` adds an eager twin's forward and backward between
 the compiled ones (as tests/test_gpu.py does); ``block_then_semi`` runs both in one
-process; ``trainer_*``: a small HF BERT QA through ``pl.Trainer`` (tests/test_gpu.py's
+process; ``trainer_*``: a small HF BERT QA through ``pl.Trainer`` (tests/tiny_hf.py's
 ``TinyHF``), dense or compressed.
 """
 import copy
@@ -69,16 +69,17 @@ def layer_case(name):
 def trainer_case(name):
     sys.path.insert(0, "tests")
     import test_gpu as T
+    from tiny_hf import TinyHF, hf_loader
 
     from sparse_training import SparsityCallback
     torch._dynamo.reset()
-    model = T.TinyHF("reduce-overhead")
+    model = TinyHF("reduce-overhead")
     settings = {"trainer_block": dict(pattern="block:64x64", sparsity=0.9),
                 "trainer_2:4": dict(pattern="2:4")}.get(name)
     cbs = [] if settings is None else [SparsityCallback(**settings, compress=True,
                                                         deny=["embeddings", "qa_outputs"])]
     trainer = T.gpu_trainer(cbs)
-    trainer.fit(model, T.hf_loader())
+    trainer.fit(model, hf_loader())
     print("  losses", [round(v, 3) for v in model.losses])
     print("  OK")
 

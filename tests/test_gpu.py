@@ -17,6 +17,7 @@ import copy
 import pytest
 import pytorch_lightning as pl
 import torch
+from tiny_hf import FAMILIES, TinyHF, hf_loader
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -189,70 +190,6 @@ def test_semi_structured_never_crashes(shape, tokens, dtype):
     want = x.double() @ (layer.weight.double() * layer.mask).T + layer.bias.double()
     assert (y.double() - want).norm() <= 1e-2 * want.norm()
     torch.cuda.synchronize()
-
-
-class TinyHF(pl.LightningModule):
-    """A small HF model as users train it: BERT question answering (``family="bert"``) or a
-    Llama causal LM (``"llama"``: grouped-query attention, gated MLP), compiled in
-    ``__init__`` where asked, with the user's AdamW built from ``self.parameters()``."""
-
-    def __init__(self, compile_mode: str | None = None, hidden: int = 256,
-                 family: str = "bert") -> None:
-        super().__init__()
-        from transformers import (
-            BertConfig,
-            BertForQuestionAnswering,
-            LlamaConfig,
-            LlamaForCausalLM,
-        )
-
-        self.save_hyperparameters()
-        torch.manual_seed(0)
-        if family == "bert":
-            config = BertConfig(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
-                                intermediate_size=4 * hidden, vocab_size=VOCAB,
-                                max_position_embeddings=128, hidden_dropout_prob=0.0,
-                                attention_probs_dropout_prob=0.0)
-            self.model = BertForQuestionAnswering(config)
-        else:
-            config = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden,
-                                 num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=VOCAB,
-                                 max_position_embeddings=128)
-            self.model = LlamaForCausalLM(config)
-        if compile_mode is not None:
-            self.model = torch.compile(self.model, mode=compile_mode)
-        self.losses: list[float] = []
-
-    def training_step(self, batch, batch_idx):
-        torch.compiler.cudagraph_mark_step_begin()  # reduce-overhead: one graph step a batch
-        loss = self.model(**batch).loss
-        self.losses.append(float(loss.detach()))
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
-VOCAB = 512
-# per family: (callback's deny list, compressible Linears per layer)
-FAMILIES = {"bert": (["embeddings", "qa_outputs"], 6), "llama": (["embed_tokens", "lm_head"], 7)}
-
-
-def hf_loader(family: str = "bert", batches: int = 6, batch: int = 8, seq: int = 64
-              ) -> DataLoader:
-    """Random token batches: span labels for BERT QA, next-token labels for Llama."""
-    g = torch.Generator().manual_seed(0)
-    n = batches * batch
-    ids = torch.randint(0, VOCAB, (n, seq), generator=g)
-    if family == "bert":
-        keys = ("input_ids", "start_positions", "end_positions")
-        data = TensorDataset(ids, torch.randint(0, seq, (n,), generator=g),
-                             torch.randint(0, seq, (n,), generator=g))
-    else:
-        keys, data = ("input_ids", "labels"), TensorDataset(ids, ids)
-    return DataLoader(data, batch_size=batch, collate_fn=lambda items: dict(zip(
-        keys, (torch.stack(t) for t in zip(*items, strict=True)), strict=True)))
 
 
 def gpu_trainer(callbacks, **kwargs) -> pl.Trainer:

@@ -10,62 +10,16 @@ from __future__ import annotations
 import pytest
 import pytorch_lightning as pl
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from tiny_hf import FAMILIES, TinyHF, hf_loader
+from torch.utils.data import DataLoader
 
 from sparse_training import BlockSparseLinear, SparsityCallback
 
-VOCAB, SEQ = 96, 16
-DENY = {"bert": ["embeddings", "qa_outputs"], "llama": ["embed_tokens", "lm_head"]}
-LINEARS_PER_LAYER = {"bert": 6, "llama": 7}
+SMALL = dict(hidden=32, heads=2)  # TinyHF's widths for the CPU
 
 
-class TinyHF(pl.LightningModule):
-    """A 2-layer HF BERT QA or Llama LM, compiled in ``__init__`` when ``compiled``."""
-
-    def __init__(self, family: str, compiled: bool) -> None:
-        super().__init__()
-        from transformers import (
-            BertConfig,
-            BertForQuestionAnswering,
-            LlamaConfig,
-            LlamaForCausalLM,
-        )
-
-        torch.manual_seed(0)
-        if family == "bert":
-            self.model = BertForQuestionAnswering(BertConfig(
-                hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                vocab_size=VOCAB, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
-                attention_probs_dropout_prob=0.0))
-        else:
-            self.model = LlamaForCausalLM(LlamaConfig(
-                hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=1, vocab_size=VOCAB,
-                max_position_embeddings=SEQ))
-        if compiled:
-            self.model = torch.compile(self.model, backend="aot_eager", fullgraph=True)
-        self.losses: list[float] = []
-
-    def training_step(self, batch, batch_idx):
-        loss = self.model(**batch).loss
-        self.losses.append(float(loss.detach()))
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
-def loader(family: str) -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, VOCAB, (6, SEQ), generator=g)
-    if family == "bert":
-        keys = ("input_ids", "attention_mask", "start_positions", "end_positions")
-        data = TensorDataset(ids, torch.ones_like(ids), torch.randint(0, SEQ, (6,), generator=g),
-                             torch.randint(0, SEQ, (6,), generator=g))
-    else:
-        keys, data = ("input_ids", "labels"), TensorDataset(ids, ids)
-    return DataLoader(data, batch_size=2, collate_fn=lambda items: dict(zip(
-        keys, (torch.stack(t) for t in zip(*items, strict=True)), strict=True)))
+def loader(family: str, batches: int = 3) -> DataLoader:
+    return hf_loader(family, batches=batches, batch=2, seq=16, attention_mask=True)
 
 
 @pytest.mark.parametrize("accelerator", ["cpu", pytest.param("gpu", marks=[
@@ -82,23 +36,23 @@ def test_a_compiled_compressed_hf_model_is_one_graph_and_trains_as_eager(family,
     torch._dynamo.reset()
     losses = {}
     for compiled in (False, True):
-        model = TinyHF(family, compiled)
+        model = TinyHF("default" if compiled else None, family=family, backend="aot_eager",
+                       fullgraph=True, **SMALL)
         sparse = SparsityCallback(pattern="block:16x16", sparsity=0.5, compress=True,
-                                  deny=DENY[family])
+                                  deny=FAMILIES[family][0])
         trainer = pl.Trainer(accelerator=accelerator, devices=1, precision="bf16-mixed",
                              max_epochs=1, logger=False, enable_progress_bar=False,
                              enable_model_summary=False, enable_checkpointing=False,
                              callbacks=[sparse])
         trainer.fit(model, loader(family))
         layers = [m for m in model.modules() if isinstance(m, BlockSparseLinear)]
-        assert len(layers) == 2 * LINEARS_PER_LAYER[family]
+        assert len(layers) == 2 * FAMILIES[family][1]
         losses[compiled] = model.losses
     assert len(losses[True]) == 3 and all(map(torch.isfinite, torch.tensor(losses[True])))
     torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]),
                                atol=0.05, rtol=0.02)
     trainer.save_checkpoint(tmp_path / "compiled.ckpt")
-    plain = TinyHF.load_from_checkpoint(tmp_path / "compiled.ckpt", family=family,
-                                        compiled=True)  # strict
+    plain = TinyHF.load_from_checkpoint(tmp_path / "compiled.ckpt")  # strict, compiled
     weights = dict(plain.named_parameters())
     for name, layer in model.named_modules():
         if isinstance(layer, BlockSparseLinear):
@@ -128,12 +82,11 @@ def test_compiled_rigl_on_compressed_layers_regrows_without_piling_up_graphs():
     which ``torch.compile`` (default, not ``fullgraph``) traces apart: regrowing at every
     step, the graphs stop growing once each kind of step has compiled, and blocks move."""
     torch._dynamo.reset()
-    model = TinyHF("llama", compiled=False)
+    model = TinyHF(family="llama", **SMALL)
     model.model = torch.compile(model.model, backend="aot_eager")
     sparse = SparsityCallback(pattern="block:16x16", sparsity=0.5, compress=True,
-                              deny=DENY["llama"], regrow="rigl", frequency=1, regrow_end=1.0)
-    counter, base = GraphCount(), loader("llama")
-    data = DataLoader(list(base.dataset) * 3, batch_size=2, collate_fn=base.collate_fn)
+                              deny=FAMILIES["llama"][0], regrow="rigl", frequency=1, regrow_end=1.0)
+    counter, data = GraphCount(), loader("llama", batches=9)
     pl.Trainer(accelerator="cpu", precision="bf16-mixed", max_epochs=1, logger=False,
                enable_progress_bar=False, enable_model_summary=False,
                enable_checkpointing=False, callbacks=[sparse, counter]).fit(model, data)
