@@ -176,8 +176,8 @@ class BlockTopology:
 
 
 _LIVE: dict[int, weakref.ref] = {}
-"""Every topology alive, held weakly, by the id of its ``row_offsets`` (the latest built on
-that tensor): :meth:`BlockTopology.live`."""
+"""Every topology alive, held weakly, by the id of its ``row_offsets`` (the first built on
+that tensor while it lives): :meth:`BlockTopology.live`."""
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """What the Triton kernels compute in (fp32 accumulation); float64 runs the references."""
