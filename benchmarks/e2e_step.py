@@ -5,6 +5,7 @@
     python3 benchmarks/e2e_step.py --model tiny --steps 2 --warmup 1   # CPU: checks the script
     python3 benchmarks/e2e_step.py --model llama --layers 2 --profile --variants "dense fused" \
         "block B 90% compressed"                       # where the time goes, Amdahl limits
+    python3 benchmarks/e2e_step.py --report benchmarks/results/e2e_step_*.json  # saved tables
 
 Models: HF ``BertForQuestionAnswering(BertConfig())`` (bert-base, random init, 32 x 384
 tokens) or a Llama-3-8B-shaped ``LlamaForCausalLM`` from a config (hidden 4096,
@@ -295,9 +296,17 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help=f"profile {PROFILED_STEPS} more steps; Amdahl limits")
     parser.add_argument("--tag", default="")
+    parser.add_argument("--report", nargs="+", metavar="JSON",
+                        help="print the tables of saved runs (their limits added) and exit")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.report:
+        for path in args.report:
+            payload = json.loads(Path(path).read_text())
+            saved = argparse.Namespace(**{k: payload[k] for k in ("model", "layers")})
+            report(saved, payload["rows"], f"{payload['device']}, torch {payload['torch']}")
+        return
     if args.child:
         try:
             row = run_child(args)
@@ -329,7 +338,8 @@ def main() -> None:
         save(args, rows, out)
         print(f"{variant}: {row.get('ms') or row.get('error')}", flush=True)
     result.unlink(missing_ok=True)
-    report(args, rows, out)
+    report(args, rows, torch_device_name())
+    print(f"wrote {save(args, rows, out)}")
 
 
 def add_limits(rows: list[dict]) -> None:
@@ -357,12 +367,18 @@ def add_limits(rows: list[dict]) -> None:
             r["of_limit"] = speedup / r["amdahl_limit"] if r["amdahl_limit"] else None
 
 
-def report(args: argparse.Namespace, rows: list[dict], out: Path) -> None:
+def torch_device_name() -> str:
     import torch
 
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def report(args: argparse.Namespace, rows: list[dict], device: str) -> None:
+    """The table of ``rows`` (each given its limits by :func:`add_limits`), then the
+    profiled rows' kernel families."""
     add_limits(rows)
     print(f"\n{args.model}{f' ({args.layers} layers)' if args.model == 'llama' else ''}, "
-          f"bf16-mixed, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
+          f"bf16-mixed, {device}")
     print(f"{'variant':34s} {'ms/step':>8s} {'vs dense':>8s} {'vs mode':>7s} {'limit':>6s} "
           f"{'of lim':>6s} "
           f"{'busy':>7s} {'host':>7s} {'peak GiB':>8s} {'tokens/s':>9s} {'trainable':>10s} "
@@ -386,7 +402,6 @@ def report(args: argparse.Namespace, rows: list[dict], out: Path) -> None:
               f"{r['trainable_parameters'] / 1e6:9.1f}M {kinds:>22s} "
               f"{r['masked_dense_tensors']:6d} {r['loss_first']:8.3f}->{r['loss_last']:.3f}")
     print_families(rows)
-    print(f"wrote {save(args, rows, out)}")
 
 
 def save(args: argparse.Namespace, rows: list[dict], out: Path) -> Path:
@@ -394,10 +409,10 @@ def save(args: argparse.Namespace, rows: list[dict], out: Path) -> Path:
     run, so a sweep cut short by a time limit keeps the rows it finished)."""
     import torch
 
+    add_limits(rows)
     payload = {"model": args.model, "layers": args.layers, "steps": args.steps,
                "warmup": args.warmup, "torch": torch.__version__,
-               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-               "rows": rows}
+               "device": torch_device_name(), "rows": rows}
     path = out / f"e2e_step_{args.model}{args.tag}.json"
     path.write_text(json.dumps(payload, indent=1))
     return path

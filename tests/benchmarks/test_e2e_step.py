@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import BertConfig, BertForQuestionAnswering
 
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "e2e_step.py"
@@ -84,6 +85,15 @@ def test_cpu_profile_gives_families_shapes_and_limits(tmp_path):
         dense["ms"] / (dense["ms"] - (1 - kept) * shrinkable))
     assert sparse["of_limit"] == pytest.approx(dense["ms"] / sparse["ms"] / sparse["amdahl_limit"])
     assert dense["amdahl_limit"] == pytest.approx(1.0)
+    # --report prints the saved run's table again, limits included, from the JSON alone
+    shown = subprocess.run([sys.executable, str(SCRIPT), "--report",
+                            str(tmp_path / "e2e_step_tiny.json")],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    line = next(line for line in shown.stdout.splitlines()
+                if line.startswith("block B 90% compressed "))
+    assert f"{sparse['ms']:.1f}" in line and f"{sparse['of_limit']:.2f}" in line
+    assert f"cpu, torch {torch.__version__}" in shown.stdout
 
 
 def test_compiled_rows_are_measured_against_dense_compiled_alike():
