@@ -6,7 +6,9 @@
   training shrinks, measured directly on the model's real Linear shapes (not from kernel
   names): forward ``X W^T (+b)``, ``dX = dY W`` and ``dW = dY^T X`` at the step's token
   count (bf16 on a GPU, fp32 on the CPU), plus AdamW on the fp32 weights;
-- :func:`amdahl_limit`: the best speed-up a density can buy when nothing else changes.
+- :func:`amdahl_limit`: the best speed-up a density can buy when nothing else changes;
+- :func:`floor_limit`: the same with each product no faster than its bandwidth floor, the
+  time to read and write its token matrices (X, Y, dY, dX), which no density shrinks.
 """
 
 from __future__ import annotations
@@ -97,10 +99,10 @@ def _median_ms(fn) -> float:
 
 
 def products_ms(shapes: Iterable[Sequence[int]], tokens: int, device: str,
-                dtype: torch.dtype) -> float:
-    """ms of forward + dX + dW of every Linear in ``shapes`` (:func:`linear_shapes`) at
-    ``tokens`` tokens, timed once per shape and multiplied by its count."""
-    total = 0.0
+                dtype: torch.dtype) -> list[float]:
+    """ms of forward + dX + dW of the Linears of each entry of ``shapes``
+    (:func:`linear_shapes`) at ``tokens`` tokens: timed once per shape, times its count."""
+    per_shape = []
     for fan_in, fan_out, bias, count in shapes:
         with torch.device(device):
             w, x = torch.randn(fan_out, fan_in, dtype=dtype), torch.randn(tokens, fan_in,
@@ -113,8 +115,25 @@ def products_ms(shapes: Iterable[Sequence[int]], tokens: int, device: str,
             dy @ w
             dy.t() @ x
 
-        total += count * _median_ms(products)
-    return total
+        per_shape.append(count * _median_ms(products))
+    return per_shape
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a device copy (read + write) of 1 GiB (64 MiB on the CPU)."""
+    size = 2**30 if device == "cuda" else 2**26
+    with torch.device(device):
+        src, dst = torch.empty(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)
+    seconds = _median_ms(lambda: dst.copy_(src)) / 1e3
+    return 2 * size / seconds
+
+
+def token_bytes(shapes: Iterable[Sequence[int]], tokens: int, element_bytes: int) -> list[float]:
+    """Bytes that forward, dX and dW of each entry of ``shapes`` move whatever the weight's
+    density: X and Y (forward), dY and dX (dX), X and dY (dW), ``3 T (in + out)`` elements
+    per Linear, times its count (the kept weights' bytes, which shrink, left out)."""
+    return [count * 3 * tokens * (fan_in + fan_out) * element_bytes
+            for fan_in, fan_out, _, count in shapes]
 
 
 def optimizer_ms(shapes: Iterable[Sequence[int]], device: str) -> float:
@@ -129,10 +148,12 @@ def optimizer_ms(shapes: Iterable[Sequence[int]], device: str) -> float:
     return _median_ms(step)
 
 
-def shrinkable_ms(shapes: Sequence[Sequence[int]], tokens: int) -> dict[str, float]:
-    """``products_ms`` (:func:`products_ms`: bf16 on a GPU, fp32 on the CPU) and
-    ``optimizer_ms`` (:func:`optimizer_ms`) of ``shapes``; memory the caller freed (its
-    model and optimizer) is first given back to the device."""
+def shrinkable_ms(shapes: Sequence[Sequence[int]], tokens: int) -> dict:
+    """``products_ms`` (:func:`products_ms`, summed; bf16 on a GPU, fp32 on the CPU),
+    ``optimizer_ms`` (:func:`optimizer_ms`) of ``shapes``, and per shape its products' ms
+    (``products_by_shape_ms``) and bandwidth floor (``floor_by_shape_ms``:
+    :func:`token_bytes` at the measured :func:`copy_bandwidth`, ``bandwidth_gbs``); memory
+    the caller freed (its model and optimizer) is first given back to the device."""
     import gc
 
     gc.collect()
@@ -140,8 +161,12 @@ def shrinkable_ms(shapes: Sequence[Sequence[int]], tokens: int) -> dict[str, flo
     if gpu:
         torch.cuda.empty_cache()
     device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
-    return {"products_ms": products_ms(shapes, tokens, device, dtype),
-            "optimizer_ms": optimizer_ms(shapes, device)}
+    per_shape = products_ms(shapes, tokens, device, dtype)
+    bandwidth = copy_bandwidth(device)
+    floors = [b / bandwidth * 1e3 for b in token_bytes(shapes, tokens, dtype.itemsize)]
+    return {"products_ms": sum(per_shape), "optimizer_ms": optimizer_ms(shapes, device),
+            "products_by_shape_ms": per_shape, "floor_by_shape_ms": floors,
+            "bandwidth_gbs": bandwidth / 1e9}
 
 
 def amdahl_limit(dense_ms: float, shrinkable: float, density: float) -> float | None:
@@ -149,4 +174,17 @@ def amdahl_limit(dense_ms: float, shrinkable: float, density: float) -> float | 
     the ``dense_ms`` step does not: ``dense / (dense - (1 - density) * shrinkable)``; None
     when the shrunk step would take no time (``shrinkable``, measured alone, is off)."""
     rest = dense_ms - (1 - density) * shrinkable
+    return dense_ms / rest if rest > 0 else None
+
+
+def floor_limit(dense_ms: float, shrinkable: dict, density: float) -> float | None:
+    """:func:`amdahl_limit` with each shape's products shrunk to ``max(density * P_s, F_s)``
+    (``F_s`` its bandwidth floor) rather than ``density * P_s``, the optimizer with the
+    density: ``dense / (dense - sum_s (P_s - max(d P_s, F_s)) - (1 - d) O)``; None without
+    the per-shape figures (runs saved before they were measured) or when the rest is <= 0."""
+    if "floor_by_shape_ms" not in shrinkable:
+        return None
+    pairs = zip(shrinkable["products_by_shape_ms"], shrinkable["floor_by_shape_ms"], strict=True)
+    saved = sum(p - max(density * p, f) for p, f in pairs)
+    rest = dense_ms - saved - (1 - density) * shrinkable["optimizer_ms"]
     return dense_ms / rest if rest > 0 else None

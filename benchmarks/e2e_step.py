@@ -40,6 +40,13 @@ speed-up over the dense step ``T`` when only those shrink::
     limit(d) = T / (T - (1 - d) * (P + O))
 
 printed beside the measured speed-up with their ratio (``of lim``; the goal is >= 0.85).
+No product can beat the time to read and write its token matrices, whatever the density:
+``F_s`` per shape, ``3 T (in + out)`` elements at the copy bandwidth measured beside ``P``.
+``floor`` is the limit with each shape's products shrunk to ``max(d P_s, F_s)``::
+
+    floor(d) = T / (T - sum_s (P_s - max(d P_s, F_s)) - (1 - d) O)
+
+and ``of fl`` the speed-up against it (at low density on BERT-sized layers the two differ).
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ from _step_profile import (
     FAMILIES,
     OTHER,
     amdahl_limit,
+    floor_limit,
     kernel_families,
     linear_shapes,
     shrinkable_ms,
@@ -74,6 +82,8 @@ BASE_VARIANTS: dict[str, dict | None] = {
     "dense fused": None,
     "dense": None,  # torch's default AdamW (foreach), every other variant AdamW(fused=True)
     "block B 90% auto": dict(pattern="block:BxB", sparsity=0.9, compress="auto"),
+    "block B 75% auto": dict(pattern="block:BxB", sparsity=0.75, compress="auto"),
+    "block B 50% auto": dict(pattern="block:BxB", sparsity=0.5, compress="auto"),
     "block B 90% compressed": dict(pattern="block:BxB", sparsity=0.9, compress=True),
     "block B 75% compressed": dict(pattern="block:BxB", sparsity=0.75, compress=True),
     "block B 50% compressed": dict(pattern="block:BxB", sparsity=0.5, compress=True),
@@ -347,7 +357,8 @@ def add_limits(rows: list[dict]) -> None:
     row ``speedup_same_mode`` against the dense fused row compiled alike. Where its baseline
     (that row; the eager one for eager rows) measured its shrinkable time, the row gets
     ``amdahl_limit`` at its density from the baseline's step and ``of_limit`` (its speed-up
-    against the baseline / the limit)."""
+    against the baseline / the limit), and where the baseline also measured the bandwidth
+    floors, ``floor_limit`` and ``of_floor_limit`` alike."""
     done = {r["variant"]: r for r in rows if "error" not in r and r["ms"]}
     eager = done.get("dense fused")
     for r in done.values():
@@ -361,10 +372,12 @@ def add_limits(rows: list[dict]) -> None:
         if suffix:
             r["speedup_same_mode"] = speedup
         if "shrinkable" in baseline:
-            r["amdahl_limit"] = amdahl_limit(baseline["ms"],
-                                             sum(baseline["shrinkable"].values()),
-                                             1 - r["sparsity"])
+            shrinkable, density = baseline["shrinkable"], 1 - r["sparsity"]
+            r["amdahl_limit"] = amdahl_limit(
+                baseline["ms"], shrinkable["products_ms"] + shrinkable["optimizer_ms"], density)
             r["of_limit"] = speedup / r["amdahl_limit"] if r["amdahl_limit"] else None
+            r["floor_limit"] = floor_limit(baseline["ms"], shrinkable, density)
+            r["of_floor_limit"] = speedup / r["floor_limit"] if r["floor_limit"] else None
 
 
 def torch_device_name() -> str:
@@ -380,7 +393,7 @@ def report(args: argparse.Namespace, rows: list[dict], device: str) -> None:
     print(f"\n{args.model}{f' ({args.layers} layers)' if args.model == 'llama' else ''}, "
           f"bf16-mixed, {device}")
     print(f"{'variant':34s} {'ms/step':>8s} {'vs dense':>8s} {'vs mode':>7s} {'limit':>6s} "
-          f"{'of lim':>6s} "
+          f"{'of lim':>6s} {'floor':>6s} {'of fl':>6s} "
           f"{'busy':>7s} {'host':>7s} {'peak GiB':>8s} {'tokens/s':>9s} {'trainable':>10s} "
           f"{'compressed':>22s} {'masked':>6s} {'loss first->last':>17s}")
     for r in rows:
@@ -393,11 +406,13 @@ def report(args: argparse.Namespace, rows: list[dict], device: str) -> None:
         cells = [f"{r[k]:.2f}x" if r.get(k) else "-"
                  for k in ("speedup", "speedup_same_mode", "amdahl_limit")]
         cells += [f"{r['of_limit']:.2f}" if r.get("of_limit") else "-"]
+        floors = [f"{r['floor_limit']:.2f}x" if r.get("floor_limit") else "-",
+                  f"{r['of_floor_limit']:.2f}" if r.get("of_floor_limit") else "-"]
         cells += [f"{profile[k]:.1f}" if k in profile else "-"
                   for k in ("busy_ms", "exposed_host_ms")]
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
         print(f"{r['variant']:34s} {r['ms']:8.1f} {cells[0]:>8s} {cells[1]:>7s} {cells[2]:>6s} "
-              f"{cells[3]:>6s} {cells[4]:>7s} {cells[5]:>7s} {peak:>8s} "
+              f"{cells[3]:>6s} {floors[0]:>6s} {floors[1]:>6s} {cells[4]:>7s} {cells[5]:>7s} {peak:>8s} "
               f"{r['tokens'] / r['ms'] * 1e3:9,.0f} "
               f"{r['trainable_parameters'] / 1e6:9.1f}M {kinds:>22s} "
               f"{r['masked_dense_tensors']:6d} {r['loss_first']:8.3f}->{r['loss_last']:.3f}")
@@ -434,7 +449,12 @@ def print_families(rows: list[dict]) -> None:
             f"{name[:60]} {ms:.2f}" for name, ms in r["profile"]["top_other"]))
     dense = next((r for r in rows if "shrinkable" in r), None)
     if dense:
-        print(f"dense shrinkable ms (Linear products, AdamW): {dense['shrinkable']}")
+        shrinkable = dense["shrinkable"]
+        print(f"dense shrinkable ms: Linear products {shrinkable['products_ms']:.2f}, AdamW "
+              f"{shrinkable['optimizer_ms']:.2f}" + (
+                  f"; their bandwidth floor {sum(shrinkable['floor_by_shape_ms']):.2f} at "
+                  f"{shrinkable['bandwidth_gbs']:.0f} GB/s" if "floor_by_shape_ms" in shrinkable
+                  else ""))
 
 
 if __name__ == "__main__":

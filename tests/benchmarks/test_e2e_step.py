@@ -85,6 +85,17 @@ def test_cpu_profile_gives_families_shapes_and_limits(tmp_path):
         dense["ms"] / (dense["ms"] - (1 - kept) * shrinkable))
     assert sparse["of_limit"] == pytest.approx(dense["ms"] / sparse["ms"] / sparse["amdahl_limit"])
     assert dense["amdahl_limit"] == pytest.approx(1.0)
+    # the bandwidth floor: 3 T (in + out) fp32 elements per Linear at the measured bandwidth
+    measured = dense["shrinkable"]
+    assert measured["bandwidth_gbs"] > 0
+    assert sum(measured["products_by_shape_ms"]) == pytest.approx(measured["products_ms"])
+    for (fan_in, fan_out, _, count), floor in zip(dense["linear_shapes"],
+                                                  measured["floor_by_shape_ms"], strict=True):
+        bytes_moved = count * 3 * dense["tokens"] * (fan_in + fan_out) * 4
+        assert floor == pytest.approx(bytes_moved / (measured["bandwidth_gbs"] * 1e9) * 1e3)
+    assert 1.0 <= sparse["floor_limit"] <= sparse["amdahl_limit"]
+    assert sparse["of_floor_limit"] == pytest.approx(dense["ms"] / sparse["ms"]
+                                                     / sparse["floor_limit"])
     # --report prints the saved run's table again, limits included, from the JSON alone
     shown = subprocess.run([sys.executable, str(SCRIPT), "--report",
                             str(tmp_path / "e2e_step_tiny.json")],
@@ -94,6 +105,23 @@ def test_cpu_profile_gives_families_shapes_and_limits(tmp_path):
                 if line.startswith("block B 90% compressed "))
     assert f"{sparse['ms']:.1f}" in line and f"{sparse['of_limit']:.2f}" in line
     assert f"cpu, torch {torch.__version__}" in shown.stdout
+
+
+def test_floor_limit_shrinks_each_shape_no_further_than_its_bandwidth_floor():
+    """Hand-computed: shape a (P 6, floor 1) shrinks to max(0.1 * 6, 1) = 1, shape b (P 4,
+    floor 0.1) to 0.4, the optimizer (2) to 0.2; the rest of the 20 ms step stays."""
+    from _step_profile import amdahl_limit, floor_limit
+
+    shrinkable = {"products_ms": 10.0, "optimizer_ms": 2.0, "products_by_shape_ms": [6.0, 4.0],
+                  "floor_by_shape_ms": [1.0, 0.1]}
+    assert floor_limit(20.0, shrinkable, 0.1) == pytest.approx(20 / (20 - 5 - 3.6 - 1.8))
+    assert floor_limit(20.0, shrinkable, 0.1) < amdahl_limit(20.0, 12.0, 0.1)
+    # dense: nothing shrinks; floors under d P_s: the Amdahl limit itself
+    assert floor_limit(20.0, shrinkable, 1.0) == pytest.approx(1.0)
+    assert floor_limit(20.0, shrinkable | {"floor_by_shape_ms": [0.0, 0.0]}, 0.5) == \
+        pytest.approx(amdahl_limit(20.0, 12.0, 0.5))
+    assert floor_limit(20.0, {"products_ms": 10.0, "optimizer_ms": 2.0}, 0.1) is None
+    assert floor_limit(5.0, shrinkable, 0.1) is None  # measured apart, longer than the step
 
 
 def test_compiled_rows_are_measured_against_dense_compiled_alike():
