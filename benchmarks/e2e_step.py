@@ -30,7 +30,9 @@ products, dense products, attention, optimizer, memory copies, elementwise/other
 CPU-only run the aten ops' self CPU time), the 5 largest "other" kernels, ``busy`` (GPU busy:
 the union of the device activity) and ``host``, the *exposed host time*: the profiled step's
 wall time minus its GPU busy time (the profiler's own overhead is in it; ``wall_ms`` vs
-``profiled_wall_ms`` in the JSON shows how much). The dense fused row also measures the time
+``profiled_wall_ms`` in the JSON shows how much); then 2 more steps under ``cProfile``: the
+host's Python functions with the most own time per step (``python_top``, printed under the
+families: what the exposed host time is made of). The dense fused row also measures the time
 the sparse variants shrink, outside the step on its real shapes: forward, dX and dW of every
 selected ``nn.Linear`` (all but the denied embeddings and heads) at the step's token count
 in bf16 with cuBLAS (fp32 on the CPU), ``P``, and ``AdamW(fused=True)`` on their fp32
@@ -61,12 +63,12 @@ import time
 import traceback
 from pathlib import Path
 
+from _step_callbacks import python_profiler, step_profiler, step_times
 from _step_profile import (
     FAMILIES,
     OTHER,
     amdahl_limit,
     floor_limit,
-    kernel_families,
     linear_shapes,
     shrinkable_ms,
 )
@@ -164,58 +166,6 @@ def build(model_name: str, layers: int, device: str = "cpu"):
         "end_positions": torch.randint(0, seq, (batch,), generator=g)}
 
 
-def step_times(warmup: int, until: int, synchronize: bool):
-    """A Lightning callback that records in its ``ms`` list the milliseconds of every step
-    after the first ``warmup`` up to global step ``until`` (step end to step end; the GPU
-    synchronized at each step end when ``synchronize``)."""
-    import torch
-    from pytorch_lightning.callbacks import Callback
-
-    class StepTimes(Callback):
-        def __init__(self):
-            self.ms: list[float] = []
-            self.last = None
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if synchronize:
-                torch.cuda.synchronize()
-            now = time.perf_counter()
-            if self.last is not None and warmup < trainer.global_step <= until:
-                self.ms.append((now - self.last) * 1e3)
-            self.last = now
-
-    return StepTimes()
-
-
-def step_profiler(after: int, steps: int, gpu: bool):
-    """A Lightning callback that profiles (``torch.profiler``: CPU, and CUDA when ``gpu``)
-    ``steps`` steps from the end of global step ``after``; then its ``row`` holds
-    :func:`kernel_families` and the profiled wall ms per step (profiler overhead in it)."""
-    import torch
-    from pytorch_lightning.callbacks import Callback
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * gpu
-
-    class StepProfiler(Callback):
-        def __init__(self):
-            self.row: dict = {}
-            self.profiler = profile(activities=activities)
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if trainer.global_step in (after, after + steps) and gpu:
-                torch.cuda.synchronize()
-            if trainer.global_step == after:
-                self.profiler.__enter__()
-                self.began = time.perf_counter()
-            elif trainer.global_step == after + steps:
-                self.profiler.__exit__(None, None, None)
-                self.row = {"profiled_wall_ms": (time.perf_counter() - self.began) * 1e3 / steps,
-                            **kernel_families(self.profiler.events(), steps)}
-
-    return StepProfiler()
-
-
 def run_child(args: argparse.Namespace) -> dict:
     """One variant in this process: fit ``warmup + steps`` steps, time the last ``steps``."""
     import pytorch_lightning as pl
@@ -247,13 +197,15 @@ def run_child(args: argparse.Namespace) -> dict:
     timed_total = args.warmup + args.steps + 1
     module, timer = Module(), step_times(args.warmup, timed_total, gpu)
     callbacks: list = [timer]
-    if args.profile:
+    if args.profile:  # the torch profiler's steps, then cProfile's
         callbacks.append(profiler := step_profiler(timed_total, PROFILED_STEPS, gpu))
+        callbacks.append(python := python_profiler(timed_total + PROFILED_STEPS,
+                                                   PROFILED_STEPS))
     sparse = None
     if settings is not None:
         sparse = SparsityCallback(**settings)
         callbacks.append(sparse)
-    total = timed_total + PROFILED_STEPS * args.profile
+    total = timed_total + 2 * PROFILED_STEPS * args.profile
     trainer = pl.Trainer(accelerator="gpu" if gpu else "cpu", devices=1,
                          precision="bf16-mixed", max_steps=total, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False,
@@ -272,7 +224,8 @@ def run_child(args: argparse.Namespace) -> dict:
     profiled = {}
     if args.profile:  # exposed host time: the profiled step's wall minus its GPU busy
         row = profiler.row
-        profiled = {"profile": {**row, "exposed_host_ms": row["profiled_wall_ms"] - row["busy_ms"]}}
+        profiled = {"profile": {**row, "exposed_host_ms": row["profiled_wall_ms"] - row["busy_ms"],
+                                **python.row}}
     if args.profile and settings is None:
         profiled["linear_shapes"] = linear_shapes(hf_model, DENY[args.model])
     return {
@@ -447,6 +400,10 @@ def print_families(rows: list[dict]) -> None:
     for r in profiled:
         print(f"{r['variant']}: largest other: " + "; ".join(
             f"{name[:60]} {ms:.2f}" for name, ms in r["profile"]["top_other"]))
+    for r in (r for r in profiled if "python_top" in r["profile"]):
+        print(f"{r['variant']}: host Python {r['profile']['python_ms']:.1f} ms a step under "
+              f"cProfile; most own time: " + "; ".join(
+                  f"{name[-50:]} {own:.2f}" for name, own, _, _ in r["profile"]["python_top"][:6]))
     dense = next((r for r in rows if "shrinkable" in r), None)
     if dense:
         shrinkable = dense["shrinkable"]

@@ -62,6 +62,10 @@ def test_cpu_profile_gives_families_shapes_and_limits(tmp_path):
             profile["profiled_wall_ms"] - profile["busy_ms"])
         assert 0 < profile["busy_ms"] <= profile["profiled_wall_ms"]
         assert len(profile["top_other"]) == 5
+        # cProfile's steps: the functions with the most own time, the step's loop among them
+        assert profile["python_ms"] > 0 and len(profile["python_top"]) == 12
+        owns = [own for _, own, _, _ in profile["python_top"]]
+        assert owns == sorted(owns, reverse=True) and sum(owns) <= profile["python_ms"]
     assert dense["profile"]["family_ms"]["sparse products"] == 0
     assert dense["profile"]["family_ms"]["dense products"] > 0
     assert sparse["profile"]["family_ms"]["sparse products"] > 0
@@ -105,6 +109,7 @@ def test_cpu_profile_gives_families_shapes_and_limits(tmp_path):
                 if line.startswith("block B 90% compressed "))
     assert f"{sparse['ms']:.1f}" in line and f"{sparse['of_limit']:.2f}" in line
     assert f"cpu, torch {torch.__version__}" in shown.stdout
+    assert "block B 90% compressed: host Python" in shown.stdout
 
 
 def test_floor_limit_shrinks_each_shape_no_further_than_its_bandwidth_floor():
