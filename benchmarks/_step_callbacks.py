@@ -63,12 +63,13 @@ def step_profiler(after: int, steps: int, gpu: bool):
     return StepProfiler()
 
 
-def python_profiler(after: int, steps: int, top: int = 12):
+def python_profiler(after: int, steps: int, gpu: bool, top: int = 12):
     """A Lightning callback that runs ``cProfile`` over ``steps`` steps from the end of
     global step ``after``; then its ``row`` holds ``python_ms`` (the profiled wall ms per
     step, cProfile's overhead in it) and ``python_top``: the ``top`` functions by their own
     time per step, ``[function, own ms, cumulative ms, calls]`` per step: where the host's
     time goes outside the GPU's kernels (launchers, autograd, CUDA-graph replays, the loop)."""
+    import torch
     from pytorch_lightning.callbacks import Callback
 
     class PythonProfiler(Callback):
@@ -77,6 +78,8 @@ def python_profiler(after: int, steps: int, top: int = 12):
             self.profile = cProfile.Profile()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step in (after, after + steps) and gpu:
+                torch.cuda.synchronize()  # the window holds its steps' GPU work, no more
             if trainer.global_step == after:
                 self.began = time.perf_counter()
                 self.profile.enable()
@@ -91,8 +94,9 @@ def python_profiler(after: int, steps: int, top: int = 12):
 def hotspots(profile: cProfile.Profile, steps: int, top: int) -> list[list]:
     """The ``top`` functions of ``profile`` by own time: ``[file:line(name), own ms, cumulative
     ms, calls]``, each per step of ``steps``."""
-    stats = pstats.Stats(profile).stats  # (file, line, name) -> (calls, prims, own, cum, ..)
+    # (file, line, name) -> (primitive calls, calls, own s, cumulative s, callers)
+    stats = pstats.Stats(profile).stats
     rows = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
     return [[f"{'/'.join(file.rsplit('/', 2)[-2:])}:{line}({name})",
              own * 1e3 / steps, cumulative * 1e3 / steps, calls // steps]
-            for (file, line, name), (calls, _, own, cumulative, _) in rows]
+            for (file, line, name), (_, calls, own, cumulative, _) in rows]

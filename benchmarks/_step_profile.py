@@ -128,7 +128,7 @@ def copy_bandwidth(device: str) -> float:
     return 2 * size / seconds
 
 
-def token_bytes(shapes: Iterable[Sequence[int]], tokens: int, element_bytes: int) -> list[float]:
+def token_bytes(shapes: Iterable[Sequence[int]], tokens: int, element_bytes: int) -> list[int]:
     """Bytes that forward, dX and dW of each entry of ``shapes`` move whatever the weight's
     density: X and Y (forward), dY and dX (dX), X and dY (dW), ``3 T (in + out)`` elements
     per Linear, times its count (the kept weights' bytes, which shrink, left out)."""
@@ -179,12 +179,13 @@ def amdahl_limit(dense_ms: float, shrinkable: float, density: float) -> float | 
 
 def floor_limit(dense_ms: float, shrinkable: dict, density: float) -> float | None:
     """:func:`amdahl_limit` with each shape's products shrunk to ``max(density * P_s, F_s)``
-    (``F_s`` its bandwidth floor) rather than ``density * P_s``, the optimizer with the
-    density: ``dense / (dense - sum_s (P_s - max(d P_s, F_s)) - (1 - d) O)``; None without
+    (``F_s`` its bandwidth floor, at most ``P_s``: what was measured is reachable) rather
+    than ``density * P_s``, the optimizer with the density:
+    ``dense / (dense - sum_s (P_s - max(d P_s, min(F_s, P_s))) - (1 - d) O)``; None without
     the per-shape figures (runs saved before they were measured) or when the rest is <= 0."""
     if "floor_by_shape_ms" not in shrinkable:
         return None
     pairs = zip(shrinkable["products_by_shape_ms"], shrinkable["floor_by_shape_ms"], strict=True)
-    saved = sum(p - max(density * p, f) for p, f in pairs)
+    saved = sum(p - max(density * p, min(f, p)) for p, f in pairs)
     rest = dense_ms - saved - (1 - density) * shrinkable["optimizer_ms"]
     return dense_ms / rest if rest > 0 else None

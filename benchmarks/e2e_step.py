@@ -194,13 +194,13 @@ def run_child(args: argparse.Namespace) -> dict:
         def configure_optimizers(self):
             return user_adamw(self.parameters(), fused and gpu)
 
-    timed_total = args.warmup + args.steps + 1
+    timed_total = args.warmup + args.steps  # the timer records global steps warmup+1..
     module, timer = Module(), step_times(args.warmup, timed_total, gpu)
     callbacks: list = [timer]
     if args.profile:  # the torch profiler's steps, then cProfile's
         callbacks.append(profiler := step_profiler(timed_total, PROFILED_STEPS, gpu))
         callbacks.append(python := python_profiler(timed_total + PROFILED_STEPS,
-                                                   PROFILED_STEPS))
+                                                   PROFILED_STEPS, gpu))
     sparse = None
     if settings is not None:
         sparse = SparsityCallback(**settings)
@@ -283,6 +283,7 @@ def main() -> None:
     rows = []
     out = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     out.mkdir(parents=True, exist_ok=True)
+    path = None
     for variant in variants_for(args):
         settings_of(variant, args.model)  # a bad name stops before any run
         result = out / "_row.json"
@@ -298,11 +299,11 @@ def main() -> None:
                                              f"{proc.stderr.strip()[-400:]}"})
         row["wall_s"] = time.perf_counter() - start
         rows.append(row)
-        save(args, rows, out)
+        path = save(args, rows, out)
         print(f"{variant}: {row.get('ms') or row.get('error')}", flush=True)
     result.unlink(missing_ok=True)
     report(args, rows, torch_device_name())
-    print(f"wrote {save(args, rows, out)}")
+    print(f"wrote {path}")
 
 
 def add_limits(rows: list[dict]) -> None:
@@ -339,6 +340,12 @@ def torch_device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+def cell(value, form: str) -> str:
+    """``value`` formatted by ``form``; "-" where a row lacks it (None, or a run saved before
+    the script measured it)."""
+    return "-" if value is None else form.format(value)
+
+
 def report(args: argparse.Namespace, rows: list[dict], device: str) -> None:
     """The table of ``rows`` (each given its limits by :func:`add_limits`), then the
     profiled rows' kernel families."""
@@ -350,25 +357,27 @@ def report(args: argparse.Namespace, rows: list[dict], device: str) -> None:
           f"{'busy':>7s} {'host':>7s} {'peak GiB':>8s} {'tokens/s':>9s} {'trainable':>10s} "
           f"{'compressed':>22s} {'masked':>6s} {'loss first->last':>17s}")
     for r in rows:
-        if "error" in r:
-            print(f"{r['variant']:34s} FAILED: {r['error'][:200]}")
+        if "error" in r or not r.get("ms"):
+            print(f"{r['variant']:34s} FAILED: {r.get('error', 'no step timed')[:200]}")
             continue
-        kinds = ", ".join(f"{n} {k.replace('Linear', '')}" for k, n in
-                          r["compressed_layers"].items()) or "none"
         profile = r.get("profile", {})
-        cells = [f"{r[k]:.2f}x" if r.get(k) else "-"
-                 for k in ("speedup", "speedup_same_mode", "amdahl_limit")]
-        cells += [f"{r['of_limit']:.2f}" if r.get("of_limit") else "-"]
-        floors = [f"{r['floor_limit']:.2f}x" if r.get("floor_limit") else "-",
-                  f"{r['of_floor_limit']:.2f}" if r.get("of_floor_limit") else "-"]
-        cells += [f"{profile[k]:.1f}" if k in profile else "-"
-                  for k in ("busy_ms", "exposed_host_ms")]
-        peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
-        print(f"{r['variant']:34s} {r['ms']:8.1f} {cells[0]:>8s} {cells[1]:>7s} {cells[2]:>6s} "
-              f"{cells[3]:>6s} {floors[0]:>6s} {floors[1]:>6s} {cells[4]:>7s} {cells[5]:>7s} {peak:>8s} "
-              f"{r['tokens'] / r['ms'] * 1e3:9,.0f} "
-              f"{r['trainable_parameters'] / 1e6:9.1f}M {kinds:>22s} "
-              f"{r['masked_dense_tensors']:6d} {r['loss_first']:8.3f}->{r['loss_last']:.3f}")
+        kinds = ", ".join(f"{n} {k.replace('Linear', '')}" for k, n in
+                          r.get("compressed_layers", {}).items()) or "none"
+        tokens, trainable = r.get("tokens"), r.get("trainable_parameters")
+        cells = [cell(r.get("speedup"), "{:.2f}x"), cell(r.get("speedup_same_mode"), "{:.2f}x"),
+                 cell(r.get("amdahl_limit"), "{:.2f}x"), cell(r.get("of_limit"), "{:.2f}"),
+                 cell(r.get("floor_limit"), "{:.2f}x"), cell(r.get("of_floor_limit"), "{:.2f}"),
+                 cell(profile.get("busy_ms"), "{:.1f}"),
+                 cell(profile.get("exposed_host_ms"), "{:.1f}"),
+                 cell(r.get("peak_gib"), "{:.1f}"),
+                 cell(tokens and tokens / r["ms"] * 1e3, "{:,.0f}"),
+                 cell(trainable and trainable / 1e6, "{:.1f}M"),
+                 cell(r.get("masked_dense_tensors"), "{:d}"),
+                 cell(r.get("loss_first"), "{:.3f}") + "->" + cell(r.get("loss_last"), "{:.3f}")]
+        widths = (8, 7, 6, 6, 6, 6, 7, 7, 8, 9, 10)
+        print(f"{r['variant']:34s} {r['ms']:8.1f} "
+              + " ".join(f"{c:>{w}s}" for c, w in zip(cells, widths, strict=False))
+              + f" {kinds:>22s} {cells[11]:>6s} {cells[12]:>17s}")
     print_families(rows)
 
 

@@ -56,6 +56,7 @@ def test_cpu_profile_gives_families_shapes_and_limits(tmp_path):
     assert sorted(rows) == sorted(variants) and not any("error" in r for r in rows.values())
     dense, sparse = rows["dense fused"], rows["block B 90% compressed"]
     for row in rows.values():
+        assert len(row["step_ms"]) == 2  # --steps, no more
         profile = row["profile"]
         assert sum(profile["family_ms"].values()) == pytest.approx(profile["busy_ms"])
         assert profile["exposed_host_ms"] == pytest.approx(
@@ -125,6 +126,9 @@ def test_floor_limit_shrinks_each_shape_no_further_than_its_bandwidth_floor():
     assert floor_limit(20.0, shrinkable, 1.0) == pytest.approx(1.0)
     assert floor_limit(20.0, shrinkable | {"floor_by_shape_ms": [0.0, 0.0]}, 0.5) == \
         pytest.approx(amdahl_limit(20.0, 12.0, 0.5))
+    # a floor above its shape's measured products (the bandwidth measured low): P_s at most
+    assert floor_limit(20.0, shrinkable | {"floor_by_shape_ms": [9.0, 0.1]}, 1.0) == \
+        pytest.approx(1.0)
     assert floor_limit(20.0, {"products_ms": 10.0, "optimizer_ms": 2.0}, 0.1) is None
     assert floor_limit(5.0, shrinkable, 0.1) is None  # measured apart, longer than the step
 
@@ -159,3 +163,46 @@ def test_compiled_rows_are_measured_against_dense_compiled_alike():
         assert by[name]["speedup"] == pytest.approx(30 / by[name]["ms"])
         assert not {"speedup_same_mode", "amdahl_limit", "of_limit"} & set(by[name])
     assert "speedup" not in by["dense fused +compile:mat"]
+
+
+def test_report_prints_runs_saved_before_columns_existed_and_failed_rows(tmp_path):
+    """``--report`` on a JSON whose rows lack the later columns (tokens, floors, the Python
+    profile), with a failed row and one that timed no step: dashes and FAILED, no crash."""
+    rows = [{"variant": "dense fused", "ms": 30.0, "sparsity": 0.0, "peak_gib": 6.5,
+             "compressed_layers": {}, "masked_dense_tensors": 0, "loss_first": 6.0,
+             "loss_last": 3.0, "shrinkable": {"products_ms": 6.0, "optimizer_ms": 2.0}},
+            {"variant": "block B 90% compressed", "ms": 25.0, "sparsity": 0.9},
+            {"variant": "2:4 compressed", "error": "RuntimeError: died"},
+            {"variant": "2:4 masked-dense", "ms": None, "sparsity": 0.5}]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"model": "bert-base", "layers": 4, "torch": "2.11.0",
+                                "device": "NVIDIA H100", "rows": rows}))
+    shown = subprocess.run([sys.executable, str(SCRIPT), "--report", str(path)],
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    lines = {line.split("  ")[0]: line for line in shown.stdout.splitlines()}
+    assert "1.20x" in lines["block B 90% compressed"]  # 30 / 25
+    assert f"{30 / (30 - 0.9 * 8):.2f}x" in lines["block B 90% compressed"]
+    assert "FAILED: RuntimeError: died" in lines["2:4 compressed"]
+    assert "FAILED: no step timed" in lines["2:4 masked-dense"]
+    assert "NVIDIA H100, torch 2.11.0" in shown.stdout
+
+
+def test_hotspots_count_every_call_of_a_recursive_function():
+    """cProfile keeps primitive and total calls apart: a function recursing 50 times below
+    its first call counts 51 calls per profiled step, its own time once."""
+    import cProfile
+
+    from _step_callbacks import hotspots
+
+    def depth(n: int) -> int:
+        return 0 if n == 0 else 1 + depth(n - 1)
+
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(2):
+        depth(50)
+    profile.disable()
+    found = {name.rsplit("(", 1)[-1]: row for name, *row in hotspots(profile, steps=2, top=50)}
+    own, cumulative, calls = found["depth)"]
+    assert calls == 51 and 0 < own <= cumulative
