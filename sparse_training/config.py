@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import math
 import numbers
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -305,9 +306,10 @@ class SparsityConfig:
             raise ValueError(f"score='random' draws one random mask; it needs schedule "
                              f"'oneshot' or 'constant', got {self.schedule!r} (a gradual "
                              f"schedule would prune trained weights at random)")
+        _check_choice(self.regrow, "regrow", (None, *REGROW))
+        self._check_regrowth_options()
         if self.regrow is None:
             return
-        _check_choice(self.regrow, "regrow", (None, *REGROW))
         if pattern.transposable:
             raise ValueError(f"regrow={self.regrow!r} does not support transposable patterns "
                              f"({pattern.spec!r}); use the plain N:M pattern")
@@ -316,9 +318,32 @@ class SparsityConfig:
         if not _is_real(self.regrow_fraction) or not 0.0 < self.regrow_fraction <= 1.0:
             raise ValueError(f"regrow_fraction must be a number in (0, 1], got "
                              f"{self.regrow_fraction!r}")
-        check_step(self.regrow_end, "regrow_end")
-        if not _is_real(self.sr_ste_decay) or self.sr_ste_decay < 0:
-            raise ValueError(f"sr_ste_decay must be a number >= 0, got {self.sr_ste_decay!r}")
+        end = check_step(self.regrow_end, "regrow_end")
+        if self.regrow != "sr-ste" and (end == 0 or (
+                _is_real(self.start) and type(end) is type(self.start) and end <= self.start)):
+            raise ValueError(f"regrow_end={self.regrow_end!r} is not after start="
+                             f"{self.start!r}: regrow={self.regrow!r} would never drop and grow; "
+                             f"give a later step (int) or fraction of training (float; default "
+                             f"{DEFAULT_REGROW_END})")
+        if (not _is_real(self.sr_ste_decay) or not math.isfinite(self.sr_ste_decay)
+                or self.sr_ste_decay < 0):
+            raise ValueError(f"sr_ste_decay must be a finite number >= 0, got "
+                             f"{self.sr_ste_decay!r}")
+
+    def _check_regrowth_options(self) -> None:
+        """The regrowth settings a ``regrow`` method reads, none it ignores: RigL and SET
+        read ``regrow_fraction`` and ``regrow_end``, SR-STE ``sr_ste_decay``."""
+        reads = {None: (), "rigl": ("regrow_fraction", "regrow_end"),
+                 "set": ("regrow_fraction", "regrow_end"), "sr-ste": ("sr_ste_decay",)}
+        defaults = {"regrow_fraction": DEFAULT_ALPHA, "regrow_end": DEFAULT_REGROW_END,
+                    "sr_ste_decay": DEFAULT_SR_STE_DECAY}
+        for name, default in defaults.items():
+            value = getattr(self, name)
+            if name not in reads[self.regrow] and value != default:
+                users = [repr(method) for method, names in reads.items() if name in names]
+                raise ValueError(f"{name}={value!r} is read only with regrow="
+                                 f"{' or '.join(users)}, got regrow={self.regrow!r}: set regrow "
+                                 f"or leave {name} out")
 
     # -- the settings as data ----------------------------------------------------------------
     @classmethod

@@ -5,6 +5,7 @@ crashing inside torch."""
 from __future__ import annotations
 
 import copy
+import re
 
 import numpy as np
 import pytest
@@ -106,7 +107,29 @@ CONSTRUCTION = [
     (dict(regrow="rigl", regrow_fraction=1.5), V, r"regrow_fraction .* got 1.5"),
     (dict(regrow="set", regrow_end=2.0), V, r"regrow_end as a fraction of training must lie in"),
     (dict(regrow="set", regrow_end=-5), V, "regrow_end must be >= 0 optimizer steps, got -5"),
-    (dict(regrow="sr-ste", sr_ste_decay=-1), V, "sr_ste_decay must be a number >= 0, got -1"),
+    (dict(regrow="sr-ste", sr_ste_decay=-1), V, "sr_ste_decay must be a finite number >= 0, "
+                                                "got -1"),
+    (dict(regrow="sr-ste", sr_ste_decay=float("nan")), V, "sr_ste_decay must be a finite .* nan"),
+    (dict(regrow="sr-ste", sr_ste_decay=float("inf")), V, "sr_ste_decay must be a finite .* inf"),
+    # regrowth that could never run, and regrowth settings no method reads
+    (dict(regrow="rigl", regrow_end=0), V, "regrow_end=0 is not after start=0: regrow='rigl' "
+                                           "would never drop and grow; give a later step"),
+    (dict(regrow="set", regrow_end=0.0), V, "regrow_end=0.0 is not after start=0"),
+    (dict(pattern="unstructured", sparsity=0.5, schedule="constant", start=20, regrow="rigl",
+          regrow_end=10), V, "regrow_end=10 is not after start=20"),
+    (dict(pattern="unstructured", sparsity=0.5, schedule="gmp", start=0.5, end=0.9,
+          regrow="rigl", regrow_end=0.25), V, "regrow_end=0.25 is not after start=0.5"),
+    (dict(regrow_fraction=0.5), V, r"regrow_fraction=0.5 is read only with regrow='rigl' or "
+                                   r"'set', got regrow=None: set regrow or leave "
+                                   r"regrow_fraction out"),
+    (dict(regrow_end=0.5), V, "regrow_end=0.5 is read only with regrow='rigl' or 'set', got "
+                              "regrow=None"),
+    (dict(sr_ste_decay=-3), V, "sr_ste_decay=-3 is read only with regrow='sr-ste', got "
+                               "regrow=None"),
+    (dict(regrow="rigl", sr_ste_decay=1e-3), V, "sr_ste_decay=0.001 is read only with "
+                                                "regrow='sr-ste', got regrow='rigl'"),
+    (dict(regrow="sr-ste", regrow_fraction=0.5), V, "regrow_fraction=0.5 is read only with "
+                                                    "regrow='rigl' or 'set', got regrow='sr-ste'"),
     (dict(seed=1.5), V, "seed must be an int, got 1.5"),
     (dict(seed="0"), V, "seed must be an int, got '0'"),
     (dict(sparsty=0.5), TypeError, "unknown setting 'sparsty'; did you mean 'sparsity'\\?"),
@@ -149,6 +172,10 @@ HANDLED = [  # accepted, normalized as the docs say
     (dict(**GMP, frequency=np.int32(7)), "parsed_schedule.frequency", 7),
     (dict(dense_ratio=np.float32(0.5)), "dense_ratio", 0.5),
     (dict(allow=("net",)), "allow", ("net",)),
+    # the regrowth settings' defaults, written out, are what leaving them out gives
+    (dict(regrow_fraction=0.3, regrow_end=0.75, sr_ste_decay=2e-4), "parsed_regrowth", None),
+    (dict(pattern="unstructured", sparsity=0.5, schedule="constant", start=0.1, regrow="rigl",
+          regrow_end=20), "parsed_regrowth.end", 20),  # steps against a fraction: at fit
 ]
 
 
@@ -1772,3 +1799,28 @@ def test_layers_that_would_be_dense_are_refused(call, message):
 
 def test_count_dense_as_sparse():
     assert (len(DENSE_AS_SPARSE), len(REVIEW_ERRORS)) == (3, 9)
+
+
+@pytest.mark.parametrize("fraction", [1.5, -1, "1", True, float("nan")])
+def test_prune_refuses_fractions_outside_0_1_before_any_mask_changes(fraction):
+    model, engine, _ = small_engine(nn.Sequential(nn.Linear(16, 8), nn.ReLU(),
+                                                  nn.Linear(8, 32)))
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    with pytest.raises(ValueError, match=r"prune\(fraction\) takes the share of each tensor's "
+                                         r"final sparsity to reach, a number in \[0, 1\] .*got "
+                                         + re.escape(repr(fraction))):
+        engine.prune(fraction)
+    assert all(torch.equal(buffers[n], b) for n, b in model.named_buffers())
+    engine.prune(0.5)  # a valid fraction still prunes half the target
+    assert engine.sparsity == pytest.approx(engine.final_sparsity / 2, abs=0.01)
+
+
+def test_regrowth_that_resolves_to_no_step_warns_at_fit():
+    """regrow_end as a fraction of training against start in steps: known only at fit,
+    where a window that ends before it starts is said, not skipped silently."""
+    sparse = SparsityCallback(pattern="unstructured", sparsity=0.5, schedule="constant",
+                              start=5, regrow="rigl", regrow_end=0.1)
+    trainer = make_trainer([sparse], max_steps=8)
+    with pytest.warns(UserWarning, match=r"regrow='rigl' drops and grows from step 5 until "
+                                         r"step 1 \(regrow_end=0.1\), so never"):
+        trainer.fit(TinyNet(), make_loader(n=64))

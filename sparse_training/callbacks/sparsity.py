@@ -257,7 +257,14 @@ class SparsityCallback(Callback):
         self._fitting = True
 
     def _warn_about_schedule(self, total: int | None) -> None:
-        schedule = self._engine().updater.schedule
+        updater = self._engine().updater
+        schedule = updater.schedule
+        regrowth = getattr(updater, "regrowth", None)  # resolved to steps by the updater
+        if (regrowth is not None and isinstance(regrowth.end, int)
+                and regrowth.end <= schedule.start):
+            rank_zero_warn(f"SparsityCallback: regrow={self.config.regrow!r} drops and grows "
+                           f"from step {schedule.start} until step {regrowth.end} (regrow_end="
+                           f"{self.config.regrow_end!r}), so never; give a later regrow_end")
         updates = schedule.updates()
         if total is not None and updates[-1] >= total:
             rank_zero_warn(f"SparsityCallback: the schedule's last update (step {updates[-1]}) "

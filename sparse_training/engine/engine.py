@@ -27,6 +27,7 @@ gathered at mask updates, and enforced on the local shards (:mod:`sparse_trainin
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Any
 
 import torch
@@ -207,8 +208,17 @@ class SparsityEngine(SlotSet):
     # -- masks --------------------------------------------------------------------------------
     def prune(self, fraction: float = 1.0) -> None:
         """Masks at ``fraction`` of each tensor's final sparsity, now: ASP's one-shot prune
-        of a trained model, without a training loop."""
-        self.updater.update_masks(self, fraction, step=0, created=True)
+        of a trained model, without a training loop.
+
+        Raises:
+            ValueError: ``fraction`` not a number in [0, 1] (before any mask changes).
+        """
+        if (isinstance(fraction, bool) or not isinstance(fraction, numbers.Real)
+                or not 0.0 <= fraction <= 1.0):
+            raise ValueError(f"prune(fraction) takes the share of each tensor's final sparsity "
+                             f"to reach, a number in [0, 1] (1: the final sparsity), got "
+                             f"{fraction!r}")
+        self.updater.update_masks(self, float(fraction), step=0, created=True)
 
     @property
     def final_sparsity(self) -> float:
