@@ -119,10 +119,16 @@ def check_config(cfg: DictConfig) -> None:
             raise ConfigError(f"method {name}: init must be dense or scratch, got {spec.init!r}")
         if not isinstance(spec.train, bool):
             raise ConfigError(f"method {name}: train must be true or false, got {spec.train!r}")
-        try:  # validate the callback arguments now rather than after the dense run
-            SparsityConfig(**callback_kwargs(cfg, name, sparsity=float(cfg.sparsities[0])))
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"method {name}: {e}") from e
+        # the callback's settings at every sparsity, on the model they will select from:
+        # now rather than after the dense run
+        for sparsity in cfg.sparsities:
+            kwargs = callback_kwargs(cfg, name, sparsity=float(sparsity))
+            try:
+                if message := SparsityConfig.unknown_setting(kwargs):
+                    raise ValueError(message)
+                SparsityEngine(LeNet300100(), SparsityConfig(**kwargs))
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"method {name} at sparsity {sparsity}: {e}") from e
 
 
 def callback_kwargs(cfg: DictConfig, method: str, sparsity: float) -> dict[str, Any]:

@@ -23,7 +23,9 @@ Keys of a run (RUN_DEFAULTS has their defaults):
 from __future__ import annotations
 
 import bisect
+import copy
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -41,7 +43,7 @@ from sweep_config import (
     text,
 )
 
-from sparse_training import DistillationLoss, SparsityConfig
+from sparse_training import DistillationLoss, SparsityConfig, SparsityEngine
 
 PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true")
 RULES = {  # what every key of configs/squad.yaml must be
@@ -188,6 +190,8 @@ def _check(spec: DictConfig, names: list[str]) -> None:
     try:
         distill_settings(spec)
         if (kwargs := callback_kwargs(spec)) is not None:
+            if message := SparsityConfig.unknown_setting(kwargs):
+                raise ValueError(message)
             SparsityConfig(**kwargs)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"run {spec.name!r}: {error}") from error
@@ -213,3 +217,25 @@ def check_config(cfg: DictConfig) -> list[DictConfig]:
     if cfg.baseline is not None and cfg.baseline not in [r.get("name") for r in cfg.runs]:
         raise ConfigError(f"baseline {cfg.baseline!r} is not a run's name")
     return resolve_runs(cfg)
+
+
+def check_against_model(cfg: DictConfig, specs: list[DictConfig], model_dir: Path) -> None:
+    """What only the model can say, before any training: ``encoder_layers`` within its
+    pretrained layers, and each run's callback settings selecting from its weights (``allow``
+    and ``deny`` regexes that match, patterns that fit the shapes), on a randomly initialized
+    copy of its architecture (the weights' names and shapes are all the selection reads)."""
+    from transformers import BertConfig, BertForQuestionAnswering
+
+    config = BertConfig.from_pretrained(str(model_dir))
+    if cfg.encoder_layers > config.num_hidden_layers:
+        raise ConfigError(f"encoder_layers must be at most the model's {config.num_hidden_layers} "
+                          f"pretrained layers (0: all of them), got {cfg.encoder_layers}")
+    config.num_hidden_layers = cfg.encoder_layers or config.num_hidden_layers
+    model = BertForQuestionAnswering(config)
+    for spec in specs:
+        if (kwargs := callback_kwargs(spec)) is None:
+            continue
+        try:
+            SparsityEngine(copy.deepcopy(model), SparsityConfig(**kwargs))
+        except (TypeError, ValueError) as error:
+            raise ConfigError(f"run {spec.name!r}: {error}") from error

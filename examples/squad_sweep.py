@@ -308,6 +308,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     kept = squad_report.sorted_rows(kept, order)
     done = {(r["name"], r["seed"]) for r in kept}
     todo = [(seed, spec) for seed in cfg.seeds for spec in specs if (spec.name, seed) not in done]
+    if not cfg.replay:  # before the output folder, W&B or any training
+        squad_recipes.check_against_model(cfg, list({s.name: s for _, s in todo}.values()),
+                                          squad_data.model_dir(cfg.model_dir))
     reporting.set_threads(cfg.threads)
     from transformers import BertTokenizerFast
     from transformers.utils import logging as hf_logging

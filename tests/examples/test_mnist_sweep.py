@@ -109,7 +109,15 @@ def test_other_yaml_as_base(tmp_path: Path) -> None:
         (["method_specs.gmp.train=often"], r"method gmp: train must be true or false, got 'often'"),
         (["method_specs.gmp.init=random"], "method gmp: init must be dense or scratch"),
         (["method_specs.gmp.trian=false"], r"method gmp must have exactly the keys init, train"),
-        (["method_specs.gmp.callback.ned=0.5"], r"method gmp: .*unexpected keyword argument 'ned'"),
+        (["method_specs.gmp.callback.ned=0.5"], r"method gmp at sparsity .*: unknown setting "
+                                                r"'ned'; did you mean 'end'\? Valid settings:"),
+        # every sparsity and the model's own weights, checked before the dense run
+        (["methods=[nm]", "method_specs.nm={init: dense, train: true, callback: {pattern: "
+          "'2:4'}}", "sparsities=[0.5,0.9]"],
+         r"method nm at sparsity 0.9: .*pattern '2:4' implies sparsity 0.5"),
+        (["method_specs.oneshot.callback.allow=[nomatch]"],
+         r"method oneshot at sparsity .*: allow regex 'nomatch' matches no weight tensor; they "
+         r"are: 'fc1.weight'"),
         (["sparsities=[]"], r"sparsities must be a non-empty list .*, got \[\]"),
         (["method_specs.gmp.callback.schedule=cosine"], "unknown schedule 'cosine'"),
         (["epochs"], r"key=value overrides, got \['epochs'\]"),

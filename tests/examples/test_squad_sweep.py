@@ -128,7 +128,13 @@ def test_the_full_size_recipe_is_a_valid_set_of_keys():
     (["only=[2:4]"], r"only has numbers \[124\]"),
     (["only=[magic]"], r"only names unknown runs \['magic'\]"),
     (["baseline=magic"], r"baseline 'magic' is not a run's name"),
-    (["recipes.asp.callback.ned=1"], r"run '2:4 no KD': .*unexpected keyword argument 'ned'"),
+    (["recipes.asp.callback.ned=1"], r"run '2:4 no KD': unknown setting 'ned'; did you mean "
+                                      r"'end'\?"),
+    # what only the model can say, still before anything changes
+    (["recipes.asp.callback.allow=[nomatch]"], r"run '2:4 no KD': allow regex 'nomatch' "
+                                               r"matches no weight tensor"),
+    (["encoder_layers=8"], r"encoder_layers must be at most the model's 6 pretrained layers "
+                           r"\(0: all of them\), got 8"),
     (["recipes.asp.epochs=-1"], r"run '2:4 no KD': epochs must be an int >= 0, got -1"),
     (["recipes.asp.lr_schedule=cosine"], r"run '2:4 no KD': lr_schedule must be linear or "
                                           r"rewind, got 'cosine'"),
