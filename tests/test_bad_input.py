@@ -255,6 +255,8 @@ SETUP = [  # (callbacks' settings, model, trainer settings, message)
     ([dict()], TorchPruned, {}, r"'net.0.weight_orig' .* pruned by torch.nn.utils.prune"),
     ([dict()], ForeignMask, {}, r"'weight_mask' \(torch.float32, \(32, 32\)\) is not a bool"),
     ([dict(fused=True)], RMSNet, {}, "fused=True cannot serve RMSprop: .*use fused='auto'"),
+    ([dict(pattern="unstructured", sparsity=0.5, schedule="gmp", start=10, end=0.1)], TinyNet,
+     {}, r"start must come before end, got start=10 -> .* \(over the 8 steps of this fit\)"),
     ([dict(allow=[r"net\.0"]), dict(allow=[r"net\.[02]"])], TinyNet, {},
      r"'net.0.weight' \(Linear\) is already masked by another SparsityEngine"),
 ]
@@ -265,12 +267,15 @@ SETUP = [  # (callbacks' settings, model, trainer settings, message)
 def test_setup_errors_come_before_any_change(settings, model_class, trainer_kwargs, message):
     model = model_class()
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    buffers = dict(model.named_buffers())
     callbacks = [SparsityCallback(**s) for s in settings]
     trainer = make_trainer(callbacks, **{"max_epochs": 1, **trainer_kwargs})
     with pytest.raises(ValueError, match=message):
         trainer.fit(model, make_loader())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert set(before) == set(model.state_dict())
+    if len(callbacks) == 1:  # no mask buffer either (a second callback: the first's stay)
+        assert dict(model.named_buffers()).keys() == buffers.keys()
     first = callbacks[0].engine
     masks = [] if first is None else [s.mask for s in first.slots]
     assert all(m.all() for m in masks)  # at most the all-kept masks of a first callback

@@ -21,7 +21,7 @@ from sparse_training.callbacks.resume import read_callback_states, resume_path
 from sparse_training.config import DEFAULT_LAYER_TYPES, LayerTypes, SparsityConfig
 from sparse_training.engine import SparsityEngine
 from sparse_training.engine.distributed import keep_masks_out_of_buffer_broadcast
-from sparse_training.engine.optimizer_hooks import optimizer_problem
+from sparse_training.engine.optimizer_hooks import fused_problem, optimizer_problem
 from sparse_training.engine.protocol import CompressedLayer
 from sparse_training.engine.selection import format_table
 from sparse_training.engine.sharding import FSDP1_PROBLEM
@@ -221,6 +221,11 @@ class SparsityCallback(Callback):
                              "setup and configure_model compressed none of the layers it "
                              "built: call SparsityCallback.compress(self) there, before "
                              "fully_shard (or use compress='auto' or False)")
+        total = trainer.estimated_stepping_batches
+        total = None if math.isinf(total) else int(total)
+        if problem := self._fit_problem(optimizers, total, restored):
+            undo_swaps(pl_module, swapped)
+            raise ValueError(f"SparsityCallback: {problem}")
         engine = self.engine
         if engine is None or not engine.bound_to(pl_module):
             if engine is not None:
@@ -240,8 +245,6 @@ class SparsityCallback(Callback):
         if trainer.ckpt_path is not None and restored is None:
             rank_zero_warn("SparsityCallback: the checkpoint holds no SparsityCallback state; "
                            "the schedule starts at the resumed step")
-        total = trainer.estimated_stepping_batches
-        total = None if math.isinf(total) else int(total)
         engine.start(total)
         self._warn_about_schedule(total)
         rank_zero_info(f"SparsityCallback: {_counts(engine)} of {len(engine.plans)} weight "
@@ -255,6 +258,26 @@ class SparsityCallback(Callback):
             engine.attach(optimizer)
         keep_masks_out_of_buffer_broadcast(trainer.strategy.model, engine.slots)
         self._fitting = True
+
+    def _fit_problem(self, optimizers: list, total: int | None,
+                     restored: dict | None) -> str | None:
+        """What this fit's optimizers and length refuse before any mask is made: a fused
+        step that cannot serve an optimizer, a schedule that does not fit ``total`` steps
+        (a restored schedule keeps its checkpoint's steps)."""
+        config = self.config
+        if config.fused is True:
+            dense_state = config.parsed_refinement is not None
+            if reason := next(filter(None, (fused_problem(dense_state, o)
+                                            for o in optimizers)), None):
+                return f"fused=True {reason}"
+        if restored is None:
+            try:
+                config.parsed_schedule.resolve(total)
+                if config.parsed_regrowth is not None:
+                    config.parsed_regrowth.resolve(total)
+            except ValueError as error:
+                return f"{error} (over the {total} steps of this fit)"
+        return None
 
     def _warn_about_schedule(self, total: int | None) -> None:
         updater = self._engine().updater

@@ -108,14 +108,22 @@ def use_fused(fused: bool | str, dense_state: bool, optimizer: Optimizer,
     """
     if fused is False or not slots:
         return False
+    reason = fused_problem(dense_state, optimizer)
+    if fused is True and reason is not None:
+        raise ValueError(f"fused=True {reason}")
+    return reason is None and (fused is True or all(slot.param.is_cuda for slot in slots))
+
+
+def fused_problem(dense_state: bool, optimizer: Optimizer) -> str | None:
+    """Why the fused step cannot serve ``optimizer`` (the sentence after "fused=True"), or
+    None: the kernels' reasons, or an updater that keeps ``dense_state`` (SR-STE)."""
     from sparse_training.kernels import fused_unsupported_reason
 
     reason = ("SR-STE keeps dense optimizer state" if dense_state
               else fused_unsupported_reason(optimizer))
-    if fused is True and reason is not None:
-        raise ValueError(f"fused=True cannot serve {type(optimizer).__name__}: {reason}; "
-                         f"use fused='auto' (fused where possible) or fused=False")
-    return reason is None and (fused is True or all(slot.param.is_cuda for slot in slots))
+    return None if reason is None else (
+        f"cannot serve {type(optimizer).__name__}: {reason}; use fused='auto' (fused where "
+        f"possible) or fused=False")
 
 
 StepArgs = tuple[tuple[Any, ...], dict[str, Any]]
