@@ -14,6 +14,7 @@ import importlib
 import math
 import numbers
 import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -23,7 +24,7 @@ from torch import nn
 
 from sparse_training.pieces.distributions import DISTRIBUTIONS, Distribution
 from sparse_training.pieces.masks import check_sparsity
-from sparse_training.pieces.patterns import Pattern, parse_pattern
+from sparse_training.pieces.patterns import PATTERN_FORMS, Pattern, parse_pattern
 from sparse_training.pieces.regrowth import (
     DEFAULT_ALPHA,
     DEFAULT_REGROW_END,
@@ -31,7 +32,7 @@ from sparse_training.pieces.regrowth import (
     Regrowth,
     SparseRefinement,
 )
-from sparse_training.pieces.schedules import Schedule, Step, check_step, parse_schedule
+from sparse_training.pieces.schedules import Gradual, Schedule, Step, check_step, parse_schedule
 from sparse_training.pieces.scores import GradientScore, MagnitudeScore, RandomScore, Score
 
 OVERRIDE_KEYS = ("sparsity", "pattern")
@@ -206,9 +207,10 @@ class SparsityConfig:
         set_ = object.__setattr__  # frozen dataclass: normalized fields are set once, here
         if _is_int(self.pattern):
             n, m = divmod(int(self.pattern), 60)
-            raise ValueError(f"pattern must be a string, got the number {self.pattern}: YAML "
-                             f"reads an unquoted {n}:{m} as the base-60 number {self.pattern};"
-                             f" quote it: pattern: \"{n}:{m}\"")
+            raise ValueError(f"pattern must be a string, got the number {self.pattern}" + (
+                f": YAML reads an unquoted {n}:{m} as the base-60 number {self.pattern}; quote "
+                f"it: pattern: \"{n}:{m}\"" if 1 <= n <= m else
+                f"; valid forms: {', '.join(PATTERN_FORMS)}"))
         pattern = parse_pattern(self.pattern)
         if self.sparsity is not None:
             set_(self, "sparsity", check_sparsity(self.sparsity))
@@ -242,6 +244,7 @@ class SparsityConfig:
         self._check_overrides(pattern)
         set_(self, "parsed_schedule", parse_schedule(self.schedule, self.start, self.end,
                                                      self.frequency))
+        self._warn_about_unread_options()
         self._parse_pieces()
         if self.compress is True and (problem := self.fixed_count_problem()):
             raise ValueError(f"compress=True trains a fixed set of blocks from the first step, "
@@ -307,7 +310,6 @@ class SparsityConfig:
                              f"'oneshot' or 'constant', got {self.schedule!r} (a gradual "
                              f"schedule would prune trained weights at random)")
         _check_choice(self.regrow, "regrow", (None, *REGROW))
-        self._check_regrowth_options()
         if self.regrow is None:
             return
         if pattern.transposable:
@@ -330,20 +332,26 @@ class SparsityConfig:
             raise ValueError(f"sr_ste_decay must be a finite number >= 0, got "
                              f"{self.sr_ste_decay!r}")
 
-    def _check_regrowth_options(self) -> None:
-        """The regrowth settings a ``regrow`` method reads, none it ignores: RigL and SET
-        read ``regrow_fraction`` and ``regrow_end``, SR-STE ``sr_ste_decay``."""
+    def _warn_about_unread_options(self) -> None:
+        """Settings that the chosen ``regrow`` and schedule never read are said, not dropped
+        silently: RigL and SET read ``regrow_fraction`` and ``regrow_end``, SR-STE
+        ``sr_ste_decay``; ``frequency`` spaces the updates of gradual schedules and of
+        regrowth."""
         reads = {None: (), "rigl": ("regrow_fraction", "regrow_end"),
                  "set": ("regrow_fraction", "regrow_end"), "sr-ste": ("sr_ste_decay",)}
-        defaults = {"regrow_fraction": DEFAULT_ALPHA, "regrow_end": DEFAULT_REGROW_END,
-                    "sr_ste_decay": DEFAULT_SR_STE_DECAY}
-        for name, default in defaults.items():
-            value = getattr(self, name)
-            if name not in reads[self.regrow] and value != default:
-                users = [repr(method) for method, names in reads.items() if name in names]
-                raise ValueError(f"{name}={value!r} is read only with regrow="
-                                 f"{' or '.join(users)}, got regrow={self.regrow!r}: set regrow "
-                                 f"or leave {name} out")
+        defaults = {name: type(self).__dataclass_fields__[name].default
+                    for name in ("regrow_fraction", "regrow_end", "sr_ste_decay", "frequency")}
+        unread = [name for name in ("regrow_fraction", "regrow_end", "sr_ste_decay")
+                  if name not in reads[self.regrow] and getattr(self, name) != defaults[name]]
+        if (self.regrow in (None, "sr-ste") and not isinstance(self.parsed_schedule, Gradual)
+                and self.frequency != defaults["frequency"]):
+            unread.append("frequency")
+        if unread:
+            shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in unread)
+            warnings.warn(f"SparsityConfig: {shown} not read with regrow={self.regrow!r} and "
+                          f"schedule={self.schedule!r} (regrow_fraction and regrow_end: RigL "
+                          f"and SET; sr_ste_decay: SR-STE; frequency: gradual schedules and "
+                          f"regrowth); leave them out", UserWarning, stacklevel=4)
 
     # -- the settings as data ----------------------------------------------------------------
     @classmethod

@@ -38,6 +38,7 @@ CONSTRUCTION = [
     (dict(pattern="block:0x4", sparsity=0.5), V, "block dimensions must be >= 1, got 0x4"),
     (dict(pattern="vector:0", sparsity=0.5), V, "block dimensions must be >= 1, got 0x1"),
     (dict(pattern="1:9:2d"), V, r"transposable N:M supports M <= 5 \(exact .*\), got M=9"),
+    (dict(pattern=24), V, r"pattern must be a string, got the number 24; valid forms: "),
     (dict(pattern=124), V, r"got the number 124: YAML reads an unquoted 2:4 as the base-60 "
                            r"number 124; quote it: pattern: \"2:4\""),
     (dict(pattern=None), V, "pattern must be a string, got None of type NoneType"),
@@ -119,17 +120,6 @@ CONSTRUCTION = [
           regrow_end=10), V, "regrow_end=10 is not after start=20"),
     (dict(pattern="unstructured", sparsity=0.5, schedule="gmp", start=0.5, end=0.9,
           regrow="rigl", regrow_end=0.25), V, "regrow_end=0.25 is not after start=0.5"),
-    (dict(regrow_fraction=0.5), V, r"regrow_fraction=0.5 is read only with regrow='rigl' or "
-                                   r"'set', got regrow=None: set regrow or leave "
-                                   r"regrow_fraction out"),
-    (dict(regrow_end=0.5), V, "regrow_end=0.5 is read only with regrow='rigl' or 'set', got "
-                              "regrow=None"),
-    (dict(sr_ste_decay=-3), V, "sr_ste_decay=-3 is read only with regrow='sr-ste', got "
-                               "regrow=None"),
-    (dict(regrow="rigl", sr_ste_decay=1e-3), V, "sr_ste_decay=0.001 is read only with "
-                                                "regrow='sr-ste', got regrow='rigl'"),
-    (dict(regrow="sr-ste", regrow_fraction=0.5), V, "regrow_fraction=0.5 is read only with "
-                                                    "regrow='rigl' or 'set', got regrow='sr-ste'"),
     (dict(seed=1.5), V, "seed must be an int, got 1.5"),
     (dict(seed="0"), V, "seed must be an int, got '0'"),
     (dict(sparsty=0.5), TypeError, "unknown setting 'sparsty'; did you mean 'sparsity'\\?"),
@@ -143,6 +133,30 @@ CONSTRUCTION = [
 def test_construction_errors(kwargs, error, message):
     with pytest.raises(error, match=message):
         SparsityCallback(**kwargs)
+
+
+UNREAD = [  # (settings, the settings the warning names): accepted, but said not to be read
+    (dict(regrow_fraction=0.5), "regrow_fraction=0.5"),
+    (dict(regrow_end=0.5, sr_ste_decay=-3), "regrow_end=0.5, sr_ste_decay=-3"),
+    (dict(regrow="rigl", sr_ste_decay=1e-3), "sr_ste_decay=0.001"),
+    (dict(regrow="sr-ste", regrow_fraction=0.5), "regrow_fraction=0.5"),
+    (dict(pattern="unstructured", sparsity=0.5, frequency=7), "frequency=7"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "named"), UNREAD, ids=[n for _, n in UNREAD])
+def test_settings_the_method_does_not_read_are_said(kwargs, named):
+    with pytest.warns(UserWarning, match=rf"SparsityConfig: {re.escape(named)} not read with "
+                                         rf"regrow=.* leave them out"):
+        SparsityCallback(**kwargs)
+
+
+def test_settings_the_method_reads_say_nothing(recwarn):
+    SparsityCallback(pattern="unstructured", sparsity=0.5, regrow="rigl", regrow_fraction=0.5,
+                     regrow_end=0.5, frequency=7)
+    SparsityCallback(regrow="sr-ste", sr_ste_decay=1e-3)
+    SparsityCallback(pattern="unstructured", sparsity=0.5, schedule="gmp", end=0.5, frequency=7)
+    assert not [w for w in recwarn if "not read with" in str(w.message)]
 
 
 CONFIG_FILES = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,6 +16,22 @@ from sparse_training.pieces.distillation import DistillationLoss, Logits, Teache
 
 def _as_logits(output: Any) -> Logits:
     return output
+
+
+def _example_keys(index: Sequence[int] | Tensor, batch: int) -> list[int]:
+    """The cache keys of a batch: one integer example index per example.
+
+    Raises:
+        ValueError: not a 1-D sequence of ``batch`` integers.
+    """
+    values = index.tolist() if isinstance(index, Tensor) else list(index)
+    if len(values) != batch or not all(isinstance(v, numbers.Integral)
+                                       and not isinstance(v, bool) for v in values):
+        shown = f"{type(index).__name__} of {len(values)}" + (
+            f" {index.dtype}" if isinstance(index, Tensor) else "")
+        raise ValueError(f"index must hold one integer example index per example of the "
+                         f"batch ({batch}), got a {shown} entries: {values[:4]}")
+    return values
 
 
 class DistillationCallback(Callback):
@@ -66,6 +83,9 @@ class DistillationCallback(Callback):
             raise TypeError(f"teacher must be a torch.nn.Module, got {type(teacher).__name__}")
         if not isinstance(cache, bool | TeacherCache):
             raise TypeError(f"cache must be True, False or a TeacherCache, got {cache!r}")
+        if outputs is not None and not callable(outputs):
+            raise TypeError(f"outputs must be a function from a model's output to its logits "
+                            f"(e.g. lambda out: out.logits), got {outputs!r}")
         self.settings = DistillationLoss(temperature, hardness)
         self.teacher = teacher.eval().requires_grad_(False)
         self.outputs = outputs or _as_logits
@@ -119,7 +139,7 @@ class DistillationCallback(Callback):
         from the cache where every example of the batch is in it."""
         keys = None
         if self.cache is not None and index is not None:
-            keys = index.tolist() if isinstance(index, Tensor) else [int(i) for i in index]
+            keys = _example_keys(index, len(student[0]))
             cached = self.cache.get(keys, [s.shape for s in student])
             if cached is not None:
                 return cached

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,8 +40,12 @@ def as_heads(logits: Logits, name: str) -> tuple[Tensor, ...]:
     heads = (logits,) if isinstance(logits, Tensor) else tuple(logits) if isinstance(
         logits, Sequence) else ()
     if not heads or not all(isinstance(h, Tensor) for h in heads):
+        fields = list(logits) if isinstance(logits, Mapping) else [
+            f for f in ("logits", "start_logits", "end_logits") if hasattr(logits, f)]
+        hint = (f"; a model's output with fields {fields}: pass outputs= a function that picks "
+                f"the logits, e.g. outputs=lambda out: out.{fields[0]}" if fields else "")
         raise TypeError(f"{name} logits must be a tensor or a non-empty sequence of tensors "
-                        f"(one per head), got {type(logits).__name__}")
+                        f"(one per head), got {type(logits).__name__}{hint}")
     return heads
 
 

@@ -160,6 +160,14 @@ def test_bad_inputs_name_what_does_not_match():
     with pytest.raises(TypeError, match="student logits must be a tensor or a non-empty "
                                         "sequence of tensors"):
         loss([], [], torch.tensor(0.0))
+    # a Hugging Face model's output (a dict subclass): the message says how to pick its logits
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    output = CausalLMOutputWithPast(logits=a)
+    with pytest.raises(TypeError, match=r"teacher logits .* got CausalLMOutputWithPast; a "
+                                        r"model's output with fields \['logits'\]: pass "
+                                        r"outputs= .*outputs=lambda out: out.logits"):
+        loss(a, output, torch.tensor(0.0))
 
 
 def test_teacher_cache_fits_rows_to_the_batch_shape():
@@ -342,6 +350,19 @@ def test_bad_callback_arguments():
         DistillationCallback(mlp(0), cache="yes")
     with pytest.raises(ValueError, match=r"hardness must be a number in \[0, 1\], got 2"):
         DistillationCallback(mlp(0), hardness=2)
+    with pytest.raises(TypeError, match=r"outputs must be a function from a model's output to "
+                                        r"its logits \(e.g. lambda out: out.logits\), got "
+                                        r"'logits'"):
+        DistillationCallback(mlp(0), outputs="logits")
+    # the cache's keys: one integer per example of the batch, else named before any lookup
+    callback, student = DistillationCallback(mlp(0), cache=True), (torch.randn(3, 2),)
+    x = torch.randn(3, 4)
+    for index, got in ([0, 1], "list of 2 entries"), (torch.arange(6).view(3, 2), "Tensor of 3"), (
+            torch.tensor([0.0, 1.5, 2.0]), "Tensor of 3 torch.float32"):
+        with pytest.raises(ValueError, match=r"index must hold one integer example index per "
+                                             rf"example of the batch \(3\), got a {got}"):
+            callback.teacher_logits(student, x, index=index)
+    assert len(callback.cache) == 0
     trainer = make_trainer([], max_epochs=1)
     with pytest.raises(LookupError, match="expected one DistillationCallback"):
         DistillationCallback.of(trainer)
