@@ -66,7 +66,8 @@ def _regex_list(value: Sequence[str] | None, name: str) -> tuple[str, ...]:
         return ()
     if isinstance(value, str | bytes) or not isinstance(value, Sequence) or not all(
             isinstance(v, str) for v in value):
-        raise ValueError(f"{name} must be a list of regex strings, e.g. [{value!r}], got "
+        example = repr([value]) if isinstance(value, str) else "['encoder', r'\\.fc\\d']"
+        raise ValueError(f"{name} must be a list of regex strings, e.g. {example}, got "
                          f"{value!r}")
     for regex in value:
         try:
@@ -102,6 +103,9 @@ def _parse_overrides(overrides: Mapping[str, Mapping[str, Any]] | None
                          f"...}}}}, got {overrides!r}")
     parsed = {}
     for regex, settings in overrides.items():
+        if not isinstance(regex, str):
+            raise ValueError(f"overrides' keys must be regex strings naming tensors, e.g. "
+                             f"{{r'\\.fc1\\.': {{'sparsity': 0.5}}}}, got the key {regex!r}")
         _regex_list([regex], "overrides")
         if not isinstance(settings, Mapping) or not settings or (
                 set(settings) - set(OVERRIDE_KEYS)):

@@ -63,7 +63,7 @@ CONSTRUCTION = [
     (dict(frequency=2.5), V, "frequency must be an int >= 1, got 2.5"),
     (dict(frequency=True), V, "frequency must be an int >= 1, got True"),
     (dict(allow="fc1"), V, r"allow must be a list of regex strings, e.g. \['fc1'\]"),
-    (dict(allow=[1]), V, r"allow must be a list of regex strings, e.g. \[\[1\]\], got \[1\]"),
+    (dict(allow=[1]), V, r"allow must be a list of regex strings, e.g. \['encoder', .*got \[1\]"),
     (dict(deny=["("]), V, r"deny regex '\(' is invalid: missing \)"),
     (dict(dense_ratio=1.0), V, r"dense_ratio must be a number in \[0, 1\), got 1.0"),
     (dict(dense_ratio=-0.1), V, r"dense_ratio must be a number in \[0, 1\), got -0.1"),
@@ -1843,3 +1843,27 @@ def test_regrowth_that_resolves_to_no_step_warns_at_fit():
     with pytest.warns(UserWarning, match=r"regrow='rigl' drops and grows from step 5 until "
                                          r"step 1 \(regrow_end=0.1\), so never"):
         trainer.fit(TinyNet(), make_loader(n=64))
+
+
+REVIEW_TYPES = [  # (call, error, message): wrong types at the public entry points
+    (lambda: SparsityEngine("x", SparsityConfig("2:4")), TypeError,
+     r"SparsityEngine\(model, config\) takes a torch.nn.Module and a SparsityConfig .*got str "
+     r"and SparsityConfig"),
+    (lambda: SparsityEngine(nn.Linear(8, 8), {"pattern": "2:4"}), TypeError,
+     r"got Linear and dict"),
+    (lambda: make_permanent("x"), TypeError, "make_permanent takes a torch.nn.Module, got str"),
+    (lambda: SparsityConfig("2:4", overrides={1: {"sparsity": 0.5}}), ValueError,
+     r"overrides' keys must be regex strings naming tensors, e.g. .* got the key 1"),
+    (lambda: small_engine()[1].start("10"), ValueError,
+     r"start\(total_steps\) takes the run's optimizer steps, an int >= 1, or None .*got '10'"),
+    (lambda: small_engine()[1].start(-5), ValueError, r"start\(total_steps\) .* got -5"),
+    (lambda: SparsityConfig("2:4", deny="fc"), ValueError,
+     r"deny must be a list of regex strings, e.g. \['fc'\], got 'fc'"),
+]
+
+
+@pytest.mark.parametrize(("call", "error", "message"), REVIEW_TYPES,
+                         ids=[m[:30] for *_, m in REVIEW_TYPES])
+def test_wrong_types_at_the_entry_points_are_named(call, error, message):
+    with pytest.raises(error, match=message):
+        call()

@@ -71,6 +71,10 @@ class SparsityEngine(SlotSet):
 
     def __init__(self, model: nn.Module, config: SparsityConfig,
                  state: dict[str, Any] | None = None) -> None:
+        if not isinstance(model, nn.Module) or not isinstance(config, SparsityConfig):
+            raise TypeError(f"SparsityEngine(model, config) takes a torch.nn.Module and a "
+                            f"SparsityConfig (SparsityConfig(**settings) from a dict), got "
+                            f"{type(model).__name__} and {type(config).__name__}")
         self.config = config
         tensors, self.plans = plan_model(model, config)
         layers = [(name, m) for name, m in model.named_modules()
@@ -159,7 +163,15 @@ class SparsityEngine(SlotSet):
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, total_steps: int | None) -> None:
-        """Turn fractional steps into steps of a run of ``total_steps`` (None: unknown)."""
+        """Turn fractional steps into steps of a run of ``total_steps`` (None: unknown).
+
+        Raises:
+            ValueError: ``total_steps`` neither None nor an int >= 1.
+        """
+        if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(
+                total_steps, numbers.Integral) or total_steps < 1):
+            raise ValueError(f"start(total_steps) takes the run's optimizer steps, an int >= 1, "
+                             f"or None where unknown, got {total_steps!r}")
         self.updater.start(total_steps)
 
     def restart(self) -> None:

@@ -321,6 +321,8 @@ def make_permanent(model: nn.Module) -> nn.Module:
         RuntimeError: an engine attached to an optimizer trains ``model`` (mid-fit): call
             it after the fit (the callback detaches then) or after ``engine.detach()``.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"make_permanent takes a torch.nn.Module, got {type(model).__name__}")
     check_not_in_training(model, "make_permanent")
     with torch.no_grad():
         for module in model.modules():
