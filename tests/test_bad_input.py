@@ -1867,3 +1867,15 @@ REVIEW_TYPES = [  # (call, error, message): wrong types at the public entry poin
 def test_wrong_types_at_the_entry_points_are_named(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+def test_an_empty_weight_is_listed_as_empty_not_selected():
+    """A zero-size Linear (a config with 0 features) has nothing to prune: the table says so
+    and the other weights train sparse (it crashed in the mask code before)."""
+    model = nn.Sequential(nn.Linear(0, 8), nn.Linear(8, 8))
+    engine = SparsityEngine(model, SparsityConfig(pattern="unstructured", sparsity=0.5))
+    decisions = {plan.name: (plan.selected, plan.reason) for plan in engine.plans}
+    assert decisions["0.weight"] == (False, "empty: no entries to prune")
+    assert decisions["1.weight"][0] and [s.name for s in engine.slots] == ["1.weight"]
+    engine.prune()
+    assert (model[1].weight == 0).sum() == 32

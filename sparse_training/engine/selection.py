@@ -269,6 +269,8 @@ def plan_tensors(
                                            f"sparsity"))
         elif not any(isinstance(module, layer_types) for module, _ in tensor.owners):
             rows.append(row(tensor, False, f"type {tensor.kind} not in layer_types"))
+        elif tensor.param.numel() == 0:
+            rows.append(row(tensor, False, "empty: no entries to prune"))
         elif (regex := _first_match(deny, tensor.names)) is not None:
             rows.append(row(tensor, False, f"deny {regex!r}"))
         elif allow and _first_match(allow, tensor.names) is None:

@@ -100,11 +100,17 @@ class DistillationLoss:
         None.
 
         Raises:
-            ValueError: the task loss missing where the hardness is below 1.
+            ValueError: the task loss missing where the hardness is below 1, or not one
+                element.
         """
         if self.hardness < 1.0 and task_loss is None:
             raise ValueError(f"hardness {self.hardness:g} < 1 mixes in the task loss: pass "
                              f"task_loss")
+        if task_loss is not None and (not isinstance(task_loss, Tensor) or task_loss.numel() != 1):
+            shown = (f"shape {tuple(task_loss.shape)}" if isinstance(task_loss, Tensor)
+                     else type(task_loss).__name__)
+            raise ValueError(f"task_loss must be the batch's loss, a one-element tensor, got "
+                             f"{shown}: reduce it (e.g. .mean()) first")
         if self.hardness == 0.0:
             return task_loss
         if self.hardness == 1.0:
@@ -128,7 +134,8 @@ class DistillationLoss:
         per_row = (log_p_t.exp() * (log_p_t - F.log_softmax(s, dim=-1))).sum(-1)
         # rows without any class (all padding) hold two equal uniform softmaxes: KL 0; they
         # do not count in the mean
-        rows = per_row.numel() if mask is None else mask.expand_as(s).any(-1).sum().clamp_min(1)
+        rows = (max(per_row.numel(), 1) if mask is None
+                else mask.expand_as(s).any(-1).sum().clamp_min(1))  # an empty batch: 0
         return per_row.sum() / rows * self.temperature ** 2
 
 

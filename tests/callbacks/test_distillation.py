@@ -152,6 +152,12 @@ def test_bad_inputs_name_what_does_not_match():
         loss(a, a)
     with pytest.raises(ValueError, match="hardness 0.5 > 0 needs the teacher's logits"):
         loss(a, None, torch.tensor(0.0))
+    with pytest.raises(ValueError, match=r"task_loss must be the batch's loss, a one-element "
+                                         r"tensor, got shape \(3,\): reduce it"):
+        loss(a, a, torch.zeros(3))
+    # an empty batch (no rows) adds nothing, not NaN
+    empty = torch.randn(0, 5, requires_grad=True)
+    assert loss.soft_loss(empty, torch.randn(0, 5)).item() == 0.0
     with pytest.raises(ValueError, match=r"mask \(3, 4\) must broadcast to head 0's logits "
                                          r"\(3, 5\)"):
         loss(a, a, torch.tensor(0.0), mask=torch.ones(3, 4, dtype=torch.bool))
