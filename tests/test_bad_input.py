@@ -1175,8 +1175,9 @@ RESUMES = [  # (change to the checkpoint, settings, model class, stage it raises
     (None, {}, WideHead, "setup",
      r"compressed mask 'net.2.values' has shape \[4, 4\], the tensor \[2, 4\]"),
     (lambda s: s.pop("callbacks"), {}, BlockNet, "setup",
-     r"(?s)compress=True but no selected tensor can train compressed.*net.0.weight: "
-     r"masked-dense in the checkpoint resumed"),
+     r"compress=True resumes the compressed layers of a checkpoint, but .* holds no "
+     r"SparsityCallback state \(a dense run's\?\): load its weights \(load_from_checkpoint\) "
+     r"and start a new fit"),
     (lambda s: _swap_blocks(s, "net.2.values"), {}, BlockNet, "restore",
      r"the checkpoint's mask of 'net.2.values' drops 1 blocks that hold nonzero weights in "
      r"its state_dict: its weights and masks disagree \(corrupted\)"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -71,14 +72,23 @@ class DistillationCallback(Callback):
             (restored on resume); by default the checkpoint holds the settings only.
 
     Raises:
-        TypeError: a teacher that is not an ``nn.Module``.
+        TypeError: a teacher that is not an ``nn.Module``, an unknown setting (the nearest
+            valid one named), or an ``outputs`` that is not a function.
         ValueError: a bad temperature or hardness (at construction); a teacher that is part
             of the LightningModule or held by one of its optimizers (at fit start).
     """
 
     def __init__(self, teacher: nn.Module, *, temperature: float = 2.0, hardness: float = 1.0,
                  outputs: Callable[[Any], Logits] | None = None,
-                 cache: bool | TeacherCache = False, save_teacher: bool = False) -> None:
+                 cache: bool | TeacherCache = False, save_teacher: bool = False,
+                 **unknown: Any) -> None:
+        if unknown:
+            valid = ("temperature", "hardness", "outputs", "cache", "save_teacher")
+            key = next(iter(unknown))
+            near = difflib.get_close_matches(key, valid, n=1)
+            raise TypeError(f"DistillationCallback got an unknown setting {key!r}"
+                            + (f"; did you mean {near[0]!r}?" if near else "")
+                            + f" Valid settings: {', '.join(valid)}")
         if not isinstance(teacher, nn.Module):
             raise TypeError(f"teacher must be a torch.nn.Module, got {type(teacher).__name__}")
         if not isinstance(cache, bool | TeacherCache):

@@ -199,6 +199,12 @@ class SparsityCallback(Callback):
                            f"Lightning restores it; compressed layers take its masks then")
             return None
         state = self._own_state(trainer, states)
+        if state is None and self.config.compress is True:
+            raise ValueError(f"SparsityCallback: compress=True resumes the compressed layers of "
+                             f"a checkpoint, but {path} holds no SparsityCallback state (a "
+                             f"dense run's?): load its weights (load_from_checkpoint) and start "
+                             f"a new fit to compress them, or resume with compress='auto' or "
+                             f"False (masked-dense)")
         if state is None:
             return {}
         check_state(state)

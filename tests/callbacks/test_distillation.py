@@ -352,6 +352,10 @@ def test_a_teacher_inside_the_student_or_its_optimizer_is_refused(in_optimizer, 
 def test_bad_callback_arguments():
     with pytest.raises(TypeError, match="teacher must be a torch.nn.Module, got dict"):
         DistillationCallback({})
+    with pytest.raises(TypeError, match=r"DistillationCallback got an unknown setting "
+                                        r"'temprature'; did you mean 'temperature'\? Valid "
+                                        r"settings: temperature, hardness"):
+        DistillationCallback(mlp(0), temprature=2.0)
     with pytest.raises(TypeError, match="cache must be True, False or a TeacherCache"):
         DistillationCallback(mlp(0), cache="yes")
     with pytest.raises(ValueError, match=r"hardness must be a number in \[0, 1\], got 2"):
