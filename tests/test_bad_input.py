@@ -23,10 +23,13 @@ from sparse_training import (
     SparsityConfig,
     SparsityEngine,
     densify,
+    global_masks,
     make_permanent,
+    pattern_mask,
     sparsify,
 )
 from sparse_training.kernels.bitpack import pack_mask, unpack_mask
+from sparse_training.pieces.patterns import parse_pattern
 
 GMP = dict(pattern="unstructured", sparsity=0.5, schedule="gmp")
 V = ValueError
@@ -1853,6 +1856,18 @@ REVIEW_TYPES = [  # (call, error, message): wrong types at the public entry poin
     (lambda: SparsityEngine(nn.Linear(8, 8), {"pattern": "2:4"}), TypeError,
      r"got Linear and dict"),
     (lambda: make_permanent("x"), TypeError, "make_permanent takes a torch.nn.Module, got str"),
+    (lambda: parse_pattern("２:４"), ValueError, r"unknown pattern '２:４'; valid forms"),
+    (lambda: pattern_mask([[1.0, 2.0, 3.0, 4.0]], "2:4"), ValueError,
+     r"a mask needs a real weight tensor of at least one dimension and one entry, got a list"),
+    (lambda: pattern_mask(torch.tensor(1.0), "2:4"), ValueError, r"got a torch.float32 tensor "
+                                                                 r"of shape \(\)"),
+    (lambda: pattern_mask(torch.empty(0, 4), "2:4"), ValueError, r"of shape \(0, 4\)"),
+    (lambda: pattern_mask(torch.randn(4, 4, dtype=torch.complex64), "2:4"), ValueError,
+     r"got a torch.complex64 tensor"),
+    (lambda: global_masks([], "unstructured", 0.5), ValueError,
+     r"weights must be a non-empty list of weight tensors, got list"),
+    (lambda: global_masks([torch.randn(4, 4)] * 2, "unstructured", 0.5, scores=[None]),
+     ValueError, r"scores must hold one entry per weight \(2\), got 1"),
     (lambda: SparsityConfig("2:4", overrides={1: {"sparsity": 0.5}}), ValueError,
      r"overrides' keys must be regex strings naming tensors, e.g. .* got the key 1"),
     (lambda: small_engine()[1].start("10"), ValueError,

@@ -192,6 +192,23 @@ def transposable_groups_mask(scores: Tensor, n: int, m: int) -> Tensor:
     return mask.permute(0, 1, 3, 2, 4).reshape(scores.shape)
 
 
+def _check_weights(weights: Sequence[Tensor], scores: Sequence[Tensor | None] | None) -> None:
+    """Raises ValueError unless ``weights`` is a non-empty list of real, non-empty tensors of
+    at least one dimension, with one score (or None) per weight where ``scores`` is given."""
+    if isinstance(weights, Tensor) or not isinstance(weights, Sequence) or not weights:
+        raise ValueError(f"weights must be a non-empty list of weight tensors, got "
+                         f"{type(weights).__name__}")
+    for w in weights:
+        if not isinstance(w, Tensor) or w.dim() == 0 or w.numel() == 0 or w.is_complex():
+            shown = (f"{w.dtype} tensor of shape {tuple(w.shape)}" if isinstance(w, Tensor)
+                     else type(w).__name__)
+            raise ValueError(f"a mask needs a real weight tensor of at least one dimension "
+                             f"and one entry, got a {shown}")
+    if scores is not None and len(scores) != len(weights):
+        raise ValueError(f"scores must hold one entry per weight ({len(weights)}), got "
+                         f"{len(scores)}")
+
+
 def pattern_mask(
     weight: Tensor, pattern: str | Pattern, sparsity: float | None = None,
     score: Tensor | None = None, input_dim: int = 1,
@@ -232,6 +249,7 @@ def pattern_masks(
     same-shape weights ranked together: one stack and one top-k call per shape instead of
     one per tensor (72 BERT-base weights, 3 shapes)."""
     pattern = parse_pattern(pattern)
+    _check_weights(weights, scores)
     if sparsity is not None:
         check_sparsity(sparsity)
     elif not pattern.is_nm:
@@ -280,6 +298,7 @@ def global_masks(
     if pattern.is_nm:
         raise ValueError(f"the global distribution needs an unstructured or block pattern, "
                          f"got {pattern.spec!r}")
+    _check_weights(weights, scores)
     scores = scores or [None] * len(weights)
     input_dims = _input_dims(weights, input_dims)
     pooled, matrices = [], []

@@ -40,10 +40,10 @@ MAX_TRANSPOSABLE_M = 5  # exact search over every N-regular MxM tile: at most 20
 
 _NM = r"(?P<n>\d+):(?P<m>\d+)"
 _GRAMMAR = (
-    re.compile(r"unstructured"),
-    re.compile(_NM + r"(?P<transposable>:2d)?"),
-    re.compile(r"block:(?P<rows>\d+)x(?P<cols>\d+)(\+" + _NM + r")?"),
-    re.compile(r"vector:(?P<rows>\d+)(\+" + _NM + r")?"),
+    re.compile(r"unstructured"),  # ASCII digits only: "２:４" is not "2:4"
+    re.compile(_NM + r"(?P<transposable>:2d)?", re.ASCII),
+    re.compile(r"block:(?P<rows>\d+)x(?P<cols>\d+)(\+" + _NM + r")?", re.ASCII),
+    re.compile(r"vector:(?P<rows>\d+)(\+" + _NM + r")?", re.ASCII),
 )
 
 
