@@ -1895,3 +1895,11 @@ def test_an_empty_weight_is_listed_as_empty_not_selected():
     assert decisions["1.weight"][0] and [s.name for s in engine.slots] == ["1.weight"]
     engine.prune()
     assert (model[1].weight == 0).sum() == 32
+
+
+def test_a_2to4_layer_builds_and_runs_on_the_meta_device():
+    """Shapes only (deferred initialization, tracing): the mask's groups are not checked
+    there, and the forward skips autocast, which meta does not have."""
+    layer = SemiStructuredLinear(8, 16, device="meta")
+    out = layer(torch.randn(3, 5, 8, device="meta"))
+    assert out.shape == (3, 5, 16) and out.is_meta and layer.mask.is_meta

@@ -251,7 +251,7 @@ class SemiStructuredLinear(CompressedLayer):
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"{self._owner()}: the input's last dimension must be "
                              f"in_features = {self.in_features}, got {got}")
-        if torch.is_autocast_enabled(x.device.type):
+        if not x.is_meta and torch.is_autocast_enabled(x.device.type):  # meta: no autocast
             if x.dtype not in AUTOCAST_DTYPES:
                 raise ValueError(f"{self._owner()}: input dtype {x.dtype}: autocast casts only "
                                  f"{', '.join(map(str, AUTOCAST_DTYPES))}; cast the input")
