@@ -42,6 +42,7 @@ from sweep_config import (
     positive_number,
     text,
 )
+from torch import nn
 
 from sparse_training import DistillationLoss, SparsityConfig, SparsityEngine
 
@@ -219,11 +220,13 @@ def check_config(cfg: DictConfig) -> list[DictConfig]:
     return resolve_runs(cfg)
 
 
-def check_against_model(cfg: DictConfig, specs: list[DictConfig], model_dir: Path) -> None:
-    """What only the model can say, before any training: ``encoder_layers`` within its
-    pretrained layers, and each run's callback settings selecting from its weights (``allow``
-    and ``deny`` regexes that match, patterns that fit the shapes), on a randomly initialized
-    copy of its architecture (the weights' names and shapes are all the selection reads)."""
+def architecture(cfg: DictConfig, model_dir: Path) -> nn.Module:
+    """The run's model with random weights, under the names ``SpanQA`` gives its weights (its
+    ``bert`` attribute): what the callback selects from, at none of the loading cost.
+
+    Raises:
+        ConfigError: ``encoder_layers`` above the model's pretrained layers.
+    """
     from transformers import BertConfig, BertForQuestionAnswering
 
     config = BertConfig.from_pretrained(str(model_dir))
@@ -231,7 +234,14 @@ def check_against_model(cfg: DictConfig, specs: list[DictConfig], model_dir: Pat
         raise ConfigError(f"encoder_layers must be at most the model's {config.num_hidden_layers} "
                           f"pretrained layers (0: all of them), got {cfg.encoder_layers}")
     config.num_hidden_layers = cfg.encoder_layers or config.num_hidden_layers
-    model = BertForQuestionAnswering(config)
+    return nn.ModuleDict({"bert": BertForQuestionAnswering(config)})
+
+
+def check_against_model(cfg: DictConfig, specs: list[DictConfig], model_dir: Path) -> None:
+    """What only the model can say, before any training: ``encoder_layers`` within its
+    pretrained layers, and each run's callback settings selecting from its weights (``allow``
+    and ``deny`` regexes that match, patterns that fit the shapes), on :func:`architecture`."""
+    model = architecture(cfg, model_dir)
     for spec in specs:
         if (kwargs := callback_kwargs(spec)) is None:
             continue

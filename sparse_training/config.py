@@ -14,6 +14,7 @@ import importlib
 import math
 import numbers
 import re
+import sys
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -55,6 +56,17 @@ class LayerOverride:
 
 def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of a warning that points at the first caller outside this package
+    (the user's ``SparsityCallback(...)`` line, not the callback's)."""
+    package = str(Path(__file__).parent)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (frame.f_code.co_filename.startswith(package)
+                                 or frame.f_code.co_filename == "<string>"):  # dataclass init
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _is_int(value: Any) -> bool:
@@ -324,11 +336,11 @@ class SparsityConfig:
         if not _is_real(self.regrow_fraction) or not 0.0 < self.regrow_fraction <= 1.0:
             raise ValueError(f"regrow_fraction must be a number in (0, 1], got "
                              f"{self.regrow_fraction!r}")
-        end = check_step(self.regrow_end, "regrow_end")
-        if self.regrow != "sr-ste" and (end == 0 or (
-                _is_real(self.start) and type(end) is type(self.start) and end <= self.start)):
-            raise ValueError(f"regrow_end={self.regrow_end!r} is not after start="
-                             f"{self.start!r}: regrow={self.regrow!r} would never drop and grow; "
+        end, start = check_step(self.regrow_end, "regrow_end"), check_step(self.start, "start")
+        if self.regrow != "sr-ste" and (end == 0 or (type(end) is type(start)
+                                                     and end <= start)):
+            raise ValueError(f"regrow_end={end!r} is not after start={start!r}: regrow="
+                             f"{self.regrow!r} would never drop and grow; "
                              f"give a later step (int) or fraction of training (float; default "
                              f"{DEFAULT_REGROW_END})")
         if (not _is_real(self.sr_ste_decay) or not math.isfinite(self.sr_ste_decay)
@@ -347,7 +359,8 @@ class SparsityConfig:
                     for name in ("regrow_fraction", "regrow_end", "sr_ste_decay", "frequency")}
         unread = [name for name in ("regrow_fraction", "regrow_end", "sr_ste_decay")
                   if name not in reads[self.regrow] and getattr(self, name) != defaults[name]]
-        if (self.regrow in (None, "sr-ste") and not isinstance(self.parsed_schedule, Gradual)
+        # SR-STE reads frequency too: how often the ranks compare their masks
+        if (self.regrow is None and not isinstance(self.parsed_schedule, Gradual)
                 and self.frequency != defaults["frequency"]):
             unread.append("frequency")
         if unread:
@@ -355,7 +368,7 @@ class SparsityConfig:
             warnings.warn(f"SparsityConfig: {shown} not read with regrow={self.regrow!r} and "
                           f"schedule={self.schedule!r} (regrow_fraction and regrow_end: RigL "
                           f"and SET; sr_ste_decay: SR-STE; frequency: gradual schedules and "
-                          f"regrowth); leave them out", UserWarning, stacklevel=4)
+                          f"regrowth); leave them out", UserWarning, stacklevel=_caller_level())
 
     # -- the settings as data ----------------------------------------------------------------
     @classmethod

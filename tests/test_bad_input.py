@@ -1871,7 +1871,7 @@ REVIEW_TYPES = [  # (call, error, message): wrong types at the public entry poin
     (lambda: SparsityConfig("2:4", overrides={1: {"sparsity": 0.5}}), ValueError,
      r"overrides' keys must be regex strings naming tensors, e.g. .* got the key 1"),
     (lambda: small_engine()[1].start("10"), ValueError,
-     r"start\(total_steps\) takes the run's optimizer steps, an int >= 1, or None .*got '10'"),
+     r"start\(total_steps\) takes the run's optimizer steps, an int >= 0, or None .*got '10'"),
     (lambda: small_engine()[1].start(-5), ValueError, r"start\(total_steps\) .* got -5"),
     (lambda: SparsityConfig("2:4", deny="fc"), ValueError,
      r"deny must be a list of regex strings, e.g. \['fc'\], got 'fc'"),
@@ -1903,3 +1903,54 @@ def test_a_2to4_layer_builds_and_runs_on_the_meta_device():
     layer = SemiStructuredLinear(8, 16, device="meta")
     out = layer(torch.randn(3, 5, 8, device="meta"))
     assert out.shape == (3, 5, 16) and out.is_meta and layer.mask.is_meta
+
+
+class TwoOptimizers(pl.LightningModule):
+    """A sparse layer under AdamW (fusable) and a dense head under Adagrad (not): manual
+    optimization, as Lightning takes several optimizers."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.net, self.head = nn.Linear(16, 8), nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        sparse, dense = self.optimizers()
+        loss = self.head(self.net(batch[0])).pow(2).mean()
+        sparse.zero_grad()
+        dense.zero_grad()
+        self.manual_backward(loss)
+        sparse.step()
+        dense.step()
+
+    def configure_optimizers(self):
+        return [torch.optim.AdamW(self.net.parameters()),
+                torch.optim.Adagrad(self.head.parameters())]
+
+
+def test_fused_true_asks_only_the_optimizers_of_sparse_weights():
+    sparse = SparsityCallback(pattern="2:4", deny=["head"], fused=True)
+    make_trainer([sparse], max_steps=2).fit(TwoOptimizers(), make_loader(n=32))
+    assert sparse.engine.sparsity == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("trainer_kwargs", [dict(max_steps=0), dict(limit_train_batches=0)],
+                         ids=["max_steps=0", "no train batches"])
+def test_a_fit_without_training_steps_still_runs(trainer_kwargs):
+    """Lightning counts 0 steps (max_steps=0) or -1 (no training batch): no step, no error."""
+    sparse = SparsityCallback(pattern="2:4")
+    make_trainer([sparse], **{"max_epochs": 1, **trainer_kwargs}).fit(TinyNet(), make_loader())
+
+
+def test_the_unread_settings_warning_points_at_the_users_line():
+    with pytest.warns(UserWarning, match="not read with") as caught:
+        SparsityCallback(pattern="2:4", regrow_fraction=0.5)
+    assert {w.filename for w in caught if "not read with" in str(w.message)} == {__file__}
+
+
+def test_sr_ste_reads_frequency_and_numpy_starts_are_compared(recwarn):
+    SparsityCallback(regrow="sr-ste", frequency=10)  # how often ranks compare their masks
+    assert not [w for w in recwarn if "not read with" in str(w.message)]
+    with pytest.raises(ValueError, match="regrow_end=100 is not after start=500"):
+        SparsityCallback(pattern="unstructured", sparsity=0.5, schedule="constant",
+                         start=np.int64(500), regrow="rigl", regrow_end=100)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-import numbers
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,13 +26,16 @@ def _example_keys(index: Sequence[int] | Tensor, batch: int) -> list[int]:
         ValueError: not a 1-D sequence of ``batch`` integers.
     """
     values = index.tolist() if isinstance(index, Tensor) else list(index)
-    if len(values) != batch or not all(isinstance(v, numbers.Integral)
-                                       and not isinstance(v, bool) for v in values):
+    try:  # ints, numpy ints and integer 0-d tensors; not floats, bools or nested lists
+        keys = [operator.index(v) for v in values if not isinstance(v, bool)]
+    except TypeError:
+        keys = []
+    if len(values) != batch or len(keys) != batch:
         shown = f"{type(index).__name__} of {len(values)}" + (
             f" {index.dtype}" if isinstance(index, Tensor) else "")
         raise ValueError(f"index must hold one integer example index per example of the "
                          f"batch ({batch}), got a {shown} entries: {values[:4]}")
-    return values
+    return keys
 
 
 class DistillationCallback(Callback):
@@ -131,6 +134,7 @@ class DistillationCallback(Callback):
                 synchronization), for the cache.
             mask: True where a class counts (``DistillationLoss``).
         """
+        self.settings.check_task_loss(task_loss)  # before the teacher runs
         student = as_heads(self.outputs(student_output), "student")
         soft = None
         if self.settings.hardness > 0.0:  # hardness 0: the teacher does not run

@@ -23,7 +23,7 @@ from sparse_training.engine import SparsityEngine
 from sparse_training.engine.distributed import keep_masks_out_of_buffer_broadcast
 from sparse_training.engine.optimizer_hooks import fused_problem, optimizer_problem
 from sparse_training.engine.protocol import CompressedLayer
-from sparse_training.engine.selection import format_table
+from sparse_training.engine.selection import format_table, plan_model
 from sparse_training.engine.sharding import FSDP1_PROBLEM
 from sparse_training.engine.state import check_mask_settings, check_settings, check_state
 from sparse_training.engine.tensors import find_weight_tensors
@@ -227,9 +227,9 @@ class SparsityCallback(Callback):
                              "setup and configure_model compressed none of the layers it "
                              "built: call SparsityCallback.compress(self) there, before "
                              "fully_shard (or use compress='auto' or False)")
-        total = trainer.estimated_stepping_batches
-        total = None if math.isinf(total) else int(total)
-        if problem := self._fit_problem(optimizers, total, restored):
+        total = trainer.estimated_stepping_batches  # -1: no training batches (validation only)
+        total = None if math.isinf(total) else max(int(total), 0)
+        if problem := self._fit_problem(pl_module, optimizers, total, restored):
             undo_swaps(pl_module, swapped)
             raise ValueError(f"SparsityCallback: {problem}")
         engine = self.engine
@@ -265,24 +265,29 @@ class SparsityCallback(Callback):
         keep_masks_out_of_buffer_broadcast(trainer.strategy.model, engine.slots)
         self._fitting = True
 
-    def _fit_problem(self, optimizers: list, total: int | None,
-                     restored: dict | None) -> str | None:
+    def _fit_problem(self, pl_module: pl.LightningModule, optimizers: list,
+                     total: int | None, restored: dict | None) -> str | None:
         """What this fit's optimizers and length refuse before any mask is made: a fused
-        step that cannot serve an optimizer, a schedule that does not fit ``total`` steps
-        (a restored schedule keeps its checkpoint's steps)."""
+        step that cannot serve an optimizer of the sparse weights, a schedule that does not
+        fit ``total`` steps (a restored schedule keeps its checkpoint's steps)."""
         config = self.config
         if config.fused is True:
+            tensors, plans = plan_model(pl_module, config)
+            sparse = {id(t.param) for p, t in zip(plans, tensors, strict=True) if p.selected}
             dense_state = config.parsed_refinement is not None
-            if reason := next(filter(None, (fused_problem(dense_state, o)
-                                            for o in optimizers)), None):
-                return f"fused=True {reason}"
+            for optimizer in optimizers:
+                held = (p for group in optimizer.param_groups for p in group["params"])
+                if any(id(p) in sparse for p in held) and (
+                        reason := fused_problem(dense_state, optimizer)):
+                    return f"fused=True {reason}"
         if restored is None:
             try:
                 config.parsed_schedule.resolve(total)
                 if config.parsed_regrowth is not None:
                     config.parsed_regrowth.resolve(total)
             except ValueError as error:
-                return f"{error} (over the {total} steps of this fit)"
+                steps = "" if total is None else f" (over the {total} steps of this fit)"
+                return f"{error}{steps}"
         return None
 
     def _warn_about_schedule(self, total: int | None) -> None:

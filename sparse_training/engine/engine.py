@@ -166,11 +166,11 @@ class SparsityEngine(SlotSet):
         """Turn fractional steps into steps of a run of ``total_steps`` (None: unknown).
 
         Raises:
-            ValueError: ``total_steps`` neither None nor an int >= 1.
+            ValueError: ``total_steps`` neither None nor an int >= 0.
         """
         if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(
-                total_steps, numbers.Integral) or total_steps < 1):
-            raise ValueError(f"start(total_steps) takes the run's optimizer steps, an int >= 1, "
+                total_steps, numbers.Integral) or total_steps < 0):
+            raise ValueError(f"start(total_steps) takes the run's optimizer steps, an int >= 0, "
                              f"or None where unknown, got {total_steps!r}")
         self.updater.start(total_steps)
 

@@ -103,6 +103,16 @@ class DistillationLoss:
             ValueError: the task loss missing where the hardness is below 1, or not one
                 element.
         """
+        self.check_task_loss(task_loss)
+        if self.hardness == 0.0:
+            return task_loss
+        if self.hardness == 1.0:
+            return soft
+        return self.hardness * soft + (1.0 - self.hardness) * task_loss
+
+    def check_task_loss(self, task_loss: Tensor | None) -> None:
+        """Raises ValueError unless ``task_loss`` is a one-element tensor, or None where the
+        hardness is 1 (the soft loss alone)."""
         if self.hardness < 1.0 and task_loss is None:
             raise ValueError(f"hardness {self.hardness:g} < 1 mixes in the task loss: pass "
                              f"task_loss")
@@ -111,11 +121,6 @@ class DistillationLoss:
                      else type(task_loss).__name__)
             raise ValueError(f"task_loss must be the batch's loss, a one-element tensor, got "
                              f"{shown}: reduce it (e.g. .mean()) first")
-        if self.hardness == 0.0:
-            return task_loss
-        if self.hardness == 1.0:
-            return soft
-        return self.hardness * soft + (1.0 - self.hardness) * task_loss
 
     def soft_loss(self, student: Logits, teacher: Logits, *, mask: Tensor | None = None
                   ) -> Tensor:

@@ -365,14 +365,23 @@ def test_bad_callback_arguments():
                                         r"'logits'"):
         DistillationCallback(mlp(0), outputs="logits")
     # the cache's keys: one integer per example of the batch, else named before any lookup
-    callback, student = DistillationCallback(mlp(0), cache=True), (torch.randn(3, 2),)
-    x = torch.randn(3, 4)
+    callback, student = DistillationCallback(mlp(0), cache=True), (torch.randn(3, 5),)
+    x = torch.randn(3, 12)
     for index, got in ([0, 1], "list of 2 entries"), (torch.arange(6).view(3, 2), "Tensor of 3"), (
             torch.tensor([0.0, 1.5, 2.0]), "Tensor of 3 torch.float32"):
         with pytest.raises(ValueError, match=r"index must hold one integer example index per "
                                              rf"example of the batch \(3\), got a {got}"):
             callback.teacher_logits(student, x, index=index)
     assert len(callback.cache) == 0
+    # integer 0-d tensors are indices too; a task loss that is no tensor is refused before
+    # the teacher runs
+    callback.teacher_logits(student, x, index=[torch.tensor(0), torch.tensor(1), 2])
+    assert len(callback.cache) == 3
+    mixed = DistillationCallback(mlp(0), hardness=0.5)
+    mixed.teacher = None  # would fail if it ran
+    with pytest.raises(ValueError, match=r"task_loss must be the batch's loss, a one-element "
+                                         r"tensor, got float"):
+        mixed.loss(student[0], 1.0, x)
     trainer = make_trainer([], max_epochs=1)
     with pytest.raises(LookupError, match="expected one DistillationCallback"):
         DistillationCallback.of(trainer)

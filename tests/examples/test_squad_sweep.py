@@ -481,3 +481,16 @@ def test_encoder_layers_keeps_the_first_pretrained_layers():
             assert torch.equal(a, b), name
 
 
+
+
+def test_the_settings_check_selects_under_the_names_of_the_trained_model():
+    """check_against_model's copy names its weights as SpanQA does, so an allow regex
+    passes the check exactly when it selects in the real run."""
+    cfg = load(["encoder_layers=1"])
+    model_dir = squad_data.model_dir(cfg.model_dir)
+    trained = {name for name, _ in squad_sweep.SpanQA(model_dir, cfg).named_parameters()}
+    checked = {name for name, _ in squad_recipes.architecture(cfg, model_dir).named_parameters()}
+    assert trained == checked
+    spec = squad_recipes.check_config(load(["encoder_layers=1", 'only=["2:4"]']))
+    allowed = OmegaConf.merge(spec[0], {"callback": {"allow": [r"^bert\.bert\.encoder"]}})
+    squad_recipes.check_against_model(cfg, [allowed], model_dir)
