@@ -1954,3 +1954,25 @@ def test_sr_ste_reads_frequency_and_numpy_starts_are_compared(recwarn):
     with pytest.raises(ValueError, match="regrow_end=100 is not after start=500"):
         SparsityCallback(pattern="unstructured", sparsity=0.5, schedule="constant",
                          start=np.int64(500), regrow="rigl", regrow_end=100)
+
+
+def test_layer_refusals_name_the_device_and_the_meta_weights():
+    layer = SemiStructuredLinear(8, 16)
+    with pytest.raises(ValueError, match=r"input on meta, the layer's weight on cpu; move one "
+                                         r"\(x.to\('cpu'\) or layer.to\('meta'\)\)"):
+        layer(torch.randn(3, 8, device="meta"))
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(72, 48))
+    for rule in ({"pattern": "block:16x16", "density": 0.5}, {"pattern": "2:4"}):
+        with pytest.raises(ValueError, match=r"sparsify: \['0'\] are on the meta device: .* "
+                                             r"initialize the weights first .*nothing was "
+                                             r"swapped"):
+            sparsify(model, {"0": rule}, verbose=False)
+        assert type(model[0]) is nn.Linear
+
+
+def test_a_block_sparse_input_autocast_does_not_cast_is_named():
+    layer = BlockSparseLinear(32, 32, block=(16, 16), density=0.5)
+    with torch.autocast("cpu", torch.bfloat16), pytest.raises(
+            ValueError, match=r"input dtype torch.float64: autocast casts only torch.float32"):
+        layer(torch.randn(4, 32, dtype=torch.float64))

@@ -210,8 +210,9 @@ class SemiStructuredLinear(CompressedLayer):
         """``x (W * M)^T + b`` for ``x`` of shape ``(..., in_features)``.
 
         Raises:
-            ValueError: ``x`` is not a tensor whose last dimension is ``in_features``, or its
-                dtype is not the weight's (under autocast: not one autocast casts).
+            ValueError: ``x`` is not a tensor whose last dimension is ``in_features``, not on
+                the weight's device, or its dtype is not the weight's (under autocast: not
+                one autocast casts).
         """
         dtype = self._compute_dtype(x)
         if torch.compiler.is_compiling():  # cuBLAS, traced without Python-side caches
@@ -251,6 +252,10 @@ class SemiStructuredLinear(CompressedLayer):
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"{self._owner()}: the input's last dimension must be "
                              f"in_features = {self.in_features}, got {got}")
+        if x.device != self.weight.device:
+            raise ValueError(f"{self._owner()}: input on {x.device}, the layer's weight on "
+                             f"{self.weight.device}; move one (x.to({str(self.weight.device)!r}) "
+                             f"or layer.to({str(x.device)!r}))")
         if not x.is_meta and torch.is_autocast_enabled(x.device.type):  # meta: no autocast
             if x.dtype not in AUTOCAST_DTYPES:
                 raise ValueError(f"{self._owner()}: input dtype {x.dtype}: autocast casts only "

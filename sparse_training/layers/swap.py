@@ -225,6 +225,12 @@ def sparsify(model: nn.Module, rules: Mapping[str, Mapping[str, Any]], *,
             raise ValueError(f"rule regex {regex!r} matches no nn.Linear; their names are: "
                              f"{shown or 'none'} (regexes are searched in these names)")
 
+    if meta := [n for n, m in linears if m.weight.is_meta
+                and any(re.search(r, n) for r in parsed)]:
+        raise ValueError(f"sparsify: {meta} are on the meta device: a layer keeps the blocks "
+                         f"or 2:4 groups its weights' values choose; initialize the weights "
+                         f"first (build the model on its device, or to_empty and "
+                         f"reset_parameters), nothing was swapped")
     swap_problem = swap_checker(model)
     rows = []
     won = dict.fromkeys(parsed, 0)  # Linears each rule is the first match of

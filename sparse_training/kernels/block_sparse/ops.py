@@ -87,7 +87,10 @@ def _weight_grad(grad_out: Tensor, x: Tensor, topology: BlockTopology,
     if _use_kernels(x):
         launch = kernels.weight_grad_product if checked else kernels.launch_weight_grad
         return launch(grad_out, x, topology, dtype)
-    return reference.weight_grad_reference(grad_out, x, topology).to(dtype)
+    # summed in float32 at least, as the kernels do: half-precision operands (autocast) must
+    # not round the gradient of float32 values to their own precision
+    wide = torch.promote_types(x.dtype, torch.float32)
+    return reference.weight_grad_reference(grad_out.to(wide), x.to(wide), topology).to(dtype)
 
 
 def _gradients(needs: tuple[bool, ...], grad_out: Tensor, bias_dtype: torch.dtype | None,
@@ -241,6 +244,10 @@ def block_sparse_linear(x: Tensor, values: Tensor, topology: BlockTopology,
                                            or torch.amp.is_autocast_available(device_type))
     if available and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
+        if x.dtype not in AUTOCAST_DTYPES:
+            raise ValueError(f"input dtype {x.dtype}: autocast casts only "
+                             f"{', '.join(map(str, AUTOCAST_DTYPES))} (F.linear's rule); cast "
+                             f"the input")
         x = _autocast(x, dtype)
     flat = x.reshape(-1, x.shape[-1])
     if torch.compiler.is_compiling():
