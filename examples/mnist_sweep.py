@@ -84,8 +84,8 @@ DESCRIPTION = __doc__.split("\n\nRun the default")[0]  # what --help says above 
 RULES = {  # what every key of configs/mnist.yaml must be
     "data_dir": text(optional=True),
     "cache_dir": text(),
-    "sparsities": list_of(number(0, 1, high_open=True), "[0.9, 0.99]"),
-    "methods": list_of(text(), "[gmp, rigl]"),
+    "sparsities": list_of(number(0, 1, high_open=True), "[0.9, 0.99]", unique=True),
+    "methods": list_of(text(), "[gmp, rigl]", unique=True),
     "train_size": integer(0),
     "test_size": integer(0),
     "batch_size": integer(1),
@@ -94,8 +94,8 @@ RULES = {  # what every key of configs/mnist.yaml must be
     "dense_epochs": integer(1),
     "epochs": integer(1),
     "lr": positive_number(),
-    "warmup": number(0, 1, high_open=True),
-    "momentum": number(0, 1, high_open=True),
+    "warmup": number(0, 1, low_open=True, high_open=True),  # OneCycleLR's pct_start
+    "momentum": number(0, 1, low_open=True, high_open=True),  # Nesterov needs some
     "weight_decay": number(0, 1),
     "method_specs": MAPPING,
     **LOGGING_RULES,
@@ -350,13 +350,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     progress = Progress(len(configs))  # its clock starts now: elapsed includes the dense run
     set_threads(cfg.threads)
     quiet_lightning()
+    try:  # the data before anything is written
+        data = load_mnist(cfg.data_dir)
+    except (FileNotFoundError, ValueError) as error:
+        raise ConfigError(f"data_dir: {error}") from error
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)  # W&B writes under it
     setup_wandb(cfg)
     group = f"mnist-{time.strftime('%Y%m%d-%H%M%S')}"
 
     # The dense net: trained (or taken from the cache), then evaluated like every other run.
-    loaders = Loaders(load_mnist(cfg.data_dir), cfg)
+    loaders = Loaders(data, cfg)
     dense_state, dense_seconds = dense_net(cfg, loaders)
     dense_model = Classifier(LeNet300100(), cfg)
     dense_model.net.load_state_dict(dense_state)

@@ -53,7 +53,7 @@ RULES = {  # what every key of configs/squad.yaml must be
     "max_length": integer(32), "doc_stride": integer(1), "train_questions": integer(0),
     "encoder_layers": integer(0), "eval_questions": integer(0), "batch_size": integer(1),
     "precision": one_of(*PRECISIONS), "threads": integer(0),
-    "seeds": list_of(integer(0), "[0, 1, 2]"),
+    "seeds": list_of(integer(0), "[0, 1, 2]", unique=True),
     "dense_epochs": integer(1), "epochs": integer(1), "lr": positive_number(),
     "warmup": number(0, 1, high_open=True), "weight_decay": number(0, 1),
     "replay": Rule("null, a results.json path or a list of them, e.g. [a/results.json, "
@@ -62,7 +62,8 @@ RULES = {  # what every key of configs/squad.yaml must be
     "resume": one_of(True, False), "time_limit_s": integer(0),
     "distillation": MAPPING, "baseline": text(optional=True),
     "only": Rule("a list of run names (quote N:M names: 'only=[\"2:4\"]')",
-                 lambda v: isinstance(v, ListConfig)),
+                 lambda v: isinstance(v, ListConfig) and all(isinstance(n, str | int)
+                                                             for n in v)),
     "recipes": MAPPING, "runs": list_of(MAPPING, "[{name: dense, family: dense, ...}]"),
     **LOGGING_RULES,
 }
@@ -229,7 +230,10 @@ def architecture(cfg: DictConfig, model_dir: Path) -> nn.Module:
     """
     from transformers import BertConfig, BertForQuestionAnswering
 
-    config = BertConfig.from_pretrained(str(model_dir))
+    try:
+        config = BertConfig.from_pretrained(str(model_dir))
+    except OSError as error:  # a hub name the machine cannot reach, a broken folder
+        raise ConfigError(f"model_dir {str(model_dir)!r}: {error}") from error
     if cfg.encoder_layers > config.num_hidden_layers:
         raise ConfigError(f"encoder_layers must be at most the model's {config.num_hidden_layers} "
                           f"pretrained layers (0: all of them), got {cfg.encoder_layers}")
@@ -249,3 +253,30 @@ def check_against_model(cfg: DictConfig, specs: list[DictConfig], model_dir: Pat
             SparsityEngine(copy.deepcopy(model), SparsityConfig(**kwargs))
         except (TypeError, ValueError) as error:
             raise ConfigError(f"run {spec.name!r}: {error}") from error
+
+
+def check_files(cfg: DictConfig) -> Path | None:
+    """The model folder (None where replaying: no model needed), after checking that it and
+    the data files exist (before anything is written or trained).
+
+    Raises:
+        ConfigError: a path that is not there, named by its key.
+    """
+    import squad_data
+
+    try:
+        squad_data.squad_path(cfg.squad_file)
+        if cfg.replay:
+            return None
+        model_dir = squad_data.model_dir(cfg.model_dir)
+    except (FileNotFoundError, ImportError) as error:
+        raise ConfigError(str(error)) from error
+    local = model_dir.exists() or model_dir.is_absolute() or str(model_dir).startswith(".")
+    if local and not (model_dir / "config.json").is_file():  # else a hub name
+        raise ConfigError(f"model_dir {str(model_dir)!r} holds no config.json: give the folder "
+                          f"of a saved BERT (save_pretrained's) or a hub name the machine can "
+                          f"reach")
+    if cfg.train_file and not Path(cfg.train_file).is_file():
+        raise ConfigError(f"train_file {cfg.train_file!r} is not a file: the SQuAD v1.1 train "
+                          f"set (train-v1.1.json)")
+    return model_dir

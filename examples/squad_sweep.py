@@ -301,6 +301,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     cfg = sweep_config.load_config(sys.argv[1:] if argv is None else argv, CONFIG,
                                    __doc__.split("\n\n")[0], open_keys=("recipes",))
     specs = squad_recipes.check_config(cfg)
+    model_dir = squad_recipes.check_files(cfg)  # None where replaying
     settings = {spec.name: run_settings(cfg, spec) for spec in specs}
     order = {run.name: i for i, run in enumerate(cfg.runs)}
     kept, saved = (squad_report.merge_results(squad_report.replay_paths(cfg)) if cfg.replay
@@ -310,7 +311,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     todo = [(seed, spec) for seed in cfg.seeds for spec in specs if (spec.name, seed) not in done]
     if not cfg.replay:  # before the output folder, W&B or any training
         squad_recipes.check_against_model(cfg, list({s.name: s for _, s in todo}.values()),
-                                          squad_data.model_dir(cfg.model_dir))
+                                          model_dir)
     reporting.set_threads(cfg.threads)
     from transformers import BertTokenizerFast
     from transformers.utils import logging as hf_logging
@@ -324,7 +325,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     title = f"SQuAD v1.1, {model_name(cfg)}: F1 vs sparsity"
     if cfg.replay:
         return squad_report.replay(cfg, group, title, kept, saved)
-    model_dir = squad_data.model_dir(cfg.model_dir)
     data = Data(cfg, BertTokenizerFast.from_pretrained(str(model_dir)))
     print(f"{len(data.train_questions)} train questions ({len(data.train)} windows), "
           f"{len(data.eval_questions)} eval questions; {len(todo)} of "

@@ -54,11 +54,13 @@ def integer(minimum: int) -> Rule:
     return Rule(f"an int >= {minimum}", lambda v: _is_int(v) and v >= minimum)
 
 
-def number(low: float, high: float, *, high_open: bool = False) -> Rule:
-    """A number in [low, high] (or [low, high) with high_open); ints count."""
-    closing = ")" if high_open else "]"
-    return Rule(f"a number in [{low:g}, {high:g}{closing}",
-                lambda v: _is_real(v) and low <= v and (v < high if high_open else v <= high))
+def number(low: float, high: float, *, low_open: bool = False, high_open: bool = False
+           ) -> Rule:
+    """A number in [low, high] (either end open with low_open / high_open); ints count."""
+    opening, closing = "(" if low_open else "[", ")" if high_open else "]"
+    return Rule(f"a number in {opening}{low:g}, {high:g}{closing}",
+                lambda v: _is_real(v) and (low < v if low_open else low <= v)
+                and (v < high if high_open else v <= high))
 
 
 def positive_number() -> Rule:
@@ -80,12 +82,15 @@ BOOL = Rule("true or false", lambda v: isinstance(v, bool))
 MAPPING = Rule("a mapping of named entries", lambda v: isinstance(v, Mapping | DictConfig))
 
 
-def list_of(item: Rule, example: str, *, allow_empty: bool = False) -> Rule:
-    """A list whose every entry passes `item`; `example` shows one in the message."""
-    some = "a list" if allow_empty else "a non-empty list"
-    return Rule(f"{some} of entries each {item.form}, e.g. {example}",
+def list_of(item: Rule, example: str, *, allow_empty: bool = False, unique: bool = False
+            ) -> Rule:
+    """A list whose every entry passes `item` (each once where `unique`); `example` shows one
+    in the message."""
+    some = ("a list" if allow_empty else "a non-empty list") + (" of distinct" if unique else
+                                                               " of")
+    return Rule(f"{some} entries each {item.form}, e.g. {example}",
                 lambda v: isinstance(v, list | ListConfig) and (allow_empty or len(v) > 0)
-                and all(item.accepts(x) for x in v))
+                and all(item.accepts(x) for x in v) and (not unique or len(set(v)) == len(v)))
 
 
 # the keys every sweep has (examples/reporting.py reads them)
@@ -113,7 +118,9 @@ def check_keys(cfg: DictConfig, rules: Mapping[str, Rule]) -> None:
         value = cfg[key]
         if not rules[key].accepts(value):
             shown = OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
-            raise ConfigError(f"{key} must be {rules[key].form}, got {shown!r}")
+            hint = (" (YAML reads an unquoted on/off/yes/no as true/false: quote the word)"
+                    if isinstance(value, bool) else "")
+            raise ConfigError(f"{key} must be {rules[key].form}, got {shown!r}{hint}")
 
 
 # -- the YAML file, then key=value overrides from the command line ------------------------------

@@ -93,15 +93,20 @@ def test_other_yaml_as_base(tmp_path: Path) -> None:
     [
         (["epoch=3"], r"unknown key 'epoch'; did you mean 'epochs'\?"),
         (["methods=[magic]"], r"unknown methods \['magic'\]; defined: \['oneshot'"),
-        (["sparsities=[1.0]"], r"sparsities must be a non-empty list of entries each a number "
+        (["sparsities=[1.0]"], r"sparsities must be a non-empty list of distinct entries each a number "
                                r"in \[0, 1\), e.g. \[0.9, 0.99\], got \[1.0\]"),
         (["sparsities=0.9"], r"sparsities must be a non-empty list .*, got 0.9"),
+        (["sparsities=[0.5,0.5]"], r"sparsities must be a non-empty list of distinct entries"),
+        (["momentum=0"], r"momentum must be a number in \(0, 1\), got 0"),
+        (["warmup=0"], r"warmup must be a number in \(0, 1\), got 0"),
+        (["wandb_mode=off"], r"wandb_mode must be auto, online, offline or disabled, got False "
+                             r"\(YAML reads an unquoted on/off/yes/no as true/false"),
         (["epochs=1O"], r"epochs must be an int >= 1, got '1O'"),
         (["dense_epochs=2.5"], r"dense_epochs must be an int >= 1, got 2.5"),
         (["batch_size=0"], r"batch_size must be an int >= 1, got 0"),
         (["threads=-1"], r"threads must be an int >= 0, got -1"),
         (["lr=0"], r"lr must be a number > 0, got 0"),
-        (["warmup=1.0"], r"warmup must be a number in \[0, 1\), got 1.0"),
+        (["warmup=1.0"], r"warmup must be a number in \(0, 1\), got 1.0"),
         (["train_size=all"], r"train_size must be an int >= 0, got 'all'"),
         (["data_dir=3"], r"data_dir must be a string or null, got 3"),
         (["methods=gmp"], r"methods must be a non-empty list .*, got 'gmp'"),
@@ -298,3 +303,15 @@ def test_a_failed_run_fails_the_sweep(sweep: dict[str, Any], monkeypatch: pytest
     argv = [a for a in sweep["argv"] if not a.startswith(("out_dir=", "logger="))]
     with pytest.raises(RuntimeError, match="a run failed"):
         mnist_sweep.main([*argv, f"out_dir={sweep['out'] / 'failing'}", "logger=none"])
+
+
+def test_missing_data_is_a_config_error_before_the_output_folder(tmp_path, monkeypatch):
+    def missing(data_dir):
+        raise FileNotFoundError(f"MNIST files missing from {data_dir}")
+
+    monkeypatch.setattr(mnist_sweep, "load_mnist", missing)
+    out = tmp_path / "out"
+    with pytest.raises(sweep_config.ConfigError, match=r"data_dir: MNIST files missing from "
+                                                       r"/nonexistent"):
+        mnist_sweep.main(["data_dir=/nonexistent", f"out_dir={out}", "logger=none"])
+    assert not out.exists()

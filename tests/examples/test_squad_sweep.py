@@ -119,7 +119,14 @@ def test_the_full_size_recipe_is_a_valid_set_of_keys():
 @pytest.mark.parametrize("argv, match", [
     (["epochs=two"], r"epochs must be an int >= 1, got 'two'"),
     (["batch_size=0"], r"batch_size must be an int >= 1, got 0"),
-    (["seeds=0"], r"seeds must be a non-empty list of entries each an int >= 0, e.g. "
+    (["seeds=[0,0]"], r"seeds must be a non-empty list of distinct entries each an int >= 0"),
+    (["only=[[dense]]"], r"only must be a list of run names"),
+    (["squad_file=/nonexistent/dev.json"], r"no SQuAD v1.1 file at /nonexistent/dev.json; pass "
+                                           r"squad_file=PATH"),
+    (["model_dir=/nonexistent/model"], r"model_dir '/nonexistent/model' holds no config.json"),
+    (["train_file=/nonexistent/train.json"], r"train_file '/nonexistent/train.json' is not a "
+                                             r"file"),
+    (["seeds=0"], r"seeds must be a non-empty list of distinct entries each an int >= 0, e.g. "
                   r"\[0, 1, 2\], got 0"),
     (["lr=fast"], r"lr must be a number > 0, got 'fast'"),
     (["precision=bf32"], r"precision must be auto, 32-true, .* or bf16-true, got 'bf32'"),
