@@ -1,7 +1,8 @@
 """Per-step cost of SparsityCallback at BERT scale, paired with the dense step (issue 8).
 
     python3 benchmarks/bert_step.py                  # on the GPU: the table of docs/performance.md
-    python3 benchmarks/bert_step.py --tiny --pairs 2 --block 4 --warmup 2  # CPU: checks the script
+    TRITON_INTERPRET=1 python3 benchmarks/bert_step.py --tiny --pairs 2 --block 4 --warmup 2
+                                        # CPU: checks the script (fused steps: interpreter)
 
 Side by side with an earlier version: export its package into an ignored folder, e.g.
 ``mkdir .bench_old && git archive b5ddb53 sparse_training | tar -x -C .bench_old``, and pass

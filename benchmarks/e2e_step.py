@@ -63,15 +63,9 @@ import time
 import traceback
 from pathlib import Path
 
+from _e2e_report import PROFILED_STEPS, add_limits, report, torch_device_name
 from _step_callbacks import python_profiler, step_profiler, step_times
-from _step_profile import (
-    FAMILIES,
-    OTHER,
-    amdahl_limit,
-    floor_limit,
-    linear_shapes,
-    shrinkable_ms,
-)
+from _step_profile import linear_shapes, shrinkable_ms
 
 DENY = {"bert-base": ["embeddings", "qa_outputs"], "tiny": ["embeddings", "qa_outputs"],
         "llama": ["embed_tokens", "lm_head"], "tiny-llama": ["embed_tokens", "lm_head"]}
@@ -100,7 +94,6 @@ BASE_VARIANTS: dict[str, dict | None] = {
     "2:4 compressed": dict(pattern="2:4", compress=True),
     "2:4 masked-dense": dict(pattern="2:4", compress=False),
 }
-PROFILED_STEPS = 2
 COMPILE_MODES = {"compile": "default", "compile:mat": "max-autotune-no-cudagraphs",
                  "compile:ro": "reduce-overhead"}
 
@@ -242,6 +235,17 @@ def run_child(args: argparse.Namespace) -> dict:
     }
 
 
+def at_least(low: int):
+    """An argparse type: an int >= ``low``."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {value}")
+        return value
+
+    return parse
+
+
 def variants_for(args: argparse.Namespace) -> list[str]:
     if args.variants:
         return args.variants
@@ -253,8 +257,8 @@ def main() -> None:
     parser.add_argument("--model", choices=["bert-base", "llama", "tiny", "tiny-llama"],
                         default="bert-base")
     parser.add_argument("--layers", type=int, default=4, help="Llama decoder layers")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--steps", type=at_least(1), default=20)
+    parser.add_argument("--warmup", type=at_least(0), default=8)
     parser.add_argument("--variants", nargs="*", help="names (default: every base variant)")
     parser.add_argument("--profile", action="store_true",
                         help=f"profile {PROFILED_STEPS} more steps; Amdahl limits")
@@ -266,9 +270,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.report:
         for path in args.report:
-            payload = json.loads(Path(path).read_text())
-            saved = argparse.Namespace(**{k: payload[k] for k in ("model", "layers")})
-            report(saved, payload["rows"], f"{payload['device']}, torch {payload['torch']}")
+            try:
+                payload = json.loads(Path(path).read_text())
+                saved = argparse.Namespace(**{k: payload[k] for k in ("model", "layers")})
+                rows, device = payload["rows"], f"{payload['device']}, torch {payload['torch']}"
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                parser.error(f"--report {path}: not a JSON file e2e_step saved ({error!r})")
+            report(saved, rows, device)
         return
     if args.child:
         try:
@@ -280,12 +288,13 @@ def main() -> None:
                    "traceback": traceback.format_exc()[-3000:]}
         Path(args.result).write_text(json.dumps(row))
         return
+    for variant in variants_for(args):
+        settings_of(variant, args.model)  # a bad name stops before any run
     rows = []
     out = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     out.mkdir(parents=True, exist_ok=True)
     path = None
     for variant in variants_for(args):
-        settings_of(variant, args.model)  # a bad name stops before any run
         result = out / "_row.json"
         result.unlink(missing_ok=True)
         start = time.perf_counter()
@@ -304,81 +313,8 @@ def main() -> None:
     result.unlink(missing_ok=True)
     report(args, rows, torch_device_name())
     print(f"wrote {path}")
-
-
-def add_limits(rows: list[dict]) -> None:
-    """Each successful row gets ``speedup`` (eager dense fused ms / its ms), and a compiled
-    row ``speedup_same_mode`` against the dense fused row compiled alike. Where its baseline
-    (that row; the eager one for eager rows) measured its shrinkable time, the row gets
-    ``amdahl_limit`` at its density from the baseline's step and ``of_limit`` (its speed-up
-    against the baseline / the limit), and where the baseline also measured the bandwidth
-    floors, ``floor_limit`` and ``of_floor_limit`` alike."""
-    done = {r["variant"]: r for r in rows if "error" not in r and r["ms"]}
-    eager = done.get("dense fused")
-    for r in done.values():
-        suffix = r["variant"].partition(" +")[2]
-        baseline = done.get("dense fused" + (f" +{suffix}" if suffix else ""))
-        if eager is not None:
-            r["speedup"] = eager["ms"] / r["ms"]
-        if baseline is None:
-            continue
-        speedup = baseline["ms"] / r["ms"]
-        if suffix:
-            r["speedup_same_mode"] = speedup
-        if "shrinkable" in baseline:
-            shrinkable, density = baseline["shrinkable"], 1 - r["sparsity"]
-            r["amdahl_limit"] = amdahl_limit(
-                baseline["ms"], shrinkable["products_ms"] + shrinkable["optimizer_ms"], density)
-            r["of_limit"] = speedup / r["amdahl_limit"] if r["amdahl_limit"] else None
-            r["floor_limit"] = floor_limit(baseline["ms"], shrinkable, density)
-            r["of_floor_limit"] = speedup / r["floor_limit"] if r["floor_limit"] else None
-
-
-def torch_device_name() -> str:
-    import torch
-
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-
-
-def cell(value, form: str) -> str:
-    """``value`` formatted by ``form``; "-" where a row lacks it (None, or a run saved before
-    the script measured it)."""
-    return "-" if value is None else form.format(value)
-
-
-def report(args: argparse.Namespace, rows: list[dict], device: str) -> None:
-    """The table of ``rows`` (each given its limits by :func:`add_limits`), then the
-    profiled rows' kernel families."""
-    add_limits(rows)
-    print(f"\n{args.model}{f' ({args.layers} layers)' if args.model == 'llama' else ''}, "
-          f"bf16-mixed, {device}")
-    print(f"{'variant':34s} {'ms/step':>8s} {'vs dense':>8s} {'vs mode':>7s} {'limit':>6s} "
-          f"{'of lim':>6s} {'floor':>6s} {'of fl':>6s} "
-          f"{'busy':>7s} {'host':>7s} {'peak GiB':>8s} {'tokens/s':>9s} {'trainable':>10s} "
-          f"{'compressed':>22s} {'masked':>6s} {'loss first->last':>17s}")
-    for r in rows:
-        if "error" in r or not r.get("ms"):
-            print(f"{r['variant']:34s} FAILED: {r.get('error', 'no step timed')[:200]}")
-            continue
-        profile = r.get("profile", {})
-        kinds = ", ".join(f"{n} {k.replace('Linear', '')}" for k, n in
-                          r.get("compressed_layers", {}).items()) or "none"
-        tokens, trainable = r.get("tokens"), r.get("trainable_parameters")
-        cells = [cell(r.get("speedup"), "{:.2f}x"), cell(r.get("speedup_same_mode"), "{:.2f}x"),
-                 cell(r.get("amdahl_limit"), "{:.2f}x"), cell(r.get("of_limit"), "{:.2f}"),
-                 cell(r.get("floor_limit"), "{:.2f}x"), cell(r.get("of_floor_limit"), "{:.2f}"),
-                 cell(profile.get("busy_ms"), "{:.1f}"),
-                 cell(profile.get("exposed_host_ms"), "{:.1f}"),
-                 cell(r.get("peak_gib"), "{:.1f}"),
-                 cell(tokens and tokens / r["ms"] * 1e3, "{:,.0f}"),
-                 cell(trainable and trainable / 1e6, "{:.1f}M"),
-                 cell(r.get("masked_dense_tensors"), "{:d}"),
-                 cell(r.get("loss_first"), "{:.3f}") + "->" + cell(r.get("loss_last"), "{:.3f}")]
-        widths = (8, 7, 6, 6, 6, 6, 7, 7, 8, 9, 10)
-        print(f"{r['variant']:34s} {r['ms']:8.1f} "
-              + " ".join(f"{c:>{w}s}" for c, w in zip(cells, widths, strict=False))
-              + f" {kinds:>22s} {cells[11]:>6s} {cells[12]:>17s}")
-    print_families(rows)
+    if failed := [r["variant"] for r in rows if "error" in r or not r.get("ms")]:
+        sys.exit(f"e2e_step: {len(failed)} of {len(rows)} variants failed: {failed}")
 
 
 def save(args: argparse.Namespace, rows: list[dict], out: Path) -> Path:
@@ -393,34 +329,6 @@ def save(args: argparse.Namespace, rows: list[dict], out: Path) -> Path:
     path = out / f"e2e_step_{args.model}{args.tag}.json"
     path.write_text(json.dumps(payload, indent=1))
     return path
-
-
-def print_families(rows: list[dict]) -> None:
-    """The profiled rows' ms per step by kernel family, then their largest "other" kernels."""
-    profiled = [r for r in rows if "profile" in r]
-    if not profiled:
-        return
-    families = [family for family, _ in FAMILIES] + [OTHER]
-    print(f"\nms per step by kernel family (profiled: {PROFILED_STEPS} steps)")
-    print(f"{'variant':34s} " + " ".join(f"{f[:14]:>14s}" for f in families))
-    for r in profiled:
-        print(f"{r['variant']:34s} " + " ".join(f"{r['profile']['family_ms'][f]:14.2f}"
-                                               for f in families))
-    for r in profiled:
-        print(f"{r['variant']}: largest other: " + "; ".join(
-            f"{name[:60]} {ms:.2f}" for name, ms in r["profile"]["top_other"]))
-    for r in (r for r in profiled if "python_top" in r["profile"]):
-        print(f"{r['variant']}: host Python {r['profile']['python_ms']:.1f} ms a step under "
-              f"cProfile; most own time: " + "; ".join(
-                  f"{name[-50:]} {own:.2f}" for name, own, _, _ in r["profile"]["python_top"][:6]))
-    dense = next((r for r in rows if "shrinkable" in r), None)
-    if dense:
-        shrinkable = dense["shrinkable"]
-        print(f"dense shrinkable ms: Linear products {shrinkable['products_ms']:.2f}, AdamW "
-              f"{shrinkable['optimizer_ms']:.2f}" + (
-                  f"; their bandwidth floor {sum(shrinkable['floor_by_shape_ms']):.2f} at "
-                  f"{shrinkable['bandwidth_gbs']:.0f} GB/s" if "floor_by_shape_ms" in shrinkable
-                  else ""))
 
 
 if __name__ == "__main__":

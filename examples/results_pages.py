@@ -17,6 +17,7 @@ After copying a sweep's results.json into docs/results/, run this script and com
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import json
 import re
@@ -160,7 +161,10 @@ def draw(png: Path, source: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    check = "--check" in argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="change nothing; exit 1 with a diff where a page differs")
+    check = parser.parse_args(argv).check
     stale = []
     for page in PAGES:
         text = render(page)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -206,3 +207,18 @@ def test_hotspots_count_every_call_of_a_recursive_function():
     found = {name.rsplit("(", 1)[-1]: row for name, *row in hotspots(profile, steps=2, top=50)}
     own, cumulative, calls = found["depth)"]
     assert calls == 51 and 0 < own <= cumulative
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--variants", "dense", "dense fused typo"], "unknown variant 'dense fused typo'"),
+    (["--steps", "0"], r"argument --steps: must be an int >= 1, got 0"),
+    (["--warmup", "-1"], r"argument --warmup: must be an int >= 0, got -1"),
+    (["--report", "/nonexistent.json"], r"--report /nonexistent.json: not a JSON file e2e_step "
+                                        r"saved"),
+])
+def test_bad_arguments_stop_before_any_run(tmp_path, argv, message):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", *argv],
+                          env=dict(os.environ, OUT=str(tmp_path)), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0 and re.search(message, done.stderr + done.stdout)
+    assert list(tmp_path.iterdir()) == []  # nothing ran, nothing written

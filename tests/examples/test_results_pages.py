@@ -86,3 +86,9 @@ def test_squad_left_to_run_lists_the_configs_pairs_without_a_result():
     everything = [squad_row(run.name, seed) for run in config.runs for seed in seeds]
     assert results_pages.squad_left_to_run(everything) == (
         "Every run of squad.yaml has a result at every seed.")
+
+
+def test_an_unknown_argument_rewrites_nothing():
+    with pytest.raises(SystemExit) as stopped:
+        results_pages.main(["--chek"])
+    assert stopped.value.code == 2
