@@ -3,6 +3,7 @@ shapes, and stand-ins for the Triton kernels in host-time runs."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -210,3 +211,14 @@ def write_json(name: str, payload: dict) -> str:
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)
     return path
+
+
+def at_least(low: int):
+    """An argparse type: an int >= ``low``."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {value}")
+        return value
+
+    return parse

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from _common import busy_ms
+from _common import at_least, busy_ms
 from pytorch_lightning.callbacks import Callback
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import BertConfig, BertForQuestionAnswering
@@ -307,9 +307,9 @@ def host_costs(engine, optimizer, calls: int = 50) -> dict:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # defaults: the updates at steps 100, 200 and 300 fall inside on-blocks, not on a switch
-    parser.add_argument("--warmup", type=int, default=25)
+    parser.add_argument("--warmup", type=at_least(0), default=25)
     parser.add_argument("--block", type=int, default=10, help="steps per block")
-    parser.add_argument("--pairs", type=int, default=15, help="off/on block pairs")
+    parser.add_argument("--pairs", type=at_least(1), default=15, help="off/on block pairs")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq", type=int, default=384)
     parser.add_argument("--tiny", action="store_true", help="2-layer 64-wide BERT (CPU check)")

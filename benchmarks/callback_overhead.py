@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from _common import cpu_name
+from _common import at_least, cpu_name
 from pytorch_lightning.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -101,7 +101,7 @@ def time_steps(model_name: str, variant: str, device: str, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=at_least(1), default=200)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else cpu_name()

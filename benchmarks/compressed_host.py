@@ -59,7 +59,7 @@ import warnings
 os.environ["TRITON_INTERPRET"] = "0"  # products stubbed or referenced, never interpreted
 
 import torch  # noqa: E402
-from _common import cpu_name, stubbed_products, write_json  # noqa: E402
+from _common import at_least, cpu_name, stubbed_products, write_json  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 VARIANTS = ("dense", "masked-dense", "compressed")
@@ -376,9 +376,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--block", type=int, default=16)
     parser.add_argument("--sparsity", type=float, default=0.9)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--steps", type=at_least(1), default=100)
+    parser.add_argument("--warmup", type=at_least(0), default=10)
+    parser.add_argument("--rounds", type=at_least(1), default=3,
                         help="timed runs of each variant, interleaved; the median is shown")
     parser.add_argument("--profile-steps", type=int, default=20)
     parser.add_argument("--sync-steps", type=int, default=3, help="GPU: steps in sync debug")

@@ -44,6 +44,7 @@ import pytorch_lightning as pl
 import torch
 from _common import (
     NO_MULTICAST,
+    at_least,
     communication_ms,
     device_activity,
     print_row,
@@ -240,8 +241,8 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--warmup", type=int, default=15, help="untimed steps first")
-    parser.add_argument("--steps", type=int, default=40, help="timed steps")
+    parser.add_argument("--warmup", type=at_least(0), default=15, help="untimed steps first")
+    parser.add_argument("--steps", type=at_least(1), default=40, help="timed steps")
     parser.add_argument("--batch", type=int, help="per device; default 32 (--tiny: 2)")
     parser.add_argument("--seq", type=int, help="default 384 (--tiny: 32)")
     parser.add_argument("--profiled", type=int, default=5,

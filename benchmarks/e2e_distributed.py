@@ -57,7 +57,7 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from _common import NO_MULTICAST, communication_ms, print_row, printed_rows
+from _common import NO_MULTICAST, at_least, communication_ms, print_row, printed_rows
 from e2e_step import BLOCK, LLAMA_SHAPES, build, settings_of, step_times, user_adamw
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.strategies import ModelParallelStrategy
@@ -283,12 +283,12 @@ def environment(args: argparse.Namespace) -> dict:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2],
+    parser.add_argument("--gpus", type=at_least(1), nargs="+", default=[1, 2],
                         help="device counts (those above the visible GPUs are skipped)")
     parser.add_argument("--model", choices=list(MODELS), default="llama")
     parser.add_argument("--layers", type=int, help="decoder layers (default 8; tiny: 2)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    parser.add_argument("--steps", type=int, default=6, help="timed steps")
+    parser.add_argument("--warmup", type=at_least(0), default=3, help="untimed steps first")
+    parser.add_argument("--steps", type=at_least(1), default=6, help="timed steps")
     parser.add_argument("--profiled", type=int, default=1,
                         help="GPU steps profiled after the timed ones (0: none)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS),

@@ -63,6 +63,7 @@ import time
 import traceback
 from pathlib import Path
 
+from _common import at_least
 from _e2e_report import PROFILED_STEPS, add_limits, report, torch_device_name
 from _step_callbacks import python_profiler, step_profiler, step_times
 from _step_profile import linear_shapes, shrinkable_ms
@@ -233,17 +234,6 @@ def run_child(args: argparse.Namespace) -> dict:
         "finite": all(map(lambda v: v == v and abs(v) != float("inf"), losses)),
         "step_ms": timer.ms,
     }
-
-
-def at_least(low: int):
-    """An argparse type: an int >= ``low``."""
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {value}")
-        return value
-
-    return parse
 
 
 def variants_for(args: argparse.Namespace) -> list[str]:

@@ -37,6 +37,8 @@ import argparse
 import json
 from dataclasses import asdict, dataclass
 
+from _common import at_least
+
 BLOCK = 128
 GB = 1e9
 
@@ -158,7 +160,7 @@ def tables(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpus", type=int, default=64)
+    parser.add_argument("--gpus", type=at_least(1), default=64)
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=4 * 2048, help="tokens per GPU per step")
     parser.add_argument("--sparsity", type=float, default=0.9)

@@ -195,6 +195,9 @@ def host_cpu(calls: int = 200, repeats: int = 7) -> None:
 
 
 if __name__ == "__main__":
+    if unknown := [a for a in sys.argv[1:] if a != "--host-cpu"]:
+        sys.exit(f"mask_compute: unknown arguments {unknown}; the only one is --host-cpu "
+                 f"(no argument: the GPU table)")
     if "--host-cpu" in sys.argv:
         host_cpu()
     else:

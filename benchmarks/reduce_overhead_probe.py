@@ -87,6 +87,8 @@ def trainer_case(name):
 if __name__ == "__main__":
     if len(sys.argv) > 1:
         name = sys.argv[1]
+        if name not in CASES:
+            sys.exit(f"reduce_overhead_probe: unknown case {name!r}; cases: {list(CASES)}")
         try:
             (trainer_case if name.startswith("trainer") else layer_case)(name)
         except Exception as e:

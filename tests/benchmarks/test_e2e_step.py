@@ -222,3 +222,17 @@ def test_bad_arguments_stop_before_any_run(tmp_path, argv, message):
                           text=True, timeout=120)
     assert done.returncode != 0 and re.search(message, done.stderr + done.stdout)
     assert list(tmp_path.iterdir()) == []  # nothing ran, nothing written
+
+
+@pytest.mark.parametrize(("script", "argv", "message"), [
+    ("bert_step.py", ["--pairs", "0"], "argument --pairs: must be an int >= 1, got 0"),
+    ("compressed_host.py", ["--steps", "0"], "argument --steps: must be an int >= 1, got 0"),
+    ("fsdp_at_scale.py", ["--gpus", "-8"], "argument --gpus: must be an int >= 1, got -8"),
+    ("e2e_distributed.py", ["--gpus", "0"], "argument --gpus: must be an int >= 1, got 0"),
+    ("mask_compute.py", ["--bogus"], r"unknown arguments \['--bogus'\]"),
+    ("reduce_overhead_probe.py", ["bogus"], "unknown case 'bogus'; cases: "),
+])
+def test_the_benchmarks_refuse_bad_arguments_before_running(script, argv, message):
+    done = subprocess.run([sys.executable, str(SCRIPT.parent / script), *argv],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and re.search(message, done.stderr), done.stderr[-2000:]
