@@ -46,7 +46,8 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 def previous_results(cfg: DictConfig, settings: dict[str, dict[str, Any]]
                      ) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
     """The finished rows and the run settings of out_dir/results.json (nothing with
-    resume=false or no file); failed rows are dropped, to run again.
+    resume=false or no file); failed rows are dropped, to run again, with new settings where
+    none of the run's rows finished.
 
     Raises:
         ConfigError: a run of this sweep is in the file with other settings (naming them).
@@ -55,13 +56,16 @@ def previous_results(cfg: DictConfig, settings: dict[str, dict[str, Any]]
     if not cfg.resume or not path.is_file():
         return [], {}
     rows, saved = read_results(path)
+    finished = [r for r in rows if "error" not in r]
+    # a run whose every row failed runs again with whatever settings it has now
+    saved = {name: kept for name, kept in saved.items() if name in {r["name"] for r in finished}}
     for name, mine in settings.items():
         if name in saved and saved[name] != mine:
             raise ConfigError(
                 f"{path} holds run {name!r} made with other settings "
                 f"({differences(saved[name], mine, 'there', 'now')}); pass another out_dir, or "
                 f"resume=false to start over")
-    return [r for r in rows if "error" not in r], saved
+    return finished, saved
 
 
 def differences(old: dict[str, Any], new: dict[str, Any], old_label: str, new_label: str) -> str:

@@ -301,6 +301,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     cfg = sweep_config.load_config(sys.argv[1:] if argv is None else argv, CONFIG,
                                    __doc__.split("\n\n")[0], open_keys=("recipes",))
     specs = squad_recipes.check_config(cfg)
+    if cfg.replay and cfg.only:
+        raise ConfigError(f"replay rebuilds every row of its files; only={list(cfg.only)} "
+                          f"selects runs to train and does not apply: leave it out")
     model_dir = squad_recipes.check_files(cfg)  # None where replaying
     settings = {spec.name: run_settings(cfg, spec) for spec in specs}
     order = {run.name: i for i, run in enumerate(cfg.runs)}
@@ -369,7 +372,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
              " / 38-47 scored")
     layers = f"; first {cfg.encoder_layers} encoder layers" if cfg.encoder_layers else ""
     header = (f"{split}{layers}; {gpu}; torch {torch.__version__}; this call ran "
-              f"{len(new)} of the {len(rows)} (run, seed) pairs in {progress.elapsed:.0f} s")
+              f"{len(new)} of the {len(todo)} (run, seed) pairs it had to do in "
+              f"{progress.elapsed:.0f} s ({len(rows)} rows in the table)")
     squad_report.report(cfg, rows, group, header, {**saved, **settings}, title)
     if failed := [r for r in new if "error" in r]:
         names = ", ".join(f"{r['name']} (seed {r['seed']})" for r in failed)

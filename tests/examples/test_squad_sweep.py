@@ -120,6 +120,8 @@ def test_the_full_size_recipe_is_a_valid_set_of_keys():
     (["epochs=two"], r"epochs must be an int >= 1, got 'two'"),
     (["batch_size=0"], r"batch_size must be an int >= 1, got 0"),
     (["seeds=[0,0]"], r"seeds must be a non-empty list of distinct entries each an int >= 0"),
+    (["replay=a/results.json", 'only=["2:4"]'], r"replay rebuilds every row of its files; "
+                                                r"only=\['2:4'\] selects runs to train"),
     (["only=[[dense]]"], r"only must be a list of run names"),
     (["squad_file=/nonexistent/dev.json"], r"no SQuAD v1.1 file at /nonexistent/dev.json; pass "
                                            r"squad_file=PATH"),
@@ -403,7 +405,8 @@ def test_a_failed_run_is_recorded_and_the_sweep_exits_non_zero(tiny, tmp_path, m
                        "error": "RuntimeError: out of memory"}
     assert "RuntimeError: out of memory" in (out / "results.md").read_text()
     monkeypatch.setattr(squad_sweep, "run", real_run)
-    rows = squad_sweep.main(argv)
+    # a failed run goes again with a changed setting (its finished twin would be refused)
+    rows = squad_sweep.main([*argv, "recipes.asp_distill.callback.seed=1"])
     assert [r["name"] for r in rows] == ["dense", "4:8"] and "error" not in rows[1]
 
 
