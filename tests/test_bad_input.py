@@ -1974,5 +1974,6 @@ def test_layer_refusals_name_the_device_and_the_meta_weights():
 def test_a_block_sparse_input_autocast_does_not_cast_is_named():
     layer = BlockSparseLinear(32, 32, block=(16, 16), density=0.5)
     with torch.autocast("cpu", torch.bfloat16), pytest.raises(
-            ValueError, match=r"input dtype torch.float64: autocast casts only torch.float32"):
+            ValueError, match=r"input dtype torch.float64 is not the layer's torch.float32, and "
+                              r"autocast casts only torch.float32"):
         layer(torch.randn(4, 32, dtype=torch.float64))

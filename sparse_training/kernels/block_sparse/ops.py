@@ -244,10 +244,10 @@ def block_sparse_linear(x: Tensor, values: Tensor, topology: BlockTopology,
                                            or torch.amp.is_autocast_available(device_type))
     if available and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
-        if x.dtype not in AUTOCAST_DTYPES:
-            raise ValueError(f"input dtype {x.dtype}: autocast casts only "
-                             f"{', '.join(map(str, AUTOCAST_DTYPES))} (F.linear's rule); cast "
-                             f"the input")
+        if x.dtype not in AUTOCAST_DTYPES and x.dtype != values.dtype:  # float64 stays
+            raise ValueError(f"input dtype {x.dtype} is not the layer's {values.dtype}, and "
+                             f"autocast casts only {', '.join(map(str, AUTOCAST_DTYPES))} "
+                             f"(F.linear's rule); cast the input")
         x = _autocast(x, dtype)
     flat = x.reshape(-1, x.shape[-1])
     if torch.compiler.is_compiling():
