@@ -124,9 +124,7 @@ def check_config(cfg: DictConfig) -> None:
         for sparsity in cfg.sparsities:
             kwargs = callback_kwargs(cfg, name, sparsity=float(sparsity))
             try:
-                if message := SparsityConfig.unknown_setting(kwargs):
-                    raise ValueError(message)
-                SparsityEngine(LeNet300100(), SparsityConfig(**kwargs))
+                SparsityEngine(LeNet300100(), SparsityConfig.from_settings(kwargs))
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"method {name} at sparsity {sparsity}: {e}") from e
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import squad_data
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from sweep_config import (
     LOGGING_RULES,
@@ -192,9 +193,7 @@ def _check(spec: DictConfig, names: list[str]) -> None:
     try:
         distill_settings(spec)
         if (kwargs := callback_kwargs(spec)) is not None:
-            if message := SparsityConfig.unknown_setting(kwargs):
-                raise ValueError(message)
-            SparsityConfig(**kwargs)
+            SparsityConfig.from_settings(kwargs)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"run {spec.name!r}: {error}") from error
     if spec.lr_schedule == "rewind" and spec.callback is None:
@@ -250,7 +249,7 @@ def check_against_model(cfg: DictConfig, specs: list[DictConfig], model_dir: Pat
         if (kwargs := callback_kwargs(spec)) is None:
             continue
         try:
-            SparsityEngine(copy.deepcopy(model), SparsityConfig(**kwargs))
+            SparsityEngine(copy.deepcopy(model), SparsityConfig.from_settings(kwargs))
         except (TypeError, ValueError) as error:
             raise ConfigError(f"run {spec.name!r}: {error}") from error
 
@@ -262,8 +261,6 @@ def check_files(cfg: DictConfig) -> Path | None:
     Raises:
         ConfigError: a path that is not there, named by its key.
     """
-    import squad_data
-
     try:
         squad_data.squad_path(cfg.squad_file)
         if cfg.replay:

@@ -69,6 +69,17 @@ def _caller_level() -> int:
     return level
 
 
+def unknown_setting(keys: Iterable[str], valid: Sequence[str]) -> str | None:
+    """The message for the first of ``keys`` not in ``valid``, naming the nearest valid one,
+    or None."""
+    for key in keys:
+        if key not in valid:
+            near = difflib.get_close_matches(key, valid, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            return f"unknown setting {key!r}{hint} Valid settings: {', '.join(valid)}"
+    return None
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -379,12 +390,18 @@ class SparsityConfig:
     @classmethod
     def unknown_setting(cls, keys: Iterable[str]) -> str | None:
         """The message for the first unknown key, naming the nearest valid one, or None."""
-        for key in keys:
-            if key not in cls.names():
-                near = difflib.get_close_matches(key, cls.names(), n=1)
-                hint = f"; did you mean {near[0]!r}?" if near else ""
-                return f"unknown setting {key!r}{hint} Valid settings: {', '.join(cls.names())}"
-        return None
+        return unknown_setting(keys, cls.names())
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> SparsityConfig:
+        """The config of a mapping of settings (a sweep's, a file's).
+
+        Raises:
+            ValueError: an unknown key (the nearest valid one named) or a bad value.
+        """
+        if message := cls.unknown_setting(settings):
+            raise ValueError(message)
+        return cls(**settings)
 
     @classmethod
     def load(cls, source: str | Path | Mapping[str, Any]) -> dict[str, Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -12,6 +11,7 @@ import torch
 from pytorch_lightning.callbacks import Callback
 from torch import Tensor, nn
 
+from sparse_training.config import unknown_setting
 from sparse_training.pieces.distillation import DistillationLoss, Logits, TeacherCache, as_heads
 
 
@@ -85,13 +85,9 @@ class DistillationCallback(Callback):
                  outputs: Callable[[Any], Logits] | None = None,
                  cache: bool | TeacherCache = False, save_teacher: bool = False,
                  **unknown: Any) -> None:
-        if unknown:
-            valid = ("temperature", "hardness", "outputs", "cache", "save_teacher")
-            key = next(iter(unknown))
-            near = difflib.get_close_matches(key, valid, n=1)
-            raise TypeError(f"DistillationCallback got an unknown setting {key!r}"
-                            + (f"; did you mean {near[0]!r}?" if near else "")
-                            + f" Valid settings: {', '.join(valid)}")
+        if message := unknown_setting(unknown, ("temperature", "hardness", "outputs", "cache",
+                                                "save_teacher")):
+            raise TypeError(f"DistillationCallback got an {message}")
         if not isinstance(teacher, nn.Module):
             raise TypeError(f"teacher must be a torch.nn.Module, got {type(teacher).__name__}")
         if not isinstance(cache, bool | TeacherCache):

@@ -237,8 +237,10 @@ def pattern_mask(
         >>> pattern_mask(w, "2:4")
         tensor([[False,  True,  True, False]])
     """
-    return pattern_masks([weight], pattern, sparsity, None if score is None else [score],
-                         [input_dim])[0]
+    # checked here, not in pattern_masks, which the engine calls at every mask update
+    scores = None if score is None else [score]
+    _check_weights([weight], scores)
+    return pattern_masks([weight], pattern, sparsity, scores, [input_dim])[0]
 
 
 def pattern_masks(
@@ -249,7 +251,6 @@ def pattern_masks(
     same-shape weights ranked together: one stack and one top-k call per shape instead of
     one per tensor (72 BERT-base weights, 3 shapes)."""
     pattern = parse_pattern(pattern)
-    _check_weights(weights, scores)
     if sparsity is not None:
         check_sparsity(sparsity)
     elif not pattern.is_nm:
