@@ -102,7 +102,14 @@ def print_families(rows: list[dict]) -> None:
     for r in (r for r in profiled if "python_top" in r["profile"]):
         print(f"{r['variant']}: host Python {r['profile']['python_ms']:.1f} ms a step under "
               f"cProfile; most own time: " + "; ".join(
-                  f"{name[-50:]} {own:.2f}" for name, own, _, _ in r["profile"]["python_top"][:6]))
+                  f"{name[-50:]} {own:.2f}" + (f" <- {entry[4][-40:]}" if len(entry) > 4 and entry[4] else "")
+                  for entry in r["profile"]["python_top"][:6] for name, own in [entry[:2]]))
+    for r in (r for r in profiled if r["profile"].get("graphs")):
+        graphs = r["profile"]["cuda_graphs"]
+        print(f"{r['variant']}: {r['profile']['graphs']} compiled graphs, "
+              f"{r['profile']['graph_breaks']} graph breaks" + "".join(
+                  f"; CUDA graph {g['inputs']} inputs, {g['static']} static, {g['n_copied']} "
+                  f"copied per replay ({', '.join(g['copied'][:4])})" for g in graphs))
     dense = next((r for r in rows if "shrinkable" in r), None)
     if dense:
         shrinkable = dense["shrinkable"]

@@ -67,8 +67,9 @@ def python_profiler(after: int, steps: int, gpu: bool, top: int = 12):
     """A Lightning callback that runs ``cProfile`` over ``steps`` steps from the end of
     global step ``after``; then its ``row`` holds ``python_ms`` (the profiled wall ms per
     step, cProfile's overhead in it) and ``python_top``: the ``top`` functions by their own
-    time per step, ``[function, own ms, cumulative ms, calls]`` per step: where the host's
-    time goes outside the GPU's kernels (launchers, autograd, CUDA-graph replays, the loop)."""
+    time per step, ``[function, own ms, cumulative ms, calls, caller]`` per step (the caller
+    that spent the most cumulative time in it): where the host's time goes outside the GPU's
+    kernels (launchers, autograd, CUDA-graph replays, the loop)."""
     import torch
     from pytorch_lightning.callbacks import Callback
 
@@ -91,12 +92,19 @@ def python_profiler(after: int, steps: int, gpu: bool, top: int = 12):
     return PythonProfiler()
 
 
+def _function(key: tuple[str, int, str]) -> str:
+    """``dir/file.py:line(name)`` of a pstats key ``(file, line, name)``."""
+    file, line, name = key
+    return f"{'/'.join(file.rsplit('/', 2)[-2:])}:{line}({name})"
+
+
 def hotspots(profile: cProfile.Profile, steps: int, top: int) -> list[list]:
     """The ``top`` functions of ``profile`` by own time: ``[file:line(name), own ms, cumulative
-    ms, calls]``, each per step of ``steps``."""
-    # (file, line, name) -> (primitive calls, calls, own s, cumulative s, callers)
+    ms, calls, caller]``, each per step of ``steps``; ``caller`` is the one that spent the most
+    cumulative time in the function (None where cProfile saw no Python caller)."""
+    # key -> (primitive calls, calls, own s, cumulative s, {caller key: (.., .., own, cum)})
     stats = pstats.Stats(profile).stats
     rows = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
-    return [[f"{'/'.join(file.rsplit('/', 2)[-2:])}:{line}({name})",
-             own * 1e3 / steps, cumulative * 1e3 / steps, calls // steps]
-            for (file, line, name), (_, calls, own, cumulative, _) in rows]
+    return [[_function(key), own * 1e3 / steps, cumulative * 1e3 / steps, calls // steps,
+             _function(max(callers, key=lambda c: callers[c][3])) if callers else None]
+            for key, (_, calls, own, cumulative, callers) in rows]

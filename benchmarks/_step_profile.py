@@ -189,3 +189,30 @@ def floor_limit(dense_ms: float, shrinkable: dict, density: float) -> float | No
     saved = sum(p - max(density * p, min(f, p)) for p, f in pairs)
     rest = dense_ms - saved - (1 - density) * shrinkable["optimizer_ms"]
     return dense_ms / rest if rest > 0 else None
+
+
+def compile_census() -> dict:
+    """What ``torch.compile`` built in this process: Dynamo's ``graphs`` and
+    ``graph_breaks``, and per CUDA graph of ``mode="reduce-overhead"`` (CUDA-graph trees) its
+    ``inputs``, how many are ``static`` (read in place: parameters, buffers, marked
+    addresses) and the first ``copied`` ones, copied into the graph's buffers at every replay
+    (host time a step pays), ``[placeholder name, ...]`` with their count ``n_copied``."""
+    from torch._dynamo.utils import counters
+
+    census = {"graphs": counters["stats"]["unique_graphs"],
+              "graph_breaks": sum(counters["graph_break"].values()), "cuda_graphs": []}
+    if not torch.cuda.is_available():
+        return census
+    from torch._inductor.cudagraph_trees import get_container
+
+    manager = get_container(torch.cuda.current_device()).tree_manager
+    nodes = [] if manager is None else [n for ns in manager.roots.values() for n in ns]
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(n for ns in node.children.values() for n in ns)
+        placeholders = node.wrapped_function.placeholders
+        copied = list(node.non_static_input_idx)
+        census["cuda_graphs"].append({
+            "inputs": len(placeholders), "static": len(node.static_input_idxs),
+            "n_copied": len(copied), "copied": [placeholders[i].name for i in copied[:12]]})
+    return census

@@ -31,8 +31,10 @@ CPU-only run the aten ops' self CPU time), the 5 largest "other" kernels, ``busy
 the union of the device activity) and ``host``, the *exposed host time*: the profiled step's
 wall time minus its GPU busy time (the profiler's own overhead is in it; ``wall_ms`` vs
 ``profiled_wall_ms`` in the JSON shows how much); then 2 more steps under ``cProfile``: the
-host's Python functions with the most own time per step (``python_top``, printed under the
-families: what the exposed host time is made of). The dense fused row also measures the time
+host's Python functions with the most own time per step and the caller of each
+(``python_top``, printed under the families: what the exposed host time is made of); and
+what ``torch.compile`` built: graphs, graph breaks, and per CUDA graph the inputs copied at
+each replay (:func:`_step_profile.compile_census`). The dense fused row also measures the time
 the sparse variants shrink, outside the step on its real shapes: forward, dX and dW of every
 selected ``nn.Linear`` (all but the denied embeddings and heads) at the step's token count
 in bf16 with cuBLAS (fp32 on the CPU), ``P``, and ``AdamW(fused=True)`` on their fp32
@@ -66,7 +68,7 @@ from pathlib import Path
 from _common import at_least
 from _e2e_report import PROFILED_STEPS, add_limits, report, torch_device_name
 from _step_callbacks import python_profiler, step_profiler, step_times
-from _step_profile import linear_shapes, shrinkable_ms
+from _step_profile import compile_census, linear_shapes, shrinkable_ms
 
 DENY = {"bert-base": ["embeddings", "qa_outputs"], "tiny": ["embeddings", "qa_outputs"],
         "llama": ["embed_tokens", "lm_head"], "tiny-llama": ["embed_tokens", "lm_head"]}
@@ -219,7 +221,7 @@ def run_child(args: argparse.Namespace) -> dict:
     if args.profile:  # exposed host time: the profiled step's wall minus its GPU busy
         row = profiler.row
         profiled = {"profile": {**row, "exposed_host_ms": row["profiled_wall_ms"] - row["busy_ms"],
-                                **python.row}}
+                                **python.row, **compile_census()}}
     if args.profile and settings is None:
         profiled["linear_shapes"] = linear_shapes(hf_model, DENY[args.model])
     return {

@@ -66,7 +66,7 @@ def test_cpu_profile_gives_families_shapes_and_limits(tmp_path):
         assert len(profile["top_other"]) == 5
         # cProfile's steps: the functions with the most own time, the step's loop among them
         assert profile["python_ms"] > 0 and len(profile["python_top"]) == 12
-        owns = [own for _, own, _, _ in profile["python_top"]]
+        owns = [own for _, own, _, _, _ in profile["python_top"]]
         assert owns == sorted(owns, reverse=True) and sum(owns) <= profile["python_ms"]
     assert dense["profile"]["family_ms"]["sparse products"] == 0
     assert dense["profile"]["family_ms"]["dense products"] > 0
@@ -191,7 +191,7 @@ def test_report_prints_runs_saved_before_columns_existed_and_failed_rows(tmp_pat
 
 def test_hotspots_count_every_call_of_a_recursive_function():
     """cProfile keeps primitive and total calls apart: a function recursing 50 times below
-    its first call counts 51 calls per profiled step, its own time once."""
+    its first call counts 51 calls per profiled step, its own time once, and a caller."""
     import cProfile
 
     from _step_callbacks import hotspots
@@ -205,8 +205,9 @@ def test_hotspots_count_every_call_of_a_recursive_function():
         depth(50)
     profile.disable()
     found = {name.rsplit("(", 1)[-1]: row for name, *row in hotspots(profile, steps=2, top=50)}
-    own, cumulative, calls = found["depth)"]
+    own, cumulative, calls, caller = found["depth)"]
     assert calls == 51 and 0 < own <= cumulative
+    assert caller.endswith(("(depth)", "(test_hotspots_count_every_call_of_a_recursive_function)"))
 
 
 @pytest.mark.parametrize(("argv", "message"), [
