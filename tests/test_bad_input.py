@@ -641,7 +641,6 @@ from sparse_training.kernels.block_sparse import (  # noqa: E402
     top_blocks,
 )
 from sparse_training.kernels.block_sparse import kernels as bsk  # noqa: E402
-from sparse_training.kernels.block_sparse.topology import INDEX_FIELDS  # noqa: E402
 
 BS_OPS = torch.ops.sparse_training
 
@@ -657,12 +656,13 @@ def _flat(c):
 
 
 def _index(c):
-    return [getattr(c.topology, name) for name in INDEX_FIELDS]
+    return c.topology.packed
 
 
 def _topology_with(c, **fields):
     return BlockTopology(**{**{f.name: getattr(c.topology, f.name)
-                               for f in c.topology.__dataclass_fields__.values()}, **fields})
+                               for f in c.topology.__dataclass_fields__.values() if f.init},
+                            **fields})
 
 
 def _linear(c, x=None, values=None, bias=None):
@@ -740,18 +740,25 @@ BLOCK_SPARSE_OP_ERRORS = [  # (case, call on a fresh case, message)
     ("launch_weight_grad fp16 x, fp32 grad", lambda c: bsk.launch_weight_grad(
         _flat(c)[1], _flat(c)[0].half(), c.topology, torch.float32),
      "grad_out dtype torch.float32 != input dtype torch.float16"),
-    ("op with 5 index tensors", lambda c: BS_OPS.block_sparse_linear(
-        c.x.detach()[0], c.values.detach(), None, 32, 48, _index(c)[:5]),
-     "index_tensors must hold the topology's row_offsets, row_indices, col_indices, "
-     "t_offsets, t_row_indices, t_block_ids, got 5 tensors"),
+    ("op with packed indices cut short", lambda c: BS_OPS.block_sparse_linear(
+        c.x.detach()[0], c.values.detach(), None, 32, 48, _index(c)[:-1]),
+     r"packed block indices must be a 1-D int32 \(or int64\) tensor of length 2 \+ 2 \+ 3 "
+     r"\+ 4 \* 6 = 31 for a \(32, 48\) weight in \(16, 16\) blocks with 6 kept, got "
+     r"torch.int32 \(30,\): pass a BlockTopology's .packed"),
+    ("op with packed indices 2-D", lambda c: BS_OPS.block_sparse_linear(
+        c.x.detach()[0], c.values.detach(), None, 32, 48, _index(c)[None]),
+     r"length 2 \+ 2 \+ 3 \+ 4 \* 6 = 31 .* got torch.int32 \(1, 31\)"),
+    ("op with float packed indices", lambda c: BS_OPS.block_sparse_linear(
+        c.x.detach()[0], c.values.detach(), None, 32, 48, _index(c).float()),
+     r"length 2 \+ 2 \+ 3 \+ 4 \* 6 = 31 .* got torch.float32 \(31,\)"),
     ("op with 2-D values", lambda c: BS_OPS.block_sparse_linear(
         c.x.detach()[0], c.values.detach().flatten(1), None, 32, 48, _index(c)),
      r"values shape \(6, 256\) is not \(nnz, R, C\)"),
     ("op with out_features of another grid", lambda c: BS_OPS.block_sparse_linear(
         c.x.detach()[0], c.values.detach(), None, 40, 48, _index(c)),
-     r"BlockTopology.row_offsets must be an int32 \(or int64\) tensor of shape \(4,\) on cpu "
-     r"for a \(40, 48\) weight in \(16, 16\) blocks with 6 kept, got torch.int32 \(3,\) on "
-     r"cpu: build topologies with BlockTopology.from_block_mask"),
+     r"packed block indices must be a 1-D int32 \(or int64\) tensor of length 2 \+ 3 \+ 3 "
+     r"\+ 4 \* 6 = 32 for a \(40, 48\) weight in \(16, 16\) blocks with 6 kept, got "
+     r"torch.int32 \(31,\)"),
     ("input_grad op, grad of 33", lambda c: BS_OPS.block_sparse_linear_input_grad(
         torch.randn(5, 33), c.values.detach(), 32, 48, _index(c)),
      "grad_out has 33 features, the layer gives 32"),
@@ -869,7 +876,7 @@ def test_block_sparse_op_handled_inputs(check):
 
 
 def test_count_block_sparse_op():
-    assert len(BLOCK_SPARSE_OP_ERRORS) == 45
+    assert len(BLOCK_SPARSE_OP_ERRORS) == 47
     assert len(BLOCK_SPARSE_OP_HANDLED) == 6
 
 # == issue 22: 2:4 layer ==

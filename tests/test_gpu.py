@@ -128,7 +128,8 @@ def fresh_compiler() -> None:
 @pytest.mark.parametrize("mode", COMPILE_MODES)
 def test_compiled_block_sparse_layer_matches_eager(mode):
     """A model of BlockSparseLinear layers (tails in both dimensions) under torch.compile
-    gives eager's outputs and gradients, including a non-contiguous input."""
+    gives eager's outputs and gradients, including a non-contiguous input, also after a
+    new block mask (regrowth's ``set_block_mask``: a CUDA graph reads the new topology)."""
     fresh_compiler()
     torch.manual_seed(0)
     dense = nn.Sequential(nn.Linear(200, 136), nn.GELU(), nn.Linear(136, 72)).cuda()
@@ -137,7 +138,12 @@ def test_compiled_block_sparse_layer_matches_eager(mode):
                           BlockSparseLinear.from_dense(dense[2], (32, 32), density=0.5)).cuda()
     compiled_model = copy.deepcopy(eager)
     compiled = torch.compile(compiled_model, mode=mode)
-    for step in range(3):
+    for step in range(4):
+        if step == 2:  # the same new masks in both models
+            for index in (0, 2):
+                mask = eager[index].block_mask.roll(1, 1)
+                eager[index].set_block_mask(mask)
+                compiled_model[index].set_block_mask(mask)
         torch.compiler.cudagraph_mark_step_begin()  # reduce-overhead: a new step's outputs
         x = torch.randn(64, 2, 200, device="cuda").transpose(0, 1)  # non-contiguous
         with torch.autocast("cuda", torch.bfloat16):

@@ -189,8 +189,9 @@ class BlockSparseLinear(CompressedLayer):
         row-major block order of ``mask``) are copied in. Padded tails are zeroed either
         way. The ``values`` parameter is updated in place, so an optimizer keeps it; its
         state is not touched (move it with :meth:`block_sources` and :func:`gather_blocks`,
-        as :class:`~sparse_training.layers.storage.BlockSparseSlot` does). Reads the mask's count from
-        the device once.
+        as :class:`~sparse_training.layers.storage.BlockSparseSlot` does). The topology's
+        index tensors are rewritten in place (a compiled graph keeps reading them). Reads
+        the mask's count from the device once.
 
         Raises:
             ValueError: a mask of another shape, dtype or kept count, or values of another
@@ -215,7 +216,12 @@ class BlockSparseLinear(CompressedLayer):
         copy_whole(self.values, values.to(dtype=self.values.dtype, device=mask.device)
                    * inside(topology))
         self.block_mask.copy_(mask)
-        self._topology = topology
+        if self._topology is not None and self._topology.packed.device == mask.device:
+            # same length (nnz is fixed): the index tensors keep their addresses, which a
+            # CUDA graph captured under torch.compile(mode="reduce-overhead") reads
+            self._topology.packed.copy_(topology.packed)
+        else:
+            self._topology = topology
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, block: tuple[int, int] = (64, 64),

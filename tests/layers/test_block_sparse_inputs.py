@@ -157,16 +157,15 @@ def test_custom_ops_pass_opcheck_with_strided_inputs(op, args):
     c = strided_case(LAYOUTS["all"])
     if op != "block_sparse_linear":
         c.values, c.x = c.values.detach(), c.x.detach()
-    index_tensors = [getattr(c.topology, name) for name in INDEX_FIELDS]
-    torch.library.opcheck(getattr(OPS, op).default, args(c, index_tensors))
-    real = getattr(OPS, op)(*args(c, index_tensors))
+    torch.library.opcheck(getattr(OPS, op).default, args(c, c.topology.packed))
+    real = getattr(OPS, op)(*args(c, c.topology.packed))
     assert real.is_contiguous() and not real.isnan().any()
 
 
-def test_custom_op_calls_on_a_live_topologys_index_tensors_use_it(monkeypatch):
-    """A compiled graph passes a layer's own index tensors at every call: the ops find its
+def test_custom_op_calls_on_a_live_topologys_packed_indices_use_it(monkeypatch):
+    """A compiled graph passes a layer's own packed indices at every call: the ops find its
     topology (the kernels keep their direct launches per topology) and build a new one for
-    other tensors, or once the topology of these tensors is gone."""
+    another tensor, or once the topology of this tensor is gone."""
     from sparse_training.kernels.block_sparse import ops
 
     c = strided_case(LAYOUTS["all"])
@@ -176,35 +175,53 @@ def test_custom_op_calls_on_a_live_topologys_index_tensors_use_it(monkeypatch):
         x, v, t, *rest))
     own = BlockTopology(70, 45, c.topology.block,  # new index tensors, held here only
                         *(getattr(c.topology, name).clone() for name in INDEX_FIELDS))
-    index = [getattr(own, name) for name in INDEX_FIELDS]
-    twin = dataclasses.replace(own)  # on the same tensors: the first one stays found
+    packed = own.packed
+    twin = BlockTopology.from_packed(70, 45, own.block, packed, own.nnz)  # its own copy
+    assert twin.packed is not packed and torch.equal(twin.packed, packed)
     del twin
     gc.collect()
     with torch.no_grad():
-        first = OPS.block_sparse_linear(c.x, c.values, c.bias, 70, 45, index)
-        again = OPS.block_sparse_linear(c.x, c.values, c.bias, 70, 45, index)
-        OPS.block_sparse_linear(c.x, c.values, c.bias, 70, 45, [t.clone() for t in index])
+        first = OPS.block_sparse_linear(c.x, c.values, c.bias, 70, 45, packed)
+        again = OPS.block_sparse_linear(c.x, c.values, c.bias, 70, 45, packed)
+        OPS.block_sparse_linear(c.x, c.values, c.bias, 70, 45, packed.clone())
     assert torch.equal(first, again)
     assert built[0] is own and built[1] is own and built[2] is not own
     del built[:], own
-    gc.collect()  # gone: a call builds a new one on the same tensors
+    gc.collect()  # gone: a call builds a new one from the same tensor
     with torch.no_grad():
-        assert torch.equal(OPS.block_sparse_linear(c.x, c.values, c.bias, 70, 45, index),
+        assert torch.equal(OPS.block_sparse_linear(c.x, c.values, c.bias, 70, 45, packed),
                            first)
-    assert len(built) == 1 and built[0].col_indices is index[2]
+    assert len(built) == 1 and torch.equal(built[0].packed, packed)
+
+
+def test_topology_fields_are_views_of_its_packed_indices():
+    """The six index tensors live in one int32 tensor, in INDEX_FIELDS order (what a
+    compiled graph takes, one input per layer), whatever dtype and strides they came in."""
+    c = strided_case(LAYOUTS["all"])
+    given = {name: strided(getattr(c.topology, name).long(), "every_other")
+             for name in INDEX_FIELDS}
+    topology = BlockTopology(70, 45, c.topology.block, **given)
+    assert topology.packed.dtype == torch.int32 and topology.packed.is_contiguous()
+    assert torch.equal(topology.packed, torch.cat([given[name] for name in INDEX_FIELDS]).int())
+    for name in INDEX_FIELDS:
+        view = getattr(topology, name)
+        assert view.untyped_storage().data_ptr() == topology.packed.untyped_storage().data_ptr()
+        assert view.is_contiguous() and torch.equal(view, given[name].int())
+    rows, cols = topology.grid
+    assert topology.packed.numel() == 2 + rows + cols + 4 * topology.nnz
 
 
 @pytest.mark.parametrize("copy_of", [copy.copy, copy.deepcopy,
                                      lambda t: pickle.loads(pickle.dumps(t))])
 def test_copied_topologies_are_checked_and_found_as_built_ones(copy_of):
     """Copies, deep copies (an EMA model, a teacher) and unpickled topologies (torch.load)
-    go through ``__init__``: contiguous index tensors, and found by the ops (a shallow
-    copy shares the original's tensors: the original is found)."""
+    go through ``__init__``: their own packed indices, found by the ops."""
     c = strided_case(LAYOUTS["all"])
     copied = copy_of(c.topology)
-    index = [getattr(copied, name) for name in INDEX_FIELDS]
-    found = c.topology if copy_of is copy.copy else copied
-    assert BlockTopology.live(index) is found and all(t.is_contiguous() for t in index)
+    assert copied.packed is not c.topology.packed
+    assert torch.equal(copied.packed, c.topology.packed)
+    assert BlockTopology.live(copied.packed) is copied
+    assert BlockTopology.live(c.topology.packed) is c.topology
     assert torch.equal(copied.block_mask(), c.topology.block_mask())
 
 

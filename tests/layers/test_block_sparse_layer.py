@@ -228,6 +228,28 @@ def test_set_block_mask_keeps_shared_blocks_and_zeros_new_ones():
         layer.set_block_mask(old, torch.randn(5, 32, 16))
 
 
+def test_set_block_mask_rewrites_the_topology_in_place_for_compiled_graphs():
+    """A compiled graph (a CUDA graph under reduce-overhead) reads the index tensors at the
+    addresses it was built with: a new mask is written there, and the compiled layer, not
+    recompiled, computes with it as the eager one does."""
+    from torch._dynamo.testing import CompileCounter
+
+    old, new = masks_for_cases()["random"], masks_for_cases()["random"].roll(1, 1)
+    layer = BlockSparseLinear(IN, OUT, BLOCK, block_mask=old)
+    topology, address = layer.topology, layer.topology.packed.data_ptr()
+    counter = CompileCounter()
+    compiled = torch.compile(layer, backend=counter)
+    x = torch.randn(5, IN)
+    torch.testing.assert_close(compiled(x), layer(x), **TOL)
+    layer.set_block_mask(new)
+    assert layer.topology is topology and topology.packed.data_ptr() == address
+    built = type(topology).from_block_mask(new, OUT, IN, BLOCK)
+    assert torch.equal(topology.packed, built.packed)
+    torch.testing.assert_close(compiled(x), nn.functional.linear(
+        x, layer.to_dense().weight, layer.bias), **TOL)
+    assert counter.frame_count == 1
+
+
 def test_adamw_keeps_padded_tails_zero_and_state_compressed():
     layer = BlockSparseLinear(IN, OUT, BLOCK, block_mask=masks_for_cases()["random"])
     optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1, weight_decay=0.1)

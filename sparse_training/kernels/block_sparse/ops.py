@@ -20,7 +20,6 @@ from sparse_training.kernels._autograd import AUTOCAST_DTYPES, refuse_create_gra
 from sparse_training.kernels._triton import HAS_TRITON, kernels_run_on
 from sparse_training.kernels.block_sparse import reference
 from sparse_training.kernels.block_sparse.topology import (
-    INDEX_FIELDS,
     KERNEL_DTYPES,
     BlockTopology,
     check_operands,
@@ -33,26 +32,24 @@ else:  # the references serve every device
 
 
 def _topology(values: Tensor, out_features: int, in_features: int,
-              index_tensors: list[Tensor]) -> BlockTopology:
+              packed: Tensor) -> BlockTopology:
     """The topology the custom ops' arguments describe (the block from ``values``): the
-    live one on these very index tensors (:meth:`BlockTopology.live`: a compiled graph
-    passes a layer's own tensors at every call, and the launches the kernels keep per
-    topology serve it), else a new one.
+    live one on this very ``packed`` tensor (:meth:`BlockTopology.live`: a compiled graph
+    passes a layer's own at every call, and the launches the kernels keep per topology
+    serve it), else a new one.
 
     Raises:
-        ValueError: ``values`` not 3-D, or fields that do not fit one block grid.
+        ValueError: ``values`` not 3-D, or ``packed`` not the indices of one block grid.
     """
     if values.dim() != 3:
         raise ValueError(f"values shape {tuple(values.shape)} is not (nnz, R, C)")
-    if len(index_tensors) != len(INDEX_FIELDS):
-        raise ValueError(f"index_tensors must hold the topology's {', '.join(INDEX_FIELDS)}, "
-                         f"got {len(index_tensors)} tensors")
     block = tuple(values.shape[1:])
-    topology = BlockTopology.live(index_tensors)
+    topology = BlockTopology.live(packed)
     if topology is not None and (topology.out_features, topology.in_features,
                                  topology.block) == (out_features, in_features, block):
         return topology
-    return BlockTopology(out_features, in_features, block, *index_tensors)
+    return BlockTopology.from_packed(out_features, in_features, block, packed,
+                                     values.shape[0])
 
 
 def _use_kernels(t: Tensor) -> bool:
@@ -149,50 +146,50 @@ class BlockSparseLinearFunction(torch.autograd.Function):
 
 @torch.library.custom_op("sparse_training::block_sparse_linear", mutates_args=())
 def _linear_op(x: Tensor, values: Tensor, bias: Tensor | None, out_features: int,
-               in_features: int, index_tensors: list[Tensor], checked: bool = False) -> Tensor:
-    return _forward(x, values, _topology(values, out_features, in_features, index_tensors),
+               in_features: int, packed: Tensor, checked: bool = False) -> Tensor:
+    return _forward(x, values, _topology(values, out_features, in_features, packed),
                     bias, checked)
 
 
 @_linear_op.register_fake
-def _(x, values, bias, out_features, in_features, index_tensors, checked=False):
-    topology = _topology(values, out_features, in_features, index_tensors)
+def _(x, values, bias, out_features, in_features, packed, checked=False):
+    topology = _topology(values, out_features, in_features, packed)
     check_operands(topology, values=values, x=x, bias=bias)
     return x.new_empty(x.shape[0], out_features)  # contiguous, as the launcher's
 
 
 @torch.library.custom_op("sparse_training::block_sparse_linear_input_grad", mutates_args=())
 def _input_grad_op(grad_out: Tensor, values: Tensor, out_features: int, in_features: int,
-                   index_tensors: list[Tensor], checked: bool = False) -> Tensor:
+                   packed: Tensor, checked: bool = False) -> Tensor:
     return _input_grad(grad_out, values,
-                       _topology(values, out_features, in_features, index_tensors), checked)
+                       _topology(values, out_features, in_features, packed), checked)
 
 
 @_input_grad_op.register_fake
-def _(grad_out, values, out_features, in_features, index_tensors, checked=False):
-    topology = _topology(values, out_features, in_features, index_tensors)
+def _(grad_out, values, out_features, in_features, packed, checked=False):
+    topology = _topology(values, out_features, in_features, packed)
     check_operands(topology, values=values, grad_out=grad_out)
     return grad_out.new_empty(grad_out.shape[0], in_features)
 
 
 @torch.library.custom_op("sparse_training::block_sparse_linear_weight_grad", mutates_args=())
 def _weight_grad_op(grad_out: Tensor, x: Tensor, values: Tensor, out_features: int,
-                    in_features: int, index_tensors: list[Tensor],
+                    in_features: int, packed: Tensor,
                     checked: bool = False) -> Tensor:
     return _weight_grad(grad_out, x, _topology(values, out_features, in_features,
-                                               index_tensors), values.dtype, checked)
+                                               packed), values.dtype, checked)
 
 
 @_weight_grad_op.register_fake
-def _(grad_out, x, values, out_features, in_features, index_tensors, checked=False):
-    topology = _topology(values, out_features, in_features, index_tensors)
+def _(grad_out, x, values, out_features, in_features, packed, checked=False):
+    topology = _topology(values, out_features, in_features, packed)
     check_operands(topology, values=values, x=x, grad_out=grad_out)
     return values.new_empty(values.shape)  # contiguous whatever the strides of values
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, values, bias, out_features, in_features, index_tensors, _ = inputs
-    ctx.save_for_backward(x, values, *index_tensors)
+    x, values, bias, out_features, in_features, packed, _ = inputs
+    ctx.save_for_backward(x, values, packed)
     ctx.features = (out_features, in_features)
     ctx.bias_dtype = None if bias is None else bias.dtype
 
@@ -200,13 +197,13 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad_out):
     """The gradients' ops with ``checked``: the forward checked its operands, and autograd
     gives ``grad_out`` the output's shape, dtype and device."""
-    x, values, *index_tensors = ctx.saved_tensors
+    x, values, packed = ctx.saved_tensors
     grads = _gradients(
         ctx.needs_input_grad, grad_out, ctx.bias_dtype,
-        lambda g: _input_grad_op(g, values, *ctx.features, index_tensors, checked=True),
-        lambda g: _weight_grad_op(g, x, values, *ctx.features, index_tensors, checked=True))
+        lambda g: _input_grad_op(g, values, *ctx.features, packed, checked=True),
+        lambda g: _weight_grad_op(g, x, values, *ctx.features, packed, checked=True))
     # one per argument passed: the dispatcher drops ``checked`` where it is the default
-    return (*grads, None, None, [None] * len(index_tensors), None)[:len(ctx.needs_input_grad)]
+    return (*grads, None, None, None, None)[:len(ctx.needs_input_grad)]
 
 
 _linear_op.register_autograd(_backward, setup_context=_setup_context)
@@ -251,9 +248,8 @@ def block_sparse_linear(x: Tensor, values: Tensor, topology: BlockTopology,
         x = _autocast(x, dtype)
     flat = x.reshape(-1, x.shape[-1])
     if torch.compiler.is_compiling():
-        index_tensors = [getattr(topology, name) for name in INDEX_FIELDS]
         out = _linear_op(flat, _autocast(values, dtype), _autocast(bias, dtype),
-                         topology.out_features, topology.in_features, index_tensors,
+                         topology.out_features, topology.in_features, topology.packed,
                          checked=True)  # by the fake implementation, as the graph traces
     else:  # values and bias cast inside (BlockSparseLinearFunction)
         out = BlockSparseLinearFunction.apply(flat, values, topology, bias, dtype)

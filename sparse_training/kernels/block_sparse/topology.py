@@ -14,6 +14,9 @@ topology holds three int32 views of where they are, each one kernel's loop order
 
 Everything is built on the device without a host synchronization: the kept count ``nnz``
 is passed in (``torch.nonzero_static``), and it is fixed while a layer trains compressed.
+The six index tensors are views of one int32 tensor, :attr:`BlockTopology.packed`, which is
+what a compiled graph takes: one input per layer rather than six (each a guard, an input
+and a saved output that ``torch.compile``'s runtime handles in Python at every call).
 """
 
 from __future__ import annotations
@@ -21,8 +24,7 @@ from __future__ import annotations
 import math
 import numbers
 import weakref
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -52,6 +54,11 @@ def _check_weight_shape(out_features: int, in_features: int, block: tuple[int, i
         raise ValueError(f"block must be (R, C) with R, C >= 1, got {tuple(block)}")
 
 
+def _split(packed: Tensor, rows: int, cols: int, nnz: int) -> tuple[Tensor, ...]:
+    """The views of ``packed`` in :data:`INDEX_FIELDS` order."""
+    return packed.split([rows + 1, nnz, nnz, cols + 1, nnz, nnz])
+
+
 def _offsets(counts: Tensor) -> Tensor:
     return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
 
@@ -71,8 +78,9 @@ class BlockTopology:
     t_block_ids: Tensor
 
     def __post_init__(self) -> None:
-        """Keeps the index tensors contiguous (copied where given otherwise): the kernels
-        read them so, at addresses fixed for the topology's life.
+        """Packs the index tensors into one int32 tensor, :attr:`packed` (in
+        :data:`INDEX_FIELDS` order), and keeps contiguous views of it as the fields: the
+        kernels read them so, at addresses fixed for the topology's life.
 
         Raises ValueError where the fields do not describe one block grid: sizes that
         are not positive, index tensors that are not 1-D integer tensors on one device, or
@@ -92,12 +100,19 @@ class BlockTopology:
                     f"({length},) on {device} for a ({self.out_features}, "
                     f"{self.in_features}) weight in {tuple(self.block)} blocks with {nnz} "
                     f"kept, got {got}: build topologies with BlockTopology.from_block_mask")
-            object.__setattr__(self, name, t.contiguous())  # (frozen)
-        key = id(self.row_offsets)  # alive as long as this topology: its id is not reused
+        packed = torch.cat([getattr(self, name).to(torch.int32) for name in INDEX_FIELDS])
+        object.__setattr__(self, "packed", packed)  # (frozen)
+        for name, view in zip(INDEX_FIELDS, _split(packed, rows, cols, nnz), strict=True):
+            object.__setattr__(self, name, view)
+        key = id(packed)  # alive as long as this topology: its id is not reused
         known = _LIVE.get(key)
         if known is None or known() is None:  # the first one on these tensors stays found
             _LIVE[key] = weakref.ref(self, lambda ref: _LIVE.pop(key) if _LIVE.get(key) is ref
                                      else None)
+
+    packed: Tensor = field(init=False, repr=False)
+    """The index tensors in one int32 tensor, ``[2 + rows + cols + 4 nnz]``, in
+    :data:`INDEX_FIELDS` order (the fields are its views)."""
 
     def __reduce__(self):
         """Copies, deep copies and unpickled topologies are built through ``__init__``:
@@ -106,17 +121,38 @@ class BlockTopology:
                             *(getattr(self, name) for name in INDEX_FIELDS))
 
     @classmethod
-    def live(cls, index_tensors: Sequence[Tensor]) -> BlockTopology | None:
-        """The topology still alive whose index tensors are these very tensors (in
-        :data:`INDEX_FIELDS` order), or None: a compiled graph hands the custom ops a
-        layer's own index tensors at every call, and this finds the layer's topology (and
-        the launches the kernels keep for it) without building one."""
-        ref = _LIVE.get(id(index_tensors[0]))
+    def live(cls, packed: Tensor) -> BlockTopology | None:
+        """The topology still alive whose :attr:`packed` is this very tensor, or None: a
+        compiled graph hands the custom ops a layer's own packed indices at every call, and
+        this finds the layer's topology (and the launches the kernels keep for it) without
+        building one."""
+        ref = _LIVE.get(id(packed))
         topology = None if ref is None else ref()
-        if topology is None or any(getattr(topology, name) is not t for name, t in
-                                   zip(INDEX_FIELDS, index_tensors, strict=True)):
-            return None
-        return topology
+        return topology if topology is not None and topology.packed is packed else None
+
+    @classmethod
+    def from_packed(cls, out_features: int, in_features: int, block: tuple[int, int],
+                    packed: Tensor, nnz: int) -> BlockTopology:
+        """The topology of a :attr:`packed` index tensor with ``nnz`` kept blocks (built on
+        its own copy of it).
+
+        Raises:
+            ValueError: ``packed`` not a 1-D integer tensor of length ``2 + rows + cols +
+                4 nnz`` for this weight's block grid.
+        """
+        _check_weight_shape(out_features, in_features, block)
+        rows, cols = block_grid(out_features, in_features, block)
+        length = 2 + rows + cols + 4 * nnz
+        if (not isinstance(packed, Tensor) or packed.shape != (length,)
+                or packed.dtype not in (torch.int32, torch.int64)):
+            got = (f"{packed.dtype} {tuple(packed.shape)}" if isinstance(packed, Tensor)
+                   else type(packed).__name__)
+            raise ValueError(f"packed block indices must be a 1-D int32 (or int64) tensor of "
+                             f"length 2 + {rows} + {cols} + 4 * {nnz} = {length} for a "
+                             f"({out_features}, {in_features}) weight in {tuple(block)} "
+                             f"blocks with {nnz} kept, got {got}: pass a BlockTopology's "
+                             f".packed")
+        return cls(out_features, in_features, tuple(block), *_split(packed, rows, cols, nnz))
 
     @classmethod
     def from_block_mask(cls, block_mask: Tensor, out_features: int, in_features: int,
@@ -176,8 +212,8 @@ class BlockTopology:
 
 
 _LIVE: dict[int, weakref.ref] = {}
-"""Every topology alive, held weakly, by the id of its ``row_offsets`` (the first built on
-that tensor while it lives): :meth:`BlockTopology.live`."""
+"""Every topology alive, held weakly, by the id of its :attr:`~BlockTopology.packed`:
+:meth:`BlockTopology.live`."""
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """What the Triton kernels compute in (fp32 accumulation); float64 runs the references."""
