@@ -751,6 +751,11 @@ BLOCK_SPARSE_OP_ERRORS = [  # (case, call on a fresh case, message)
     ("op with float packed indices", lambda c: BS_OPS.block_sparse_linear(
         c.x.detach()[0], c.values.detach(), None, 32, 48, _index(c).float()),
      r"length 2 \+ 2 \+ 3 \+ 4 \* 6 = 31 .* got torch.float32 \(31,\)"),
+    ("from_packed with a negative nnz", lambda c: BlockTopology.from_packed(
+        32, 48, (16, 16), _index(c), -1), r"nnz must be an int in \[0, 6\] \(the kept blocks "
+                                        r"of a 2x3 block grid\), got -1"),
+    ("from_packed with a float nnz", lambda c: BlockTopology.from_packed(
+        32, 48, (16, 16), _index(c), 6.0), r"nnz must be an int in \[0, 6\] .* got 6.0"),
     ("op with 2-D values", lambda c: BS_OPS.block_sparse_linear(
         c.x.detach()[0], c.values.detach().flatten(1), None, 32, 48, _index(c)),
      r"values shape \(6, 256\) is not \(nnz, R, C\)"),
@@ -876,7 +881,7 @@ def test_block_sparse_op_handled_inputs(check):
 
 
 def test_count_block_sparse_op():
-    assert len(BLOCK_SPARSE_OP_ERRORS) == 47
+    assert len(BLOCK_SPARSE_OP_ERRORS) == 49
     assert len(BLOCK_SPARSE_OP_HANDLED) == 6
 
 # == issue 22: 2:4 layer ==

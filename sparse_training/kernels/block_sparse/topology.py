@@ -137,11 +137,15 @@ class BlockTopology:
         its own copy of it).
 
         Raises:
-            ValueError: ``packed`` not a 1-D integer tensor of length ``2 + rows + cols +
-                4 nnz`` for this weight's block grid.
+            ValueError: ``nnz`` not a kept count of the block grid, or ``packed`` not a 1-D
+                integer tensor of length ``2 + rows + cols + 4 nnz``.
         """
         _check_weight_shape(out_features, in_features, block)
         rows, cols = block_grid(out_features, in_features, block)
+        if (isinstance(nnz, bool) or not isinstance(nnz, numbers.Integral)
+                or not 0 <= nnz <= rows * cols):
+            raise ValueError(f"nnz must be an int in [0, {rows * cols}] (the kept blocks of a "
+                             f"{rows}x{cols} block grid), got {nnz!r}")
         length = 2 + rows + cols + 4 * nnz
         if (not isinstance(packed, Tensor) or packed.shape != (length,)
                 or packed.dtype not in (torch.int32, torch.int64)):
