@@ -216,10 +216,13 @@ class BlockSparseLinear(CompressedLayer):
         copy_whole(self.values, values.to(dtype=self.values.dtype, device=mask.device)
                    * inside(topology))
         self.block_mask.copy_(mask)
-        if self._topology is not None and self._topology.packed.device == mask.device:
-            # same length (nnz is fixed): the index tensors keep their addresses, which a
-            # CUDA graph captured under torch.compile(mode="reduce-overhead") reads
-            self._topology.packed.copy_(topology.packed)
+        packed = None if self._topology is None else self._topology.packed
+        if (packed is not None and packed.device == mask.device and not packed.is_inference()
+                and packed.shape == topology.packed.shape):
+            # the index tensors keep their addresses, which a CUDA graph captured under
+            # torch.compile(mode="reduce-overhead") reads (an autograd graph that saved them
+            # and runs its backward after this raises autograd's in-place error)
+            packed.copy_(topology.packed)
         else:
             self._topology = topology
 

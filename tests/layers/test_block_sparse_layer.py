@@ -250,6 +250,36 @@ def test_set_block_mask_rewrites_the_topology_in_place_for_compiled_graphs():
     assert counter.frame_count == 1
 
 
+def test_set_block_mask_before_a_backward_is_refused_not_silently_wrong():
+    """A new mask between a forward and its backward (under autocast, where ``values`` is
+    not saved as it is) raises autograd's in-place error: the old graph's gradients would
+    be the new mask's."""
+    layer = BlockSparseLinear(IN, OUT, BLOCK, block_mask=masks_for_cases()["random"])
+    x = torch.randn(4, IN, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        out = layer(x)
+    layer.set_block_mask(layer.block_mask.roll(1, 1))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.float().sum().backward()
+
+
+def test_set_block_mask_after_inference_mode_builds_a_new_topology():
+    """A topology built under ``torch.inference_mode`` (a load_state_dict or a device move
+    there) cannot be written in place outside it: the layer takes a new one."""
+    old = masks_for_cases()["random"]
+    layer = BlockSparseLinear(IN, OUT, BLOCK, block_mask=old)
+    with torch.inference_mode():
+        layer.load_state_dict({k: v.clone() for k, v in layer.state_dict().items()})
+    built = layer.topology
+    assert built.packed.is_inference()
+    layer.set_block_mask(old.roll(1, 1))
+    assert layer.topology is not built and not layer.topology.packed.is_inference()
+    assert torch.equal(layer.topology.block_mask(), old.roll(1, 1))
+    x = torch.randn(3, IN)
+    torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.to_dense().weight,
+                                                              layer.bias), **TOL)
+
+
 def test_adamw_keeps_padded_tails_zero_and_state_compressed():
     layer = BlockSparseLinear(IN, OUT, BLOCK, block_mask=masks_for_cases()["random"])
     optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1, weight_decay=0.1)

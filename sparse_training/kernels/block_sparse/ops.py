@@ -22,6 +22,7 @@ from sparse_training.kernels.block_sparse import reference
 from sparse_training.kernels.block_sparse.topology import (
     KERNEL_DTYPES,
     BlockTopology,
+    block_grid,
     check_operands,
 )
 
@@ -44,12 +45,15 @@ def _topology(values: Tensor, out_features: int, in_features: int,
     if values.dim() != 3:
         raise ValueError(f"values shape {tuple(values.shape)} is not (nnz, R, C)")
     block = tuple(values.shape[1:])
+    nnz, (rows, cols) = values.shape[0], block_grid(out_features, in_features, block)
+    if isinstance(nnz, int) and nnz > rows * cols:
+        raise ValueError(f"values holds {nnz} blocks; a ({out_features}, {in_features}) "
+                         f"weight in {block} blocks has {rows * cols}")
     topology = BlockTopology.live(packed)
     if topology is not None and (topology.out_features, topology.in_features,
                                  topology.block) == (out_features, in_features, block):
         return topology
-    return BlockTopology.from_packed(out_features, in_features, block, packed,
-                                     values.shape[0])
+    return BlockTopology.from_packed(out_features, in_features, block, packed, nnz)
 
 
 def _use_kernels(t: Tensor) -> bool:
@@ -125,14 +129,16 @@ class BlockSparseLinearFunction(torch.autograd.Function):
         cast, ctx.kernels = _autocast(values, dtype), _use_kernels(x)
         product = kernels.launch_forward if ctx.kernels else reference.forward_reference
         out = product(x, cast, topology, _autocast(bias, dtype))
-        ctx.save_for_backward(x, cast)
+        # the packed indices too: a mask rewritten in place before the backward
+        # (set_block_mask) is then autograd's "modified by an inplace operation" error
+        ctx.save_for_backward(x, cast, topology.packed)
         ctx.topology, ctx.dtypes = topology, (values.dtype, None if bias is None else bias.dtype)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         refuse_create_graph("block_sparse_linear")
-        x, values = ctx.saved_tensors
+        x, values, _ = ctx.saved_tensors
         topology, (values_dtype, bias_dtype) = ctx.topology, ctx.dtypes
         needs = ctx.needs_input_grad  # (x, values, topology, bias, dtype)
         input_grad, weight_grad = ((kernels.input_grad_product, kernels.weight_grad_product)

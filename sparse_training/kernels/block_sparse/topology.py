@@ -142,7 +142,8 @@ class BlockTopology:
         """
         _check_weight_shape(out_features, in_features, block)
         rows, cols = block_grid(out_features, in_features, block)
-        if (isinstance(nnz, bool) or not isinstance(nnz, numbers.Integral)
+        if not isinstance(nnz, torch.SymInt) and (  # (symbolic under dynamic shapes)
+                isinstance(nnz, bool) or not isinstance(nnz, numbers.Integral)
                 or not 0 <= nnz <= rows * cols):
             raise ValueError(f"nnz must be an int in [0, {rows * cols}] (the kept blocks of a "
                              f"{rows}x{cols} block grid), got {nnz!r}")
