@@ -48,7 +48,7 @@ from sparse_training.layers.blocks import (
     nonzero_blocks,
     transfer,
 )
-from sparse_training.layers.storage import BlockSparseSlot
+from sparse_training.layers.storage import BlockSparseSlot, probed
 
 
 class BlockSparseLinear(CompressedLayer):
@@ -93,6 +93,8 @@ class BlockSparseLinear(CompressedLayer):
         self.register_buffer("block_mask", block_mask.to(device=self.values.device,
                                                           copy=True))
         self._topology: BlockTopology | None = None
+        # RigL's dense gradient is recorded into it while set (BlockSparseSlot.recording)
+        self.dense_gradient_probe: Tensor | None = None
         self.register_load_state_dict_post_hook(_after_load)
         self.reset_parameters()
 
@@ -161,7 +163,8 @@ class BlockSparseLinear(CompressedLayer):
         return BlockSparseSlot(name, self)
 
     def forward(self, x: Tensor) -> Tensor:
-        return block_sparse_linear(x, self.values, self.topology, self.bias)
+        out = block_sparse_linear(x, self.values, self.topology, self.bias)
+        return probed(out, x, self.dense_gradient_probe)
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> BlockSparseLinear:
         super()._apply(fn, recurse)

@@ -8,22 +8,22 @@ weight with a fixed mask, which the optimizer hooks mask as they mask a masked-d
 (``enforced``).
 
 The dense gradient RigL grows by does not exist in a compressed layer: while
-:attr:`~BlockSparseSlot.recording`, a forward hook adds ``dY^T X`` of each micro-batch to a
-float32 buffer of the dense weight's shape (the update steps only: a dense-sized buffer and
-one dense matmul per micro-batch there, nothing at other steps). It ranks RigL's growth and
-is the first gradient of every grown block (RigL and SET).
+:attr:`~BlockSparseSlot.recording`, the layer's forward passes its output through
+:class:`DenseGradientProbe`, whose backward gives a float32 probe of the dense weight's
+shape the gradient ``dY^T X``, summed over micro-batches by autograd (the update steps only:
+a dense-sized buffer and one dense matmul per micro-batch there, nothing at other steps). It
+ranks RigL's growth and is the first gradient of every grown block (RigL and SET). Being an
+``autograd.Function`` without side effects (no hook), it compiles into the model's graph.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torch.utils.hooks import RemovableHandle
 
 from sparse_training.engine.protocol import CompressedLayer, LayerForm
 from sparse_training.engine.sharding import copy_whole, full
@@ -31,6 +31,37 @@ from sparse_training.engine.slots import state_tensors
 from sparse_training.kernels.block_sparse import dense_to_values
 from sparse_training.layers.blocks import gather_blocks
 from sparse_training.pieces.patterns import Pattern, parse_pattern
+
+
+class DenseGradientProbe(torch.autograd.Function):
+    """``out`` (a copy: a view would refuse later in-place ops), whose backward gives
+    ``probe`` the dense weight gradient ``dY^T X`` of ``out = layer(x)`` (RigL, Evci et al.
+    2020). With a bfloat16 ``dY`` (bf16 autocast) the product runs in bfloat16, as autocast
+    computes a masked-dense ``nn.Linear``'s weight gradient; float32 (no TF32 by default)
+    would run at a fraction of the tensor cores' bf16 rate. Other dtypes (float16 is
+    loss-scaled) run in float32, whose range holds any scaled sum."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, x: Tensor, probe: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        ctx.probe_dtype = probe.dtype
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, None, Tensor]:
+        (x,) = ctx.saved_tensors
+        dtype = torch.bfloat16 if grad_out.dtype == torch.bfloat16 else torch.float32
+        gradient = (grad_out.reshape(-1, grad_out.shape[-1]).T.to(dtype)
+                    @ x.reshape(-1, x.shape[-1]).to(dtype))
+        return grad_out, None, gradient.to(ctx.probe_dtype)
+
+
+def probed(out: Tensor, x: Tensor, probe: Tensor | None) -> Tensor:
+    """``out``, through :class:`DenseGradientProbe` where a ``probe`` is set and gradients
+    are being recorded."""
+    if probe is None or not torch.is_grad_enabled():
+        return out
+    return DenseGradientProbe.apply(out, x.detach(), probe)
 
 
 class CompressedSlot:
@@ -125,7 +156,6 @@ class BlockSparseSlot(CompressedSlot):
     def __init__(self, name: str, layer: CompressedLayer) -> None:
         super().__init__(name, layer)
         self._gradient: Tensor | None = None
-        self._hook: RemovableHandle | None = None
 
     @property
     def mask(self) -> Tensor:
@@ -139,44 +169,41 @@ class BlockSparseSlot(CompressedSlot):
 
     @property
     def recording(self) -> bool:
-        return self._hook is not None
+        return self.layer.dense_gradient_probe is not None
 
     @recording.setter
     def recording(self, on: bool) -> None:
-        if on and self._hook is None:
-            self._hook = self.layer.register_forward_hook(self._record)
-        elif not on and self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        if on and not self.recording:
+            self.layer.dense_gradient_probe = torch.zeros(
+                self.dense_shape, device=self.device, requires_grad=True)
+        elif not on and self.recording:
+            self._collect()
+            self.layer.dense_gradient_probe = None
+
+    def _collect(self) -> Tensor | None:
+        """The gradient recorded so far: the probe's gradient moved into the slot's sum."""
+        probe = self.layer.dense_gradient_probe
+        if probe is not None and probe.grad is not None:
+            self._gradient = (probe.grad if self._gradient is None
+                              else self._gradient.add_(probe.grad))
+            probe.grad = None
+        return self._gradient
 
     @property
     def dense_gradient(self) -> Tensor | None:
         """``sum over micro-batches of dY^T X`` since :meth:`clear_gradient`, float32, or
         None if nothing was recorded (loss-scaled under AMP: a constant factor, which no
         ranking sees)."""
-        return self._gradient
+        return self._collect()
 
     @property
     def gradient_ready(self) -> bool:
-        return self.param.grad is not None and self._gradient is not None
+        return self.param.grad is not None and self._collect() is not None
 
     def clear_gradient(self) -> None:
         self._gradient = None
-
-    def _record(self, module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
-        if output.requires_grad:
-            output.register_hook(functools.partial(self._accumulate, inputs[0].detach()))
-
-    def _accumulate(self, x: Tensor, grad_out: Tensor) -> None:
-        """Add ``dY^T X`` of one backward. With a bfloat16 ``dY`` (bf16 autocast) the product
-        runs in bfloat16 (fp32 accumulation inside the matmul, its result rounded to bf16),
-        as autocast computes a masked-dense ``nn.Linear``'s weight gradient; float32 (no
-        TF32 by default) runs at a fraction of the tensor cores' bf16 rate. float16 ``dY``
-        (loss-scaled) stays in float32, whose range holds any scaled sum."""
-        dtype = torch.bfloat16 if grad_out.dtype == torch.bfloat16 else torch.float32
-        gradient = (grad_out.reshape(-1, grad_out.shape[-1]).T.to(dtype)
-                    @ x.reshape(-1, x.shape[-1]).to(dtype)).float()
-        self._gradient = gradient if self._gradient is None else self._gradient.add_(gradient)
+        if self.layer.dense_gradient_probe is not None:
+            self.layer.dense_gradient_probe.grad = None
 
     def grow_scores(self, scores: Tensor) -> Tensor:
         """Float32 ``(block_rows, block_cols)`` sums of ``|scores|`` (dense-shaped) over each

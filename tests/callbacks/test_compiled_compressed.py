@@ -78,10 +78,14 @@ class GraphCount(pl.Callback):
 
 
 def test_compiled_rigl_on_compressed_layers_regrows_without_piling_up_graphs():
-    """RigL on compressed layers records the dense gradient by hooks at its update steps,
-    which ``torch.compile`` (default, not ``fullgraph``) traces apart: regrowing at every
-    step, the graphs stop growing once each kind of step has compiled, and blocks move."""
+    """RigL on compressed layers records the dense gradient at its update steps through an
+    autograd function that ``torch.compile`` traces into the graph: regrowing at every
+    step, nothing breaks the graph, the graphs stop growing once each kind of step has
+    compiled, and blocks move."""
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     model = TinyHF(family="llama", **SMALL)
     model.model = torch.compile(model.model, backend="aot_eager")
     sparse = SparsityCallback(pattern="block:16x16", sparsity=0.5, compress=True,
@@ -92,6 +96,7 @@ def test_compiled_rigl_on_compressed_layers_regrows_without_piling_up_graphs():
                enable_checkpointing=False, callbacks=[sparse, counter]).fit(model, data)
     assert sparse.engine.updater.last_regrow == 8 and len(counter.counts) == 9
     assert counter.counts[4] == counter.counts[-1] > 0  # none after the first steps
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     last = [m.block_mask for m in model.modules() if isinstance(m, BlockSparseLinear)]
     assert len(last) == 14
     assert any(not torch.equal(a, b) for a, b in zip(counter.first_masks, last, strict=True))
