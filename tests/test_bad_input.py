@@ -757,8 +757,11 @@ BLOCK_SPARSE_OP_ERRORS = [  # (case, call on a fresh case, message)
     ("from_packed with a float nnz", lambda c: BlockTopology.from_packed(
         32, 48, (16, 16), _index(c), 6.0), r"nnz must be an int in \[0, 6\] .* got 6.0"),
     ("op with more blocks in values than the grid has", lambda c: BS_OPS.block_sparse_linear(
-        c.x.detach()[0], torch.zeros(7, 16, 16), None, 32, 48, _index(c)),
+        c.x.detach()[0], torch.zeros(7, 16, 16), None, 32, 48, _index(c).clone()),
      r"values holds 7 blocks; a \(32, 48\) weight in \(16, 16\) blocks has 6"),
+    ("op with more blocks in values than the live topology", lambda c: BS_OPS.block_sparse_linear(
+        c.x.detach()[0], torch.zeros(7, 16, 16), None, 32, 48, _index(c)),
+     r"values shape \(7, 16, 16\) != \(nnz, R, C\) = \(6, 16, 16\)"),
     ("op with 2-D values", lambda c: BS_OPS.block_sparse_linear(
         c.x.detach()[0], c.values.detach().flatten(1), None, 32, 48, _index(c)),
      r"values shape \(6, 256\) is not \(nnz, R, C\)"),
@@ -884,7 +887,7 @@ def test_block_sparse_op_handled_inputs(check):
 
 
 def test_count_block_sparse_op():
-    assert len(BLOCK_SPARSE_OP_ERRORS) == 50
+    assert len(BLOCK_SPARSE_OP_ERRORS) == 51
     assert len(BLOCK_SPARSE_OP_HANDLED) == 6
 
 # == issue 22: 2:4 layer ==

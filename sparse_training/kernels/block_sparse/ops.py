@@ -42,17 +42,17 @@ def _topology(values: Tensor, out_features: int, in_features: int,
     Raises:
         ValueError: ``values`` not 3-D, or ``packed`` not the indices of one block grid.
     """
+    block = tuple(values.shape[1:])
+    topology = BlockTopology.live(packed)  # first: the call a compiled step makes
+    if topology is not None and (topology.out_features, topology.in_features,
+                                 topology.block) == (out_features, in_features, block):
+        return topology
     if values.dim() != 3:
         raise ValueError(f"values shape {tuple(values.shape)} is not (nnz, R, C)")
-    block = tuple(values.shape[1:])
     nnz, (rows, cols) = values.shape[0], block_grid(out_features, in_features, block)
     if isinstance(nnz, int) and nnz > rows * cols:
         raise ValueError(f"values holds {nnz} blocks; a ({out_features}, {in_features}) "
                          f"weight in {block} blocks has {rows * cols}")
-    topology = BlockTopology.live(packed)
-    if topology is not None and (topology.out_features, topology.in_features,
-                                 topology.block) == (out_features, in_features, block):
-        return topology
     return BlockTopology.from_packed(out_features, in_features, block, packed, nnz)
 
 
