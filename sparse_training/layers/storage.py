@@ -10,8 +10,9 @@ weight with a fixed mask, which the optimizer hooks mask as they mask a masked-d
 The dense gradient RigL grows by does not exist in a compressed layer: while
 :attr:`~BlockSparseSlot.recording`, the layer's forward passes its output through
 :class:`DenseGradientProbe`, whose backward gives a float32 probe of the dense weight's
-shape the gradient ``dY^T X``, summed over micro-batches by autograd (the update steps only:
-a dense-sized buffer and one dense matmul per micro-batch there, nothing at other steps). It
+shape (one element of storage: stride 0) the gradient ``dY^T X``, summed over
+micro-batches by autograd (the update steps only: a dense-sized gradient and one dense
+matmul per micro-batch there, nothing at other steps). It
 ranks RigL's growth and is the first gradient of every grown block (RigL and SET). Being an
 ``autograd.Function`` without side effects (no hook), it compiles into the model's graph.
 """
@@ -57,9 +58,9 @@ class DenseGradientProbe(torch.autograd.Function):
 
 
 def probed(out: Tensor, x: Tensor, probe: Tensor | None) -> Tensor:
-    """``out``, through :class:`DenseGradientProbe` where a ``probe`` is set and gradients
-    are being recorded."""
-    if probe is None or not torch.is_grad_enabled():
+    """``out``, through :class:`DenseGradientProbe` where a ``probe`` is set and ``out``
+    takes part in a backward (a frozen layer's does not)."""
+    if probe is None or not (torch.is_grad_enabled() and out.requires_grad):
         return out
     return DenseGradientProbe.apply(out, x.detach(), probe)
 
@@ -173,9 +174,10 @@ class BlockSparseSlot(CompressedSlot):
 
     @recording.setter
     def recording(self, on: bool) -> None:
-        if on and not self.recording:
-            self.layer.dense_gradient_probe = torch.zeros(
-                self.dense_shape, device=self.device, requires_grad=True)
+        if on and not self.recording:  # a dense-shaped leaf on one element (stride 0):
+            # only its gradient is dense
+            self.layer.dense_gradient_probe = torch.empty_strided(
+                self.dense_shape, (0, 0), device=self.device, requires_grad=True)
         elif not on and self.recording:
             self._collect()
             self.layer.dense_gradient_probe = None

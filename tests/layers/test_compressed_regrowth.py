@@ -158,3 +158,23 @@ def test_the_recorded_dense_gradient_is_what_a_dense_linear_gets(autocast):
     tol = dict(atol=1e-5, rtol=1e-5) if autocast is None else dict(atol=0.1, rtol=0.02)
     torch.testing.assert_close(got.double(), want, **tol)
     torch.testing.assert_close(got, dense.weight.grad, **tol)
+
+
+def test_the_recording_holds_no_dense_buffer_but_its_gradient_and_skips_frozen_layers():
+    """While recording, the layer holds a probe of the dense shape on one element of
+    storage (only its gradient is dense); a frozen layer's output stays out of autograd."""
+    layer = BlockSparseLinear(48, 40, block=(16, 16), density=0.5)
+    slot = layer.slot("w")
+    slot.recording = True
+    probe = layer.dense_gradient_probe
+    assert probe.shape == (40, 48) and probe.untyped_storage().nbytes() == 4
+    x = torch.randn(5, 48)
+    layer(x).sum().backward()
+    want = torch.ones(5, 40).T @ x
+    torch.testing.assert_close(slot.dense_gradient, want)
+    slot.clear_gradient()
+    layer.requires_grad_(False)
+    assert not layer(x).requires_grad  # no probe on a frozen layer's output
+    assert slot.dense_gradient is None
+    slot.recording = False
+    assert layer.dense_gradient_probe is None
