@@ -157,6 +157,7 @@ class BlockSparseSlot(CompressedSlot):
     def __init__(self, name: str, layer: CompressedLayer) -> None:
         super().__init__(name, layer)
         self._gradient: Tensor | None = None
+        self._probe: Tensor | None = None
 
     @property
     def mask(self) -> Tensor:
@@ -174,10 +175,13 @@ class BlockSparseSlot(CompressedSlot):
 
     @recording.setter
     def recording(self, on: bool) -> None:
-        if on and not self.recording:  # a dense-shaped leaf on one element (stride 0):
-            # only its gradient is dense
-            self.layer.dense_gradient_probe = torch.empty_strided(
-                self.dense_shape, (0, 0), device=self.device, requires_grad=True)
+        if on and not self.recording:
+            if self._probe is None or self._probe.device != self.device:
+                # a dense-shaped leaf on one element (stride 0): only its gradient is dense;
+                # kept, so that a compiled graph (a CUDA graph) finds it at one address
+                self._probe = torch.empty_strided(self.dense_shape, (0, 0),
+                                                  device=self.device, requires_grad=True)
+            self.layer.dense_gradient_probe = self._probe
         elif not on and self.recording:
             self._collect()
             self.layer.dense_gradient_probe = None

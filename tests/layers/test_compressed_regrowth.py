@@ -162,7 +162,8 @@ def test_the_recorded_dense_gradient_is_what_a_dense_linear_gets(autocast):
 
 def test_the_recording_holds_no_dense_buffer_but_its_gradient_and_skips_frozen_layers():
     """While recording, the layer holds a probe of the dense shape on one element of
-    storage (only its gradient is dense); a frozen layer's output stays out of autograd."""
+    storage (only its gradient is dense), the same one at every recording; a frozen
+    layer's output stays out of autograd."""
     layer = BlockSparseLinear(48, 40, block=(16, 16), density=0.5)
     slot = layer.slot("w")
     slot.recording = True
@@ -178,3 +179,5 @@ def test_the_recording_holds_no_dense_buffer_but_its_gradient_and_skips_frozen_l
     assert slot.dense_gradient is None
     slot.recording = False
     assert layer.dense_gradient_probe is None
+    slot.recording = True  # the same probe again: a compiled graph finds it where it was
+    assert layer.dense_gradient_probe is probe and probe.grad is None
