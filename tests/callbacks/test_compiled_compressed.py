@@ -77,7 +77,13 @@ class GraphCount(pl.Callback):
         self.counts.append(counters["stats"]["unique_graphs"])
 
 
-def test_compiled_rigl_on_compressed_layers_regrows_without_piling_up_graphs():
+@pytest.mark.parametrize("accelerator, compile_kwargs", [
+    ("cpu", dict(backend="aot_eager")),
+    pytest.param("gpu", dict(mode="reduce-overhead"), marks=[  # CUDA graphs: the probe is
+        pytest.mark.gpu,                                        # an input at one address
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")])])
+def test_compiled_rigl_on_compressed_layers_regrows_without_piling_up_graphs(
+        accelerator, compile_kwargs):
     """RigL on compressed layers records the dense gradient at its update steps through an
     autograd function that ``torch.compile`` traces into the graph: regrowing at every
     step, nothing breaks the graph, the graphs stop growing once each kind of step has
@@ -87,12 +93,12 @@ def test_compiled_rigl_on_compressed_layers_regrows_without_piling_up_graphs():
     torch._dynamo.reset()
     counters.clear()
     model = TinyHF(family="llama", **SMALL)
-    model.model = torch.compile(model.model, backend="aot_eager")
+    model.model = torch.compile(model.model, **compile_kwargs)
     sparse = SparsityCallback(pattern="block:16x16", sparsity=0.5, compress=True,
                               deny=FAMILIES["llama"][0], regrow="rigl", frequency=1, regrow_end=1.0)
     counter, data = GraphCount(), loader("llama", batches=9)
-    pl.Trainer(accelerator="cpu", precision="bf16-mixed", max_epochs=1, logger=False,
-               enable_progress_bar=False, enable_model_summary=False,
+    pl.Trainer(accelerator=accelerator, devices=1, precision="bf16-mixed", max_epochs=1,
+               logger=False, enable_progress_bar=False, enable_model_summary=False,
                enable_checkpointing=False, callbacks=[sparse, counter]).fit(model, data)
     assert sparse.engine.updater.last_regrow == 8 and len(counter.counts) == 9
     assert counter.counts[4] == counter.counts[-1] > 0  # none after the first steps
