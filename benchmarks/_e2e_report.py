@@ -85,6 +85,12 @@ def report(args: argparse.Namespace, rows: list[dict], device: str) -> None:
     print_families(rows)
 
 
+def _hotspot(entry: list) -> str:
+    """``function own-ms <- caller`` of a ``python_top`` entry (older files: no caller)."""
+    name, own, caller = entry[0], entry[1], entry[4] if len(entry) > 4 else None
+    return f"{name[-50:]} {own:.2f}" + (f" <- {caller[-40:]}" if caller else "")
+
+
 def print_families(rows: list[dict]) -> None:
     """The profiled rows' ms per step by kernel family, then their largest "other" kernels."""
     profiled = [r for r in rows if "profile" in r]
@@ -102,8 +108,7 @@ def print_families(rows: list[dict]) -> None:
     for r in (r for r in profiled if "python_top" in r["profile"]):
         print(f"{r['variant']}: host Python {r['profile']['python_ms']:.1f} ms a step under "
               f"cProfile; most own time: " + "; ".join(
-                  f"{name[-50:]} {own:.2f}" + (f" <- {entry[4][-40:]}" if len(entry) > 4 and entry[4] else "")
-                  for entry in r["profile"]["python_top"][:6] for name, own in [entry[:2]]))
+                  map(_hotspot, r["profile"]["python_top"][:6])))
     for r in (r for r in profiled if r["profile"].get("graphs")):
         graphs = r["profile"]["cuda_graphs"]
         print(f"{r['variant']}: {r['profile']['graphs']} compiled graphs, "

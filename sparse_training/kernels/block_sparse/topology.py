@@ -104,11 +104,9 @@ class BlockTopology:
         object.__setattr__(self, "packed", packed)  # (frozen)
         for name, view in zip(INDEX_FIELDS, _split(packed, rows, cols, nnz), strict=True):
             object.__setattr__(self, name, view)
-        key = id(packed)  # alive as long as this topology: its id is not reused
-        known = _LIVE.get(key)
-        if known is None or known() is None:  # the first one on these tensors stays found
-            _LIVE[key] = weakref.ref(self, lambda ref: _LIVE.pop(key) if _LIVE.get(key) is ref
-                                     else None)
+        key = id(packed)  # a new tensor, alive as long as this topology: no other holds it
+        _LIVE[key] = weakref.ref(self, lambda ref: _LIVE.pop(key) if _LIVE.get(key) is ref
+                                 else None)
 
     packed: Tensor = field(init=False, repr=False)
     """The index tensors in one int32 tensor, ``[2 + rows + cols + 4 nnz]``, in
