@@ -68,7 +68,8 @@ class GraphCount(pl.Callback):
         self.first_masks: list[torch.Tensor] = []
 
     def on_train_start(self, trainer, pl_module):
-        self.first_masks = [m.block_mask.clone() for m in pl_module.modules()
+        self.first_masks = [m.block_mask.to("cpu", copy=True)  # fit ends on the CPU
+                            for m in pl_module.modules()
                             if isinstance(m, BlockSparseLinear)]
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
