@@ -66,6 +66,7 @@ from sweep_config import (
     load_config,
     number,
     positive_number,
+    prepare_dirs,
     text,
 )
 from torch import Tensor, nn
@@ -352,8 +353,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         data = load_mnist(cfg.data_dir)
     except (FileNotFoundError, ValueError) as error:
         raise ConfigError(f"data_dir: {error}") from error
+    prepare_dirs(cfg, ("cache_dir", "out_dir"))  # W&B writes under out_dir
     out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)  # W&B writes under it
     setup_wandb(cfg)
     group = f"mnist-{time.strftime('%Y%m%d-%H%M%S')}"
 

@@ -31,11 +31,29 @@ COLUMNS = [("name", "run", ""), ("family", "family", ""), ("sparsity", "sparsity
 
 def read_results(path: Path) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
     """The rows and the run settings of a results.json: ``{"settings": ..., "rows": [...]}``,
-    or the plain list of rows earlier sweeps wrote (no settings)."""
-    content = json.loads(path.read_text())
-    if isinstance(content, list):
-        return content, {}
-    return content["rows"], content.get("settings", {})
+    or the plain list of rows earlier sweeps wrote (no settings).
+
+    Raises:
+        ConfigError: a file that is not JSON of that form (each row a mapping with a run
+            ``name`` and an int ``seed``), naming the file and what it holds instead.
+    """
+    try:
+        content = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise ConfigError(f"{path} is not a readable squad_sweep results.json: {error}") from error
+    rows, settings = ((content, {}) if isinstance(content, list) else
+                      (content.get("rows"), content.get("settings", {}))
+                      if isinstance(content, dict) else (None, None))
+    bad = ("not a list of rows or a mapping with 'rows'" if not isinstance(rows, list)
+           or not isinstance(settings, dict) else
+           next((f"row {i} has no run name and int seed: {str(row)[:80]}"
+                 for i, row in enumerate(rows) if not isinstance(row, dict)
+                 or not isinstance(row.get("name"), str) or type(row.get("seed")) is not int),
+                None))
+    if bad:
+        raise ConfigError(f"{path} is not a squad_sweep results.json ({bad}): give the "
+                          f"results.json a squad_sweep run wrote")
+    return rows, settings
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:

@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     reporting.quiet_lightning()
     hf_logging.set_verbosity_error()  # the load report: the span head is new, the pooler unused
     hf_logging.disable_progress_bar()
-    Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+    sweep_config.prepare_dirs(cfg, ("out_dir",) if cfg.replay else ("cache_dir", "out_dir"))
     reporting.setup_wandb(cfg)
     group = f"squad-{time.strftime('%Y%m%d-%H%M%S')}"
     title = f"SQuAD v1.1, {model_name(cfg)}: F1 vs sparsity"

@@ -15,6 +15,7 @@ import difflib
 import numbers
 import re
 import sys
+import tempfile
 import textwrap
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -121,6 +122,26 @@ def check_keys(cfg: DictConfig, rules: Mapping[str, Rule]) -> None:
             hint = (" (YAML reads an unquoted on/off/yes/no as true/false: quote the word)"
                     if isinstance(value, bool) else "")
             raise ConfigError(f"{key} must be {rules[key].form}, got {shown!r}{hint}")
+
+
+def prepare_dirs(cfg: DictConfig, keys: Iterable[str]) -> None:
+    """Create the folder each of `keys` names (where missing) and write a file in it: call
+    it after every other check and before the first training, so that an unusable path
+    stops the sweep before any work is lost.
+
+    Raises:
+        ConfigError: "out_dir '/proc/x' cannot be written: ...", naming the key.
+    """
+    for key in keys:
+        folder = Path(cfg[key]).expanduser()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as error:
+            reason = error.strerror or type(error).__name__
+            raise ConfigError(f"{key} {str(cfg[key])!r} cannot be written ({reason}): give a "
+                              f"folder this user can create and write") from error
 
 
 # -- the YAML file, then key=value overrides from the command line ------------------------------

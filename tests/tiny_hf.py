@@ -14,7 +14,7 @@ FAMILIES = {"bert": (["embeddings", "qa_outputs"], 6), "llama": (["embed_tokens"
 
 
 class TinyHF(pl.LightningModule):
-    """A 2-layer HF model: BERT question answering (``family="bert"``) or a Llama causal LM
+    """A ``layers``-layer HF model (2 by default): BERT question answering (``family="bert"``) or a Llama causal LM
     (``"llama"``: grouped-query attention, gated MLP), compiled in ``__init__`` where
     ``compile_mode`` is given (with ``backend`` and ``fullgraph``), with the user's AdamW
     built from ``self.parameters()``. Its settings are hyperparameters: a checkpoint loads
@@ -22,7 +22,7 @@ class TinyHF(pl.LightningModule):
 
     def __init__(self, compile_mode: str | None = None, hidden: int = 256,
                  family: str = "bert", heads: int = 4, backend: str = "inductor",
-                 fullgraph: bool = False) -> None:
+                 fullgraph: bool = False, layers: int = 2) -> None:
         super().__init__()
         from transformers import (
             BertConfig,
@@ -34,14 +34,15 @@ class TinyHF(pl.LightningModule):
         self.save_hyperparameters()
         torch.manual_seed(0)
         if family == "bert":
-            config = BertConfig(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=heads,
+            config = BertConfig(hidden_size=hidden, num_hidden_layers=layers,
+                                num_attention_heads=heads,
                                 intermediate_size=4 * hidden, vocab_size=VOCAB,
                                 max_position_embeddings=128, hidden_dropout_prob=0.0,
                                 attention_probs_dropout_prob=0.0)
             self.model = BertForQuestionAnswering(config)
         else:
             config = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden,
-                                 num_hidden_layers=2, num_attention_heads=heads,
+                                 num_hidden_layers=layers, num_attention_heads=heads,
                                  num_key_value_heads=heads // 2, vocab_size=VOCAB,
                                  max_position_embeddings=128)
             self.model = LlamaForCausalLM(config)

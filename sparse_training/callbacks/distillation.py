@@ -9,6 +9,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from sparse_training.config import unknown_setting
@@ -196,6 +197,15 @@ class DistillationCallback(Callback):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The saved teacher where it was saved; a warning naming each setting the resumed
+        run changes (the run goes on with the new one, as the user asked)."""
+        changed = [f"{name} {state_dict[name]!r} -> {now!r}" for name, now in
+                   (("temperature", self.settings.temperature),
+                    ("hardness", self.settings.hardness))
+                   if name in state_dict and state_dict[name] != now]
+        if changed:
+            rank_zero_warn(f"DistillationCallback: the checkpoint was trained with other "
+                           f"settings; resuming with {', '.join(changed)}")
         if "teacher" in state_dict:
             self.teacher.load_state_dict(state_dict["teacher"])
 

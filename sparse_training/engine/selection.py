@@ -12,7 +12,9 @@ dimensions, tied ones once), in this order:
    must agree on one setting;
 5. ``dense_ratio``: the first fraction of the eligible *blocks* stays dense, a block
    being the repeated unit that owns the tensor (the name up to its first numeric part:
-   ``encoder.layer.0`` for BERT, ``net.2`` in a ``Sequential``);
+   ``encoder.layer.0`` for BERT, ``net.2`` in a ``Sequential``; a tensor outside any, a
+   task head or a pooler, is not counted); compressed layers count as the blocks they
+   were in, so the same blocks stay dense before and after compression;
 6. **shape**: a tensor whose 2-D view cannot take its N:M pattern (block patterns take
    any shape, the last blocks overhanging), or whose target keeps none of its blocks,
    stays dense, and so does a task head: fewer outputs than M under N:M (a 2-output QA
@@ -20,7 +22,8 @@ dimensions, tied ones once), in this order:
    ``overrides`` raises instead for the first two, and is pruned for the third.
 
 Regexes are searched (``re.search``) in the qualified tensor names, e.g.
-``bert.encoder.layer.0.attention.self.query.weight``; every regex must match some
+``bert.encoder.layer.0.attention.self.query.weight`` (a compressed layer's tensor also
+under the name of the weight it replaced: :func:`searched_names`); every regex must match some
 weight-like tensor, every ``allow`` and ``overrides`` regex one that rules 1-3 leave
 eligible (or a compressed layer's), and every ``overrides`` regex one that no earlier
 override takes. The result is a
@@ -78,15 +81,26 @@ class TensorPlan:
         return math.prod(self.shape)
 
 
-def block_of(name: str) -> str:
-    """The repeated unit a tensor belongs to: its name up to the first all-digit part
-    (``bert.encoder.layer.3.attention.self.query.weight`` -> ``bert.encoder.layer.3``),
-    or its module's name when there is none."""
+def repeated_unit(name: str) -> str | None:
+    """The repeated unit (a ``dense_ratio`` block) a tensor belongs to: its name up to the
+    first all-digit part (``bert.encoder.layer.3.attention.self.query.weight`` ->
+    ``bert.encoder.layer.3``), or None outside any (a task head, a pooler)."""
     parts = name.split(".")
     for i, part in enumerate(parts[:-1]):
         if part.isdigit():
             return ".".join(parts[: i + 1])
-    return ".".join(parts[:-1])
+    return None
+
+
+def searched_names(tensor: WeightTensor) -> tuple[str, ...]:
+    """The names regexes are searched in: the tensor's, and for a compressed layer's
+    trained tensor also the name of the weight it replaced (``...query.weight`` beside
+    ``...query.values``), so that one setting selects the same tensors before and after
+    compression."""
+    if not any(isinstance(module, CompressedLayer) for module, _ in tensor.owners):
+        return tensor.names
+    replaced = tuple(f"{name.rpartition('.')[0]}.weight" for name in tensor.names)
+    return tuple(dict.fromkeys(tensor.names + replaced))
 
 
 def _first_match(regexes: Sequence[str], names: Sequence[str]) -> str | None:
@@ -210,7 +224,8 @@ def _check_regexes_reach(kind: str, regexes: Sequence[str], tensors: Sequence[We
         ValueError: naming the regex and why the tensors it matches are not reached.
     """
     for regex in regexes:
-        matched = [i for i, t in enumerate(tensors) if any(re.search(regex, n) for n in t.names)]
+        matched = [i for i, t in enumerate(tensors)
+                   if any(re.search(regex, n) for n in searched_names(t))]
         if not reached.intersection(matched):
             shown = "; ".join(f"{tensors[i].name!r} ({rows[i].reason})" for i in matched[:4])
             raise ValueError(f"{kind} regex {regex!r} matches only tensors that earlier rules "
@@ -247,7 +262,7 @@ def plan_tensors(
             pattern or would keep no block; all before anything changes.
     """
     overrides = dict(overrides or {})
-    all_names = [n for t in tensors for n in t.names]
+    all_names = [n for t in tensors for n in searched_names(t)]
     _check_every_regex_matches("allow", allow, all_names)
     _check_every_regex_matches("deny", deny, all_names)
     _check_every_regex_matches("overrides", list(overrides), all_names)
@@ -285,7 +300,10 @@ def plan_tensors(
     _check_regexes_reach("overrides", list(overrides), tensors, rows, reached,
                          set().union(*(used for _, used in settings.values())))
 
-    blocks = list(dict.fromkeys(block_of(tensors[i].name) for i in eligible))
+    # the repeated units among the eligible tensors and the compressed ones (eligible when
+    # they were swapped: the count is the same before and after compression), model order
+    blocks = list(dict.fromkeys(block for i in sorted(reached)
+                                if (block := repeated_unit(tensors[i].name)) is not None))
     dense_blocks = set(blocks[: math.floor(dense_ratio * len(blocks) + 0.5)])
     following: list[int] = []  # selected tensors that take the model-wide target
     named: set[int] = set()
@@ -296,9 +314,9 @@ def plan_tensors(
         layer_pattern = override.pattern or pattern
         if override_regex is not None or _first_match(allow, tensor.names) is not None:
             named.add(index)
-        if override_regex is None and block_of(tensor.name) in dense_blocks:
+        if override_regex is None and repeated_unit(tensor.name) in dense_blocks:
             rows[index] = row(tensor, False, f"dense_ratio {dense_ratio}: block "
-                              f"{block_of(tensor.name)!r} is one of the first "
+                              f"{repeated_unit(tensor.name)!r} is one of the first "
                               f"{len(dense_blocks)} of {len(blocks)} blocks")
         elif override.sparsity == 0.0:
             rows[index] = row(tensor, False, f"override {override_regex!r}: sparsity 0")

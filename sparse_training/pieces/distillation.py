@@ -132,7 +132,8 @@ class DistillationLoss:
     def _head(self, student: Tensor, teacher: Tensor, mask: Tensor | None) -> Tensor:
         dtype = torch.promote_types(student.dtype, torch.float32)
         s = student.to(dtype) / self.temperature
-        t = teacher.detach().to(dtype) / self.temperature
+        # a class the teacher rules out (-inf) holds probability 0: 0 log 0 = 0, not NaN
+        t = (teacher.detach().to(dtype) / self.temperature).clamp_min(MASKED)
         if mask is not None:
             s, t = s.masked_fill(~mask, MASKED), t.masked_fill(~mask, MASKED)
         log_p_t = F.log_softmax(t, dim=-1)

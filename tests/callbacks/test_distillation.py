@@ -44,7 +44,8 @@ def reference_kl(student: np.ndarray, teacher: np.ndarray, temperature: float,
         et = [math.exp(t[row, c] / temperature) for c in classes]
         ps = [e / sum(es) for e in es]
         pt = [e / sum(et) for e in et]
-        total += sum(q * (math.log(q) - math.log(p)) for p, q in zip(ps, pt, strict=True))
+        total += sum(q * (math.log(q) - math.log(p))  # 0 log 0 = 0: KL's definition
+                     for p, q in zip(ps, pt, strict=True) if q > 0)
         rows += 1
     return total / rows * temperature ** 2
 
@@ -64,6 +65,20 @@ def test_soft_loss_equals_the_float64_kl(shape):
     expected = reference_kl(student.numpy(), teacher.numpy(), temperature)
     assert loss.dtype == torch.float32 and loss.shape == ()
     assert float(loss) == pytest.approx(expected, rel=1e-5, abs=1e-7)
+
+
+def test_a_teacher_logit_of_minus_infinity_is_a_class_of_probability_zero():
+    """A teacher that rules a class out (-inf, e.g. a vocabulary mask applied by the teacher
+    model) contributes 0 log 0 = 0 there, not NaN; its gradient stays finite."""
+    g = torch.Generator().manual_seed(3)
+    student = (torch.randn(4, 6, generator=g) * 2).requires_grad_()
+    teacher = torch.randn(4, 6, generator=g) * 2
+    teacher[0, 2] = teacher[3, 0] = teacher[3, 5] = -math.inf
+    loss = DistillationLoss(2.5, hardness=1.0)(student, teacher)
+    expected = reference_kl(student.detach().numpy(), teacher.numpy(), 2.5)
+    assert float(loss) == pytest.approx(expected, rel=1e-5)
+    loss.backward()
+    assert torch.isfinite(student.grad).all()
 
 
 def test_several_heads_average_their_kls_and_low_precision_is_computed_in_float32():
@@ -317,6 +332,19 @@ def test_the_teacher_takes_the_students_precision_and_can_be_saved(tmp_path):
     DistillationCallback(other, save_teacher=True).load_state_dict(saved)
     for name, value in other.state_dict().items():
         assert torch.equal(value, teacher.state_dict()[name]), name
+
+
+def test_resuming_with_other_settings_warns_naming_them(tmp_path):
+    ckpt = tmp_path / "last.ckpt"
+    trainer = make_trainer([DistillationCallback(mlp(seed=0), temperature=2.0, hardness=0.7)],
+                           max_epochs=1)
+    trainer.fit(Student(), loader())
+    trainer.save_checkpoint(ckpt)
+    resumed = make_trainer([DistillationCallback(mlp(seed=0), temperature=9.0, hardness=0.7)],
+                           max_epochs=2)
+    with pytest.warns(UserWarning, match=r"temperature 2\.0 -> 9\.0") as caught:
+        resumed.fit(Student(), loader(), ckpt_path=ckpt)
+    assert not any("hardness" in str(w.message) for w in caught)
 
 
 class HoldsTeacher(Student):

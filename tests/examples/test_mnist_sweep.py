@@ -305,6 +305,18 @@ def test_a_failed_run_fails_the_sweep(sweep: dict[str, Any], monkeypatch: pytest
         mnist_sweep.main([*argv, f"out_dir={sweep['out'] / 'failing'}", "logger=none"])
 
 
+def test_a_cache_dir_that_cannot_be_written_fails_before_the_dense_run(tmp_path,
+                                                                       monkeypatch):
+    monkeypatch.setattr(mnist_sweep, "load_mnist", lambda data_dir: None)  # no run reaches it
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out = tmp_path / "out"
+    with pytest.raises(sweep_config.ConfigError, match=rf"cache_dir '{blocker}/cache' cannot be "
+                                                       rf"written \(.*\): give a folder"):
+        mnist_sweep.main([f"cache_dir={blocker / 'cache'}", f"out_dir={out}", "logger=none"])
+    assert not out.exists()
+
+
 def test_missing_data_is_a_config_error_before_the_output_folder(tmp_path, monkeypatch):
     def missing(data_dir):
         raise FileNotFoundError(f"MNIST files missing from {data_dir}")

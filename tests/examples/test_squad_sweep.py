@@ -312,6 +312,15 @@ def test_replay_refuses_files_that_disagree(tmp_path):
                             rf"{first} \(exact_match, f1: \[58.5, 68.5\] there, \[58.0, 68.0\] "
                             rf"here\): two trainings"),
              (tmp_path / "nowhere.json", r"replay: no results file \[.*nowhere.json'\]")]
+    for name, text, reason in [("not_json.json", "{rows", r"not a readable squad_sweep "
+                                r"results.json: Expecting"),
+                               ("other.json", '{"hello": 1}', r"not a squad_sweep results.json "
+                                r"\(not a list of rows or a mapping with 'rows'\)"),
+                               ("mnist.json", '[{"method": "gmp", "sparsity": 0.9}]',
+                                r"not a squad_sweep results.json \(row 0 has no run name and "
+                                r"int seed: \{'method': 'gmp'")]:
+        (tmp_path / name).write_text(text)
+        cases.append((tmp_path / name, rf"{tmp_path / name} (is )?{reason}"))
     for path, message in cases:
         with pytest.raises(sweep_config.ConfigError, match=message):
             squad_sweep.main([f"replay=[{first},{path}]", f"out_dir={out}", "logger=none"])
@@ -319,6 +328,20 @@ def test_replay_refuses_files_that_disagree(tmp_path):
                                                        r"path or a list of them"):
         squad_sweep.main(["replay=[1,2]", f"out_dir={out}", "logger=none"])
     assert not out.exists()
+
+
+def test_a_folder_that_cannot_be_written_fails_before_training(tmp_path):
+    """cache_dir and out_dir are made and written to after every other check and before the
+    first training (a cache_dir that fails later would cost each run its dense model)."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for key in ("cache_dir", "out_dir"):
+        folders = {"out_dir": tmp_path / "out", "cache_dir": tmp_path / "cache",
+                   key: blocker / "sub"}
+        with pytest.raises(sweep_config.ConfigError, match=rf"{key} '{blocker}/sub' cannot be "
+                                                           rf"written \(.*\): give a folder"):
+            squad_sweep.main([*(f"{k}={v}" for k, v in folders.items()), "logger=none", *TINY])
+        assert not (tmp_path / "out").exists()
 
 
 # -- the sweep end to end, on CPU ---------------------------------------------------------------
