@@ -27,7 +27,12 @@ from sparse_training.engine.selection import format_table, plan_model
 from sparse_training.engine.sharding import FSDP1_PROBLEM
 from sparse_training.engine.state import check_mask_settings, check_settings, check_state
 from sparse_training.engine.tensors import find_weight_tensors
-from sparse_training.layers.compress import compress_selected, dtype_name, undo_swaps
+from sparse_training.layers.compress import (
+    compress_selected,
+    dtype_name,
+    held_apart,
+    undo_swaps,
+)
 from sparse_training.layers.swap import format_swaps
 from sparse_training.pieces.regrowth import (
     DEFAULT_ALPHA,
@@ -234,6 +239,9 @@ class SparsityCallback(Callback):
             raise ValueError(f"SparsityCallback: {problem}")
         engine = self.engine
         if engine is None or not engine.bound_to(pl_module):
+            if restored is None and (apart := held_apart(pl_module, {n for n, _ in swapped},
+                                                         self.config)):
+                rank_zero_warn(f"SparsityCallback: {apart}")
             if engine is not None:
                 engine.detach()
             self.engine = engine = SparsityEngine(pl_module, self.config, state=restored)

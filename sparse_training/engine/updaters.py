@@ -27,6 +27,7 @@ from typed pieces (:func:`make_updater`), never from the settings:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -63,16 +64,33 @@ class ScheduledMasks:
         self.keep_score = score
         self.last_update: int | None = None
         self.target = 0.0
+        self.resolved_for: int | None = None  # the run length fractions were resolved for
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self, total_steps: int | None) -> None:
-        """Turn fractions of training into steps (a restored schedule keeps its steps)."""
+        """Turn fractions of training into steps. A restored (or continued) schedule keeps
+        its steps, with a warning where they were resolved for a run of another length (a
+        resumed run made longer: its updates still end where the first run's would have)."""
         if not self.schedule.is_resolved:
             self.schedule = self.schedule.resolve(total_steps)
+        if self.resolved_for is None:  # a first start (or a state that did not keep it)
+            self.resolved_for = total_steps
+        elif (total_steps is not None and total_steps != self.resolved_for
+              and self.fractional()):
+            warnings.warn(f"resuming keeps the checkpoint's schedule, resolved for a run of "
+                          f"{self.resolved_for} optimizer steps; this run has {total_steps}: "
+                          f"{self.describe(total_steps)}. Give start, end and regrow_end in "
+                          f"steps to tie them to no run length", stacklevel=3)
+
+    def fractional(self) -> bool:
+        """Whether a setting is a fraction of training (its step depends on the run's
+        length)."""
+        return not self.initial_schedule.is_resolved
 
     def restart(self) -> None:
         """Forget the progress of an earlier fit: the schedule runs again from its start."""
         self.schedule, self.last_update, self.target = self.initial_schedule, None, 0.0
+        self.resolved_for = None
 
     def describe(self, total_steps: int | None) -> str:
         """When masks change, for the log at fit start."""
@@ -129,11 +147,12 @@ class ScheduledMasks:
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"schedule": self.schedule.as_list(), "last_update": self.last_update,
-                "target": self.target}
+                "target": self.target, "resolved_for": self.resolved_for}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.schedule = parse_schedule(*state["schedule"])
         self.last_update, self.target = state["last_update"], state["target"]
+        self.resolved_for = state.get("resolved_for")  # (not kept before 2026-11-26)
 
 
 class DropAndGrow(ScheduledMasks):
@@ -158,6 +177,9 @@ class DropAndGrow(ScheduledMasks):
     def start(self, total_steps: int | None) -> None:
         super().start(total_steps)
         self.regrowth = self.regrowth.resolve(total_steps)
+
+    def fractional(self) -> bool:
+        return super().fractional() or isinstance(self.initial_regrowth.end, float)
 
     def restart(self) -> None:
         super().restart()

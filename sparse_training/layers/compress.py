@@ -19,6 +19,7 @@ tensor. On resume the checkpoint decides: its compressed layers, with its masks.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,7 +33,13 @@ from sparse_training.kernels.block_sparse import block_grid
 from sparse_training.layers.block_sparse import BlockSparseLinear
 from sparse_training.layers.blocks import BLOCK_SIZES
 from sparse_training.layers.semi_structured import SemiStructuredLinear
-from sparse_training.layers.swap import SwapRow, replace_module, swap_checker, swap_in
+from sparse_training.layers.swap import (
+    SwapRow,
+    nothing_pruned,
+    replace_module,
+    swap_checker,
+    swap_in,
+)
 from sparse_training.pieces.masks import kept_count, pattern_mask
 from sparse_training.pieces.patterns import Pattern
 from sparse_training.pieces.scores import DenseWeight
@@ -115,6 +122,19 @@ def _first_mask(weight: torch.Tensor, plan: TensorPlan, index: int,
     return pattern_mask(weight.detach(), plan.pattern, plan.sparsity, score)
 
 
+def _keeps_every_block(plan: TensorPlan) -> str | None:
+    """Why a block-pattern tensor stays masked-dense because its target prunes no block
+    (a compressed layer would hold every block, for nothing), or None."""
+    pattern, target = plan.pattern, plan.sparsity
+    if pattern.is_nm or not target or len(plan.shape) != 2:
+        return None
+    block = (pattern.block_rows, pattern.block_cols)
+    blocks = math.prod(block_grid(*plan.shape, block))
+    if kept_count(blocks, target) < blocks:
+        return None
+    return nothing_pruned(plan.shape, block, f"sparsity {target:g}")
+
+
 def compress_selected(model: nn.Module, config: SparsityConfig,
                       device: torch.device | None = None,
                       compute_dtype: torch.dtype | None = None,
@@ -158,6 +178,8 @@ def compress_selected(model: nn.Module, config: SparsityConfig,
             reason = swap
         elif (unsupported := pattern_problem(plan.pattern)) is not None:
             reason = unsupported
+        elif (kept_all := _keeps_every_block(plan)) is not None:
+            reason = kept_all
         elif config.compress == "auto" and saved is None:
             reason = slower_reason(tuple(plan.shape), plan.pattern, 1 - plan.sparsity,
                                    device or module.weight.device,
@@ -257,3 +279,33 @@ def _compressed_layer(linear: nn.Linear, pattern: Pattern, mask: torch.Tensor) -
         return SemiStructuredLinear.from_dense(linear, pattern.transposable, mask)
     return BlockSparseLinear.from_dense(linear, (pattern.block_rows, pattern.block_cols),
                                         mask=mask)
+
+
+def held_apart(model: nn.Module, swapped: set[str], config: SparsityConfig) -> str | None:
+    """Which compressed layers ``model`` held before this fit's swaps (not in ``swapped``:
+    an earlier fit's, or ``sparsify``'s) keep another pattern, or another count of blocks
+    than ``config``'s uniform target would keep, and so do not follow ``config``; None if
+    none does."""
+    spec, target = config.parsed_pattern.spec, config.sparsity
+    uniform = config.distribution == "uniform" and target is not None
+    apart = []
+    for name, layer in model.named_modules():
+        if not isinstance(layer, CompressedLayer) or name in swapped:
+            continue
+        if isinstance(layer, BlockSparseLinear):
+            r, c = layer.block
+            blocks = layer.block_mask.numel()
+            own = f"block:{r}x{c}, {layer.nnz} of {blocks} blocks kept"
+            differs = f"block:{r}x{c}" != spec or (uniform and layer.nnz != kept_count(
+                blocks, target))
+        else:
+            own, differs = str(layer.pattern), layer.pattern != spec
+        if differs:
+            apart.append(f"{name} ({own})")
+    if not apart:
+        return None
+    shown = ", ".join(apart[:3]) + (f" and {len(apart) - 3} more" if len(apart) > 3 else "")
+    return (f"{len(apart)} layers were compressed before this fit and keep their own blocks, "
+            f"not pattern {spec!r} at sparsity {target}: {shown}. To prune them anew under "
+            f"these settings, densify(model) before the fit")
+

@@ -275,13 +275,20 @@ def _compressed(linear: nn.Linear, parsed: tuple[Pattern, tuple[int, int] | None
     try:
         blocks_kept(grid, density, shape, block)
     except ValueError:  # the rule prunes, but rounding keeps every block
-        blocks, (r, c) = grid[0] * grid[1], block
-        where = (f"block {r}x{c} covers the whole {shape[0]}x{shape[1]} weight" if blocks == 1
-                 else f"the {shape[0]}x{shape[1]} weight has {blocks} blocks of {r}x{c}")
         asked = "sparsity" if "sparsity" in rule else "density"
-        return (f"{where}: {asked} {rule[asked]} keeps {blocks} of {blocks} blocks (nothing "
-                f"pruned; use smaller blocks or a higher sparsity)")
+        return nothing_pruned(shape, block, f"{asked} {rule[asked]}")
     return BlockSparseLinear.from_dense(linear, block, density=density)
+
+
+def nothing_pruned(shape: tuple[int, int], block: tuple[int, int], asked: str) -> str:
+    """Why a ``shape`` weight in ``block`` blocks stays as it is although the setting
+    ``asked`` ("sparsity 0.02") prunes: rounded to whole blocks, it keeps every one."""
+    (rows, cols), (r, c) = block_grid(*shape, block), block
+    blocks = rows * cols
+    where = (f"block {r}x{c} covers the whole {shape[0]}x{shape[1]} weight" if blocks == 1
+             else f"the {shape[0]}x{shape[1]} weight has {blocks} blocks of {r}x{c}")
+    return (f"{where}: {asked} keeps {blocks} of {blocks} blocks (nothing pruned; use "
+            f"smaller blocks or a higher sparsity)")
 
 
 def _check_model(model: Any, what: str) -> None:

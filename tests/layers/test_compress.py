@@ -1,6 +1,7 @@
 """SparsityCallback(compress=...): selected Linear layers train as BlockSparseLinear."""
 
 import types
+import warnings
 
 import pytest
 import pytorch_lightning as pl
@@ -193,6 +194,37 @@ def test_compress_selected_decides_for_the_arguments_not_the_weights_device():
     assert row.decision == "compressed" and isinstance(on_gpu.net[0], BlockSparseLinear)
     (row,) = compress_selected(Big(), config, torch.device("cuda"), torch.float32)
     assert row.layer is None and "fp32 compute" in row.decision
+
+
+def test_a_target_that_prunes_no_block_keeps_the_layer_masked_dense():
+    """Sparsity 0.1 prunes round(0.1 x 4) = 0 of net.0's four 16x16 blocks: it stays an
+    nn.Linear (trained masked-dense, as sparsify leaves it), saying so; net.2 loses 2 of
+    16 blocks and compresses."""
+    model = BlockNet()
+    rows = {r.name: r for r in compress_selected(
+        model, SparsityConfig(pattern="block:16x16", sparsity=0.1, compress=True))}
+    assert rows["net.0"].layer is None and type(model.net[0]) is nn.Linear
+    assert rows["net.0"].decision == (
+        "masked-dense: the 64x16 weight has 4 blocks of 16x16: sparsity 0.1 keeps 4 of 4 "
+        "blocks (nothing pruned; use smaller blocks or a higher sparsity)")
+    assert rows["net.2"].decision == "compressed" and model.net[2].nnz == 14
+
+
+def test_a_new_callback_on_layers_compressed_before_says_they_keep_their_blocks():
+    """A second fit with a new callback: the layers the first compressed keep their blocks;
+    other settings than theirs get a warning naming them, the same settings none."""
+    model, _ = fit(1)  # 0.75: net.0 keeps 1 of 4 blocks, net.2 4 of 16
+    again = SparsityCallback(**{**SETTINGS, "sparsity": 0.5, "compress": True})
+    with pytest.warns(UserWarning, match=r"2 layers were compressed before this fit and keep "
+                      r"their own blocks, not pattern 'block:16x16' at sparsity 0.5: net.0 "
+                      r"\(block:16x16, 1 of 4 blocks kept\), net.2 \(block:16x16, 4 of 16"):
+        make_trainer([again], max_epochs=1).fit(model, make_loader())
+    assert model.net[2].nnz == 4
+    same = SparsityCallback(**{**SETTINGS, "compress": True})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer([same], max_epochs=1).fit(model, make_loader())
+    assert not [w for w in caught if "compressed before this fit" in str(w.message)]
 
 
 def test_make_permanent_gives_dense_linear_layers_with_the_zeros():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 
 import pytest
 import torch
@@ -156,6 +157,38 @@ def test_sparse_refinement_adds_its_decay_where_pruned():
                 for gr, wr, mr in zip(grad.tolist(), dense.tolist(), mask.tolist(), strict=True)]
     SparseRefinement(0.01)(grad, dense, mask)
     torch.testing.assert_close(grad, torch.tensor(expected, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("settings, length_free", [
+    (dict(pattern="unstructured", sparsity=0.5, regrow="rigl"), False),  # regrow_end 0.75
+    (dict(pattern="unstructured", sparsity=0.5, schedule="gmp", end=0.8), False),
+    (dict(pattern="unstructured", sparsity=0.5, schedule="gmp", end=80), True),
+    (dict(pattern="unstructured", sparsity=0.5, regrow="rigl", regrow_end=60), True),
+])
+def test_a_restored_schedule_resolved_for_another_run_length_warns(settings, length_free):
+    """A schedule with fractions resolved for 100 steps, restored into a run of 200: its
+    steps stay, with a warning naming both lengths; in steps, or the same length, none."""
+    config = SparsityConfig(**settings)
+
+    def updater():
+        return make_updater(config.parsed_schedule, config.parsed_score,
+                            config.parsed_regrowth, config.parsed_refinement)
+
+    first = updater()
+    first.start(100)
+    saved = first.state_dict()
+    for total, warns in ((100, False), (200, not length_free)):
+        resumed = updater()
+        resumed.load_state_dict(saved)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            resumed.start(total)
+        messages = [str(w.message) for w in caught]
+        assert bool(messages) == warns, messages
+        if warns:
+            assert messages[0].startswith("resuming keeps the checkpoint's schedule, resolved "
+                                          "for a run of 100 optimizer steps; this run has 200")
+        assert resumed.schedule == first.schedule
 
 
 @pytest.mark.parametrize("settings, updater", [
