@@ -25,7 +25,7 @@ from torch import nn
 
 from sparse_training.pieces.distributions import DISTRIBUTIONS, Distribution
 from sparse_training.pieces.masks import check_sparsity
-from sparse_training.pieces.patterns import PATTERN_FORMS, Pattern, parse_pattern
+from sparse_training.pieces.patterns import Pattern, parse_pattern
 from sparse_training.pieces.regrowth import (
     DEFAULT_ALPHA,
     DEFAULT_REGROW_END,
@@ -134,7 +134,10 @@ def _parse_overrides(overrides: Mapping[str, Mapping[str, Any]] | None
                 set(settings) - set(OVERRIDE_KEYS)):
             raise ValueError(f"overrides[{regex!r}] must be a dict with keys from "
                              f"{OVERRIDE_KEYS}, got {settings!r}")
-        pattern = parse_pattern(settings["pattern"]) if "pattern" in settings else None
+        try:
+            pattern = parse_pattern(settings["pattern"]) if "pattern" in settings else None
+        except ValueError as error:
+            raise ValueError(f"overrides[{regex!r}]: {error}") from error
         sparsity = settings.get("sparsity")
         if sparsity is not None:
             sparsity = check_sparsity(sparsity, f"overrides[{regex!r}]['sparsity']")
@@ -232,12 +235,6 @@ class SparsityConfig:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen dataclass: normalized fields are set once, here
-        if _is_int(self.pattern):
-            n, m = divmod(int(self.pattern), 60)
-            raise ValueError(f"pattern must be a string, got the number {self.pattern}" + (
-                f": YAML reads an unquoted {n}:{m} as the base-60 number {self.pattern}; quote "
-                f"it: pattern: \"{n}:{m}\"" if 1 <= n <= m else
-                f"; valid forms: {', '.join(PATTERN_FORMS)}"))
         pattern = parse_pattern(self.pattern)
         if self.sparsity is not None:
             set_(self, "sparsity", check_sparsity(self.sparsity))

@@ -43,7 +43,7 @@ from sparse_training.config import DEFAULT_LAYER_TYPES, LayerOverride, SparsityC
 from sparse_training.engine.protocol import CompressedLayer
 from sparse_training.engine.tensors import WeightTensor, find_weight_tensors
 from sparse_training.pieces.distributions import DISTRIBUTIONS, Distribution, Uniform
-from sparse_training.pieces.masks import as_matrix, block_grid, kept_count
+from sparse_training.pieces.masks import as_matrix, block_grid, kept_count, view_shape_problem
 from sparse_training.pieces.patterns import Pattern
 
 
@@ -120,7 +120,7 @@ def _final_sparsity(pattern: Pattern, sparsity: float | None) -> float | None:
 
 
 def _shape_problem(tensor: WeightTensor, pattern: Pattern) -> str | None:
-    return pattern.shape_error(*as_matrix(tensor.param, tensor.input_dim).shape)
+    return view_shape_problem(pattern, tensor.param, tensor.input_dim)
 
 
 def _head_problem(tensor: WeightTensor, pattern: Pattern) -> str | None:

@@ -16,6 +16,7 @@ input channels as in ASP. A weight stored input-first (HF ``Conv1D``'s ``(in, ou
 from __future__ import annotations
 
 import itertools
+import math
 import numbers
 from collections.abc import Sequence
 from functools import cache
@@ -59,6 +60,23 @@ def as_matrix(tensor: Tensor, input_dim: int = 1) -> Tensor:
     return moved.reshape(-1, tensor.shape[input_dim])
 
 
+def view_shape_problem(pattern: Pattern, weight: Tensor, input_dim: int = 1) -> str | None:
+    """Why ``weight`` cannot take ``pattern`` in its 2-D view (:func:`as_matrix`), or None.
+
+    A kernel's view stacks its taps; an N:M block of several rows, or a transposable tile
+    (M rows), must stay inside one tap: the output channels a multiple of its rows
+    (``Conv2d(8, 6, 2)`` cannot take ``2:4:2d``, although its 24 view rows could).
+    """
+    problem = pattern.shape_error(*as_matrix(weight, input_dim).shape)
+    tile_rows = math.lcm(pattern.block_rows, pattern.m if pattern.transposable else 1)
+    if pattern.is_nm and weight.dim() > 2 and (
+            outputs := weight.shape[1 - input_dim]) % tile_rows:
+        tap = (f"{outputs} output channels are not a multiple of the {tile_rows} rows of a "
+               f"tile, which must stay inside one kernel tap")
+        problem = tap if problem is None else f"{problem}; {tap}"
+    return problem
+
+
 def from_matrix(matrix: Tensor, shape: torch.Size, input_dim: int = 1) -> Tensor:
     """Inverse of :func:`as_matrix` for a weight of ``shape``."""
     if len(shape) <= 1:
@@ -83,9 +101,9 @@ def block_grid(rows: int, cols: int, pattern: Pattern) -> tuple[int, int]:
 
 def score_stack(weights: Sequence[Tensor], scores: Sequence[Tensor] | None = None,
                 input_dim: int = 1) -> Tensor:
-    """The scores of same-shape weights as one float32 ``(B, rows, in_features)`` stack of
-    their 2-D views (:func:`as_matrix` with ``input_dim``): ``|w|``, or the given scores;
-    NaN ranks lowest.
+    """The scores of same-shape weights as one float32 (float64 for float64 weights or
+    scores) ``(B, rows, in_features)`` stack of their 2-D views (:func:`as_matrix` with
+    ``input_dim``): ``|w|``, or the given scores; NaN ranks lowest.
 
     Raises:
         ValueError: a score whose shape is not its weight's.
@@ -96,7 +114,8 @@ def score_stack(weights: Sequence[Tensor], scores: Sequence[Tensor] | None = Non
                 raise ValueError(f"score shape {tuple(score.shape)} != weight shape "
                                  f"{tuple(w.shape)}")
     stack = torch.stack([as_matrix(t.detach(), input_dim)
-                         for t in (weights if scores is None else scores)]).float()
+                         for t in (weights if scores is None else scores)])
+    stack = stack.to(torch.promote_types(stack.dtype, torch.float32))
     return torch.nan_to_num(stack.abs() if scores is None else stack, nan=float("-inf"))
 
 
@@ -258,7 +277,7 @@ def pattern_masks(
     input_dims = _input_dims(weights, input_dims)
     by_shape: dict[tuple, list[int]] = {}
     for i, (w, input_dim) in enumerate(zip(weights, input_dims, strict=True)):
-        if (problem := pattern.shape_error(*as_matrix(w, input_dim).shape)) is not None:
+        if (problem := view_shape_problem(pattern, w, input_dim)) is not None:
             raise ValueError(f"weight of shape {tuple(w.shape)} cannot take pattern "
                              f"{pattern.spec!r}: {problem}")
         by_shape.setdefault((w.shape, w.device, input_dim), []).append(i)

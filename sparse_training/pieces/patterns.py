@@ -23,6 +23,7 @@ spec                        meaning
 
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import dataclass
 
@@ -141,9 +142,16 @@ def parse_pattern(spec: str | Pattern) -> Pattern:
         Pattern(block_rows=1, block_cols=1, n=2, m=4, transposable=False, spec='2:4')
     """
     if isinstance(spec, Pattern):
-        return spec
+        return _checked(spec)
+    if isinstance(spec, numbers.Integral) and not isinstance(spec, bool):
+        n, m = divmod(int(spec), 60)
+        raise ValueError(f"pattern must be a string, got the number {spec}" + (
+            f": YAML reads an unquoted {n}:{m} as the base-60 number {spec}; quote it: "
+            f"pattern: \"{n}:{m}\"" if 1 <= n <= m else
+            f"; valid forms: {', '.join(PATTERN_FORMS)}"))
     if not isinstance(spec, str):
-        raise ValueError(f"pattern must be a string, got {spec!r} of type {type(spec).__name__}")
+        raise ValueError(f"pattern must be a string, got {spec!r} of type "
+                         f"{type(spec).__name__}; valid forms: {', '.join(PATTERN_FORMS)}")
     text = spec.strip().lower()
     match = next((m for g in _GRAMMAR if (m := g.fullmatch(text))), None)
     if match is None:
@@ -160,3 +168,20 @@ def parse_pattern(spec: str | Pattern) -> Pattern:
     if rows < 1 or cols < 1:
         raise ValueError(f"pattern {spec!r}: block dimensions must be >= 1, got {rows}x{cols}")
     return Pattern(rows, cols, n, m, "transposable" in fields, text)
+
+
+def _checked(pattern: Pattern) -> Pattern:
+    """``pattern`` if it is what its own ``spec`` parses to (a ``Pattern`` built by hand
+    gets the string's checks, and its spec, which checkpoints keep, says what it prunes).
+
+    Raises:
+        ValueError: a spec that does not parse, or parses to another pattern.
+    """
+    try:
+        parsed = parse_pattern(pattern.spec)
+    except ValueError as error:
+        raise ValueError(f"{pattern!r} is not a valid pattern: {error}") from error
+    if parsed != pattern:
+        raise ValueError(f"{pattern!r} is not the pattern its spec {pattern.spec!r} names "
+                         f"({parsed!r}): build patterns with parse_pattern(spec)")
+    return pattern

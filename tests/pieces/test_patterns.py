@@ -25,7 +25,7 @@ def test_parse(spec, expected):
     ("0:4", "N must satisfy 1 <= N <= M, got N=0, M=4"),
     ("block:0x4", "block dimensions must be >= 1, got 0x4"),
     ("2:8:2d", "transposable N:M supports M <= 5"),
-    (24, "pattern must be a string, got 24"),
+    (24, "pattern must be a string, got the number 24; valid forms: "),
 ])
 def test_parse_errors(spec, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
