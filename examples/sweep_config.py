@@ -133,7 +133,7 @@ def prepare_dirs(cfg: DictConfig, keys: Iterable[str]) -> None:
         ConfigError: "out_dir '/proc/x' cannot be written: ...", naming the key.
     """
     for key in keys:
-        folder = Path(cfg[key]).expanduser()
+        folder = Path(cfg[key])  # as the sweep writes it (no ~ expansion there either)
         try:
             folder.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryFile(dir=folder):

@@ -12,9 +12,10 @@ dimensions, tied ones once), in this order:
    must agree on one setting;
 5. ``dense_ratio``: the first fraction of the eligible *blocks* stays dense, a block
    being the repeated unit that owns the tensor (the name up to its first numeric part:
-   ``encoder.layer.0`` for BERT, ``net.2`` in a ``Sequential``; a tensor outside any, a
-   task head or a pooler, is not counted); compressed layers count as the blocks they
-   were in, so the same blocks stay dense before and after compression;
+   ``encoder.layer.0`` for BERT, ``net.2`` in a ``Sequential``; a module outside any, a
+   task head or a pooler, is one block); compressed layers that rules 1-3 would leave
+   eligible count as the blocks they are in, so the same blocks stay dense before and
+   after compression;
 6. **shape**: a tensor whose 2-D view cannot take its N:M pattern (block patterns take
    any shape, the last blocks overhanging), or whose target keeps none of its blocks,
    stays dense, and so does a task head: fewer outputs than M under N:M (a 2-output QA
@@ -44,7 +45,7 @@ from sparse_training.engine.protocol import CompressedLayer
 from sparse_training.engine.tensors import WeightTensor, find_weight_tensors
 from sparse_training.pieces.distributions import DISTRIBUTIONS, Distribution, Uniform
 from sparse_training.pieces.masks import as_matrix, block_grid, kept_count, view_shape_problem
-from sparse_training.pieces.patterns import Pattern
+from sparse_training.pieces.patterns import Pattern, parse_pattern
 
 
 @dataclass(frozen=True)
@@ -81,15 +82,16 @@ class TensorPlan:
         return math.prod(self.shape)
 
 
-def repeated_unit(name: str) -> str | None:
-    """The repeated unit (a ``dense_ratio`` block) a tensor belongs to: its name up to the
-    first all-digit part (``bert.encoder.layer.3.attention.self.query.weight`` ->
-    ``bert.encoder.layer.3``), or None outside any (a task head, a pooler)."""
+def block_of(name: str) -> str:
+    """The ``dense_ratio`` block a tensor belongs to: its name up to the first all-digit
+    part, the repeated unit (``bert.encoder.layer.3.attention.self.query.weight`` ->
+    ``bert.encoder.layer.3``), or its module's name when there is none (a task head, a
+    pooler: one block each)."""
     parts = name.split(".")
     for i, part in enumerate(parts[:-1]):
         if part.isdigit():
             return ".".join(parts[: i + 1])
-    return None
+    return ".".join(parts[:-1])
 
 
 def searched_names(tensor: WeightTensor) -> tuple[str, ...]:
@@ -99,8 +101,23 @@ def searched_names(tensor: WeightTensor) -> tuple[str, ...]:
     compression."""
     if not any(isinstance(module, CompressedLayer) for module, _ in tensor.owners):
         return tensor.names
-    replaced = tuple(f"{name.rpartition('.')[0]}.weight" for name in tensor.names)
-    return tuple(dict.fromkeys(tensor.names + replaced))
+    return tuple(dict.fromkeys(tensor.names + tuple(map(replaced_name, tensor.names))))
+
+
+def replaced_name(name: str) -> str:
+    """The name of the dense weight a compressed layer's tensor ``name`` replaced
+    (``encoder.query.values`` -> ``encoder.query.weight``)."""
+    return ".".join(filter(None, (name.rpartition(".")[0], "weight")))
+
+
+def setting_of(names: Sequence[str], config: SparsityConfig) -> tuple[Pattern, float | None]:
+    """The pattern and final target ``config`` gives a tensor of these names: the first
+    override matching one of them, else the model-wide setting; the target None where the
+    distribution decides it (ERK, global)."""
+    overrides = config.parsed_overrides
+    spec, target = _setting(_first_match(list(overrides), names), overrides,
+                            config.parsed_pattern, config.sparsity, config.parsed_distribution)
+    return parse_pattern(spec), None if isinstance(target, str) else target
 
 
 def _first_match(regexes: Sequence[str], names: Sequence[str]) -> str | None:
@@ -277,8 +294,12 @@ def plan_tensors(
     rows: list[TensorPlan | None] = []
     eligible: list[int] = []
     compressed: set[int] = set()  # reached by allow and overrides (at compression)
-    for tensor in tensors:
+    counted: list[int] = []  # the blocks of dense_ratio: eligible, or compressed where
+    for tensor in tensors:   # deny and allow leave them eligible (as they were at the swap)
         if any(isinstance(module, CompressedLayer) for module, _ in tensor.owners):
+            names = searched_names(tensor)
+            if _first_match(deny, names) is None and (not allow or _first_match(allow, names)):
+                counted.append(len(rows))
             compressed.add(len(rows))
             rows.append(row(tensor, False, f"compressed: {tensor.kind} holds its own "
                                            f"sparsity"))
@@ -292,6 +313,7 @@ def plan_tensors(
             rows.append(row(tensor, False, "matches no allow regex"))
         else:
             eligible.append(len(rows))
+            counted.append(len(rows))
             rows.append(None)
     reached = compressed.union(eligible)
     _check_regexes_reach("allow", allow, tensors, rows, reached)
@@ -300,10 +322,8 @@ def plan_tensors(
     _check_regexes_reach("overrides", list(overrides), tensors, rows, reached,
                          set().union(*(used for _, used in settings.values())))
 
-    # the repeated units among the eligible tensors and the compressed ones (eligible when
-    # they were swapped: the count is the same before and after compression), model order
-    blocks = list(dict.fromkeys(block for i in sorted(reached)
-                                if (block := repeated_unit(tensors[i].name)) is not None))
+    # the same blocks before and after compression, in model order
+    blocks = list(dict.fromkeys(block_of(tensors[i].name) for i in counted))
     dense_blocks = set(blocks[: math.floor(dense_ratio * len(blocks) + 0.5)])
     following: list[int] = []  # selected tensors that take the model-wide target
     named: set[int] = set()
@@ -314,9 +334,9 @@ def plan_tensors(
         layer_pattern = override.pattern or pattern
         if override_regex is not None or _first_match(allow, tensor.names) is not None:
             named.add(index)
-        if override_regex is None and repeated_unit(tensor.name) in dense_blocks:
+        if override_regex is None and block_of(tensor.name) in dense_blocks:
             rows[index] = row(tensor, False, f"dense_ratio {dense_ratio}: block "
-                              f"{repeated_unit(tensor.name)!r} is one of the first "
+                              f"{block_of(tensor.name)!r} is one of the first "
                               f"{len(dense_blocks)} of {len(blocks)} blocks")
         elif override.sparsity == 0.0:
             rows[index] = row(tensor, False, f"override {override_regex!r}: sparsity 0")

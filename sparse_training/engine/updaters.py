@@ -47,6 +47,11 @@ if TYPE_CHECKING:
     from sparse_training.engine.slots import MaskedSlot
 
 
+UNKNOWN = -1
+"""``resolved_for`` of a state saved before it was kept: the length is not known (no
+warning, and it stays unknown)."""
+
+
 class ScheduledMasks:
     """Masks recomputed at the ``schedule``'s update steps, keeping the largest ``score``.
 
@@ -73,14 +78,14 @@ class ScheduledMasks:
         resumed run made longer: its updates still end where the first run's would have)."""
         if not self.schedule.is_resolved:
             self.schedule = self.schedule.resolve(total_steps)
-        if self.resolved_for is None:  # a first start (or a state that did not keep it)
+        if self.resolved_for is None:  # a first start
             self.resolved_for = total_steps
-        elif (total_steps is not None and total_steps != self.resolved_for
+        elif (total_steps is not None and self.resolved_for not in (total_steps, UNKNOWN)
               and self.fractional()):
-            warnings.warn(f"resuming keeps the checkpoint's schedule, resolved for a run of "
-                          f"{self.resolved_for} optimizer steps; this run has {total_steps}: "
-                          f"{self.describe(total_steps)}. Give start, end and regrow_end in "
-                          f"steps to tie them to no run length", stacklevel=3)
+            warnings.warn(f"the schedule resumed (or continued) keeps its steps, resolved for "
+                          f"a run of {self.resolved_for} optimizer steps; this run has "
+                          f"{total_steps}: {self.describe(total_steps)}. Give start, end and "
+                          f"regrow_end in steps to tie them to no run length", stacklevel=3)
 
     def fractional(self) -> bool:
         """Whether a setting is a fraction of training (its step depends on the run's
@@ -152,7 +157,7 @@ class ScheduledMasks:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.schedule = parse_schedule(*state["schedule"])
         self.last_update, self.target = state["last_update"], state["target"]
-        self.resolved_for = state.get("resolved_for")  # (not kept before 2026-11-26)
+        self.resolved_for = state.get("resolved_for", UNKNOWN)  # (kept from 2026-11-26)
 
 
 class DropAndGrow(ScheduledMasks):

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from sparse_training.engine.protocol import CompressedLayer
-from sparse_training.engine.selection import TensorPlan, plan_model
+from sparse_training.engine.selection import TensorPlan, plan_model, replaced_name, setting_of
 from sparse_training.engine.sharding import is_sharded
 from sparse_training.engine.state import LayerForm, check_compressed
 from sparse_training.kernels.block_sparse import block_grid
@@ -41,7 +41,7 @@ from sparse_training.layers.swap import (
     swap_in,
 )
 from sparse_training.pieces.masks import kept_count, pattern_mask
-from sparse_training.pieces.patterns import Pattern
+from sparse_training.pieces.patterns import Pattern, parse_pattern
 from sparse_training.pieces.scores import DenseWeight
 
 if TYPE_CHECKING:
@@ -178,8 +178,8 @@ def compress_selected(model: nn.Module, config: SparsityConfig,
             reason = swap
         elif (unsupported := pattern_problem(plan.pattern)) is not None:
             reason = unsupported
-        elif (kept_all := _keeps_every_block(plan)) is not None:
-            reason = kept_all
+        elif saved is None and (kept_all := _keeps_every_block(plan)) is not None:
+            reason = kept_all  # (on resume the checkpoint decides)
         elif config.compress == "auto" and saved is None:
             reason = slower_reason(tuple(plan.shape), plan.pattern, 1 - plan.sparsity,
                                    device or module.weight.device,
@@ -283,29 +283,32 @@ def _compressed_layer(linear: nn.Linear, pattern: Pattern, mask: torch.Tensor) -
 
 def held_apart(model: nn.Module, swapped: set[str], config: SparsityConfig) -> str | None:
     """Which compressed layers ``model`` held before this fit's swaps (not in ``swapped``:
-    an earlier fit's, or ``sparsify``'s) keep another pattern, or another count of blocks
-    than ``config``'s uniform target would keep, and so do not follow ``config``; None if
-    none does."""
-    spec, target = config.parsed_pattern.spec, config.sparsity
-    uniform = config.distribution == "uniform" and target is not None
+    an earlier fit's, or ``sparsify``'s) keep another pattern than ``config`` gives them
+    (its overrides included), or another count of blocks than its target keeps (where the
+    target is the tensor's own: not under ERK or global, which weigh the whole model);
+    None if every one follows ``config``."""
     apart = []
     for name, layer in model.named_modules():
         if not isinstance(layer, CompressedLayer) or name in swapped:
             continue
+        weight = f"{name}.{layer.trained_weight}" if name else layer.trained_weight
+        pattern, target = setting_of((weight, replaced_name(weight)), config)
         if isinstance(layer, BlockSparseLinear):
-            r, c = layer.block
-            blocks = layer.block_mask.numel()
+            blocks, (r, c) = layer.block_mask.numel(), layer.block
             own = f"block:{r}x{c}, {layer.nnz} of {blocks} blocks kept"
-            differs = f"block:{r}x{c}" != spec or (uniform and layer.nnz != kept_count(
-                blocks, target))
+            differs = pattern.is_nm or (pattern.block_rows, pattern.block_cols) != (r, c) or (
+                target is not None and layer.nnz != kept_count(blocks, target))
         else:
-            own, differs = str(layer.pattern), layer.pattern != spec
+            own, held = layer.pattern, parse_pattern(layer.pattern)
+            differs = (held.n, held.m, held.transposable) != (pattern.n, pattern.m,
+                                                               pattern.transposable)
         if differs:
-            apart.append(f"{name} ({own})")
+            wanted = pattern.spec + ("" if target is None else f" at sparsity {target:g}")
+            apart.append(f"{name or '(root)'} ({own}; these settings: {wanted})")
     if not apart:
         return None
     shown = ", ".join(apart[:3]) + (f" and {len(apart) - 3} more" if len(apart) > 3 else "")
-    return (f"{len(apart)} layers were compressed before this fit and keep their own blocks, "
-            f"not pattern {spec!r} at sparsity {target}: {shown}. To prune them anew under "
-            f"these settings, densify(model) before the fit")
-
+    held_them = "layer was" if len(apart) == 1 else "layers were"
+    return (f"{len(apart)} {held_them} compressed before this fit and keep their own blocks, "
+            f"not what these settings give them: {shown}. To prune them anew under these "
+            f"settings, densify(model) before the fit")

@@ -131,8 +131,9 @@ class DistillationLoss:
 
     def _head(self, student: Tensor, teacher: Tensor, mask: Tensor | None) -> Tensor:
         dtype = torch.promote_types(student.dtype, torch.float32)
-        s = student.to(dtype) / self.temperature
-        # a class the teacher rules out (-inf) holds probability 0: 0 log 0 = 0, not NaN
+        # a class ruled out (-inf, by the teacher or by both, e.g. a shared vocabulary mask)
+        # holds probability 0 there: 0 log 0 = 0, not NaN
+        s = (student.to(dtype) / self.temperature).clamp_min(MASKED)
         t = (teacher.detach().to(dtype) / self.temperature).clamp_min(MASKED)
         if mask is not None:
             s, t = s.masked_fill(~mask, MASKED), t.masked_fill(~mask, MASKED)

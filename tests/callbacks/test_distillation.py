@@ -79,6 +79,11 @@ def test_a_teacher_logit_of_minus_infinity_is_a_class_of_probability_zero():
     assert float(loss) == pytest.approx(expected, rel=1e-5)
     loss.backward()
     assert torch.isfinite(student.grad).all()
+    both = student.detach().clone()
+    both[0, 2] = both[3, 0] = both[3, 5] = -math.inf  # the student rules them out too
+    shared = DistillationLoss(2.5, hardness=1.0)(both, teacher)
+    assert float(shared) == pytest.approx(reference_kl(both.numpy(), teacher.numpy(), 2.5),
+                                          rel=1e-5)
 
 
 def test_several_heads_average_their_kls_and_low_precision_is_computed_in_float32():

@@ -216,14 +216,24 @@ def test_a_new_callback_on_layers_compressed_before_says_they_keep_their_blocks(
     model, _ = fit(1)  # 0.75: net.0 keeps 1 of 4 blocks, net.2 4 of 16
     again = SparsityCallback(**{**SETTINGS, "sparsity": 0.5, "compress": True})
     with pytest.warns(UserWarning, match=r"2 layers were compressed before this fit and keep "
-                      r"their own blocks, not pattern 'block:16x16' at sparsity 0.5: net.0 "
-                      r"\(block:16x16, 1 of 4 blocks kept\), net.2 \(block:16x16, 4 of 16"):
+                      r"their own blocks, not what these settings give them: net.0 "
+                      r"\(block:16x16, 1 of 4 blocks kept; these settings: block:16x16 at "
+                      r"sparsity 0.5\), net.2 \(block:16x16, 4 of 16 blocks kept; these"):
         make_trainer([again], max_epochs=1).fit(model, make_loader())
     assert model.net[2].nnz == 4
-    same = SparsityCallback(**{**SETTINGS, "compress": True})
+    for settings in (SETTINGS, {**SETTINGS, "pattern": "BLOCK:16x16"}):  # the same settings
+        same = SparsityCallback(**{**settings, "compress": True})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make_trainer([same], max_epochs=1).fit(model, make_loader())
+        assert not [w for w in caught if "compressed before this fit" in str(w.message)]
+    overridden, _ = fit(1, overrides={r"net\.2\.weight": {"sparsity": 0.5}})
+    again = SparsityCallback(**{**SETTINGS, "compress": True,
+                                "overrides": {r"net\.2\.weight": {"sparsity": 0.5}}})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        make_trainer([same], max_epochs=1).fit(model, make_loader())
+        make_trainer([again], max_epochs=1).fit(overridden, make_loader())
+    assert overridden.net[2].nnz == 8
     assert not [w for w in caught if "compressed before this fit" in str(w.message)]
 
 

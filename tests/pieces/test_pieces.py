@@ -186,9 +186,16 @@ def test_a_restored_schedule_resolved_for_another_run_length_warns(settings, len
         messages = [str(w.message) for w in caught]
         assert bool(messages) == warns, messages
         if warns:
-            assert messages[0].startswith("resuming keeps the checkpoint's schedule, resolved "
-                                          "for a run of 100 optimizer steps; this run has 200")
+            assert messages[0].startswith("the schedule resumed (or continued) keeps its "
+                                          "steps, resolved for a run of 100 optimizer steps; "
+                                          "this run has 200")
         assert resumed.schedule == first.schedule
+    legacy = updater()  # a state saved before resolved_for was kept: the length is unknown
+    legacy.load_state_dict({k: v for k, v in saved.items() if k != "resolved_for"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        legacy.start(200)
+    assert legacy.state_dict()["resolved_for"] == -1  # not taken for 200
 
 
 @pytest.mark.parametrize("settings, updater", [
