@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import reporting
 from omegaconf import DictConfig
@@ -41,19 +41,21 @@ def read_results(path: Path) -> tuple[list[dict[str, Any]], dict[str, dict[str, 
         content = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as error:
         raise ConfigError(f"{path} is not a readable squad_sweep results.json: {error}") from error
-    rows, settings = ((content, {}) if isinstance(content, list) else
-                      (content.get("rows"), content.get("settings", {}))
-                      if isinstance(content, dict) else (None, None))
-    bad = ("not a list of rows or a mapping with 'rows'" if not isinstance(rows, list)
-           or not isinstance(settings, dict) else
-           next((f"row {i} has no run name and int seed: {str(row)[:80]}"
-                 for i, row in enumerate(rows) if not isinstance(row, dict)
-                 or not isinstance(row.get("name"), str) or type(row.get("seed")) is not int),
-                None))
-    if bad:
-        raise ConfigError(f"{path} is not a squad_sweep results.json ({bad}): give the "
-                          f"results.json a squad_sweep run wrote")
+    rows, settings = content, {}
+    if isinstance(content, dict):
+        rows, settings = content.get("rows"), content.get("settings", {})
+    if not isinstance(rows, list) or not isinstance(settings, dict):
+        _not_results(path, "not a list of rows or a mapping with 'rows'")
+    for index, row in enumerate(rows):
+        if not (isinstance(row, dict) and isinstance(row.get("name"), str)
+                and type(row.get("seed")) is int):
+            _not_results(path, f"row {index} has no run name and int seed: {str(row)[:80]}")
     return rows, settings
+
+
+def _not_results(path: Path, why: str) -> NoReturn:
+    raise ConfigError(f"{path} is not a squad_sweep results.json ({why}): give the "
+                      f"results.json a squad_sweep run wrote")
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:

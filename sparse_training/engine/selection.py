@@ -81,6 +81,13 @@ class TensorPlan:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def block_count(self) -> int:
+        """The blocks of its pattern in the tensor's 2-D view (overhanging ones included):
+        what a block target's kept count rounds (a selected tensor's)."""
+        cols = self.shape[self.input_dim]
+        return math.prod(block_grid(self.numel // cols, cols, self.pattern))
+
 
 def block_of(name: str) -> str:
     """The ``dense_ratio`` block a tensor belongs to: its name up to the first all-digit
@@ -160,8 +167,7 @@ def _empty_problem(plan: TensorPlan) -> str | None:
     pattern, target = plan.pattern, plan.sparsity
     if pattern.is_nm or target is None:
         return None
-    matrix = (math.prod(plan.shape) // plan.shape[plan.input_dim], plan.shape[plan.input_dim])
-    blocks = math.prod(block_grid(*matrix, pattern))
+    blocks = plan.block_count
     if kept_count(blocks, target) > 0:
         return None
     unit = "weights" if pattern.block_rows * pattern.block_cols == 1 else "blocks"

@@ -19,7 +19,6 @@ tensor. On resume the checkpoint decides: its compressed layers, with its masks.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -126,13 +125,10 @@ def _keeps_every_block(plan: TensorPlan) -> str | None:
     """Why a block-pattern tensor stays masked-dense because its target prunes no block
     (a compressed layer would hold every block, for nothing), or None."""
     pattern, target = plan.pattern, plan.sparsity
-    if pattern.is_nm or not target or len(plan.shape) != 2:
+    if pattern.is_nm or not target or kept_count(plan.block_count, target) < plan.block_count:
         return None
-    block = (pattern.block_rows, pattern.block_cols)
-    blocks = math.prod(block_grid(*plan.shape, block))
-    if kept_count(blocks, target) < blocks:
-        return None
-    return nothing_pruned(plan.shape, block, f"sparsity {target:g}")
+    return nothing_pruned(plan.shape, (pattern.block_rows, pattern.block_cols),
+                          f"sparsity {target:g}")
 
 
 def compress_selected(model: nn.Module, config: SparsityConfig,
