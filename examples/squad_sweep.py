@@ -53,6 +53,7 @@ from sparse_training import (
 )
 from sparse_training.engine.protocol import CompressedLayer
 from sparse_training.permutations import permute_channels
+from sparse_training.pieces.training_scores import TrainingScore
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "squad.yaml"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # training, scoring, the permutation search
@@ -254,9 +255,11 @@ def run(cfg: DictConfig, spec: DictConfig, seed: Seed, group: str) -> dict[str, 
         report = permute_channels(model.bert.to(DEVICE), kwargs["pattern"], seed=seed.seed)
         before = sum(r["kept_before"] for r in report)
         row["kept_magnitude_gain"] = round(sum(r["kept_after"] for r in report) / before - 1, 5)
-    if spec.init == "dense" and kwargs:  # one-shot F1: pruned at once, before training
+    config = SparsityConfig(**kwargs) if kwargs else None
+    # one-shot F1: pruned at once, before training (a training score has nothing to rank yet)
+    if spec.init == "dense" and config and not isinstance(config.parsed_score, TrainingScore):
         pruned = copy.deepcopy(model)
-        engine = SparsityEngine(pruned, SparsityConfig(**kwargs))
+        engine = SparsityEngine(pruned, config)
         engine.prune()
         engine.detach()
         row.update({f"pruned_{k}": round(v, 3) for k, v in evaluate(pruned, seed.data, cfg).items()})

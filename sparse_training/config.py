@@ -34,11 +34,18 @@ from sparse_training.pieces.regrowth import (
     SparseRefinement,
 )
 from sparse_training.pieces.schedules import Gradual, Schedule, Step, check_step, parse_schedule
+from sparse_training.pieces.score_registry import (
+    TRAINING_SCORES,
+    parse_training_score,
+    score_setting,
+)
 from sparse_training.pieces.scores import GradientScore, MagnitudeScore, RandomScore, Score
+from sparse_training.pieces.training_scores import TrainingScore
 
 OVERRIDE_KEYS = ("sparsity", "pattern")
 COMPRESS = ("auto", True, False)
-SCORES = ("magnitude", "random")
+SCORES = ("magnitude", "random", *TRAINING_SCORES)
+ScoreSetting = str | Mapping[str, Any] | TrainingScore
 REGROW = ("rigl", "set", "sr-ste")
 FUSED = ("auto", True, False)
 LayerTypes = type[nn.Module] | str | Sequence[type[nn.Module] | str]
@@ -181,8 +188,16 @@ class SparsityConfig:
         layer_types: module classes whose weight tensors may be masked (every parameter of
             two or more dimensions they own); classes, ``torch.nn`` names or import paths.
         log_layers: also log ``sparsity/<tensor>`` for every selected tensor.
-        score: what the schedule's mask updates keep: "magnitude" (largest |w|) or
-            "random" (a random mask seeded by (seed, step): static sparse training).
+        score: what the schedule's mask updates keep (and regrowth drops last):
+            "magnitude" (largest |w|), "random" (a random mask seeded by (seed, step):
+            static sparse training), or a score that learns from training
+            (:mod:`sparse_training.pieces.training_scores`): "movement" (Sanh et al.
+            2020), "soft-movement" (learned scores), "second-order" (oBERT's, Kurtic et
+            al. 2022); with options as a mapping (``{"name": "second-order",
+            "block_size": 50}``) or a piece (``SecondOrderScore(damp=1e-3)``). A training
+            score needs training steps before it ranks: its first update must come after
+            step 0 (a gradual schedule, or ``start`` > 0), except under regrowth, whose
+            first mask at step 0 keeps the largest |w|.
         regrow: None | "rigl" | "set" | "sr-ste" (:mod:`sparse_training.pieces.regrowth`).
         regrow_fraction: alpha, the share of active weights swapped at the first update.
         regrow_end: no more regrowth from this step (int) or fraction (float) on.
@@ -216,7 +231,7 @@ class SparsityConfig:
     distribution: str = "uniform"
     layer_types: LayerTypes = DEFAULT_LAYER_TYPES
     log_layers: bool = False
-    score: str = "magnitude"
+    score: ScoreSetting = "magnitude"
     regrow: str | None = None
     regrow_fraction: float = DEFAULT_ALPHA
     regrow_end: Step = DEFAULT_REGROW_END
@@ -229,7 +244,7 @@ class SparsityConfig:
     parsed_schedule: Schedule = field(init=False, repr=False, compare=False)
     parsed_overrides: dict[str, LayerOverride] = field(init=False, repr=False, compare=False)
     parsed_distribution: Distribution = field(init=False, repr=False, compare=False)
-    parsed_score: Score = field(init=False, repr=False, compare=False)
+    parsed_score: Score | TrainingScore = field(init=False, repr=False, compare=False)
     parsed_regrowth: Regrowth | None = field(init=False, repr=False, compare=False)
     parsed_refinement: SparseRefinement | None = field(init=False, repr=False, compare=False)
 
@@ -266,6 +281,7 @@ class SparsityConfig:
         set_(self, "parsed_pattern", pattern)
         set_(self, "parsed_overrides", _parse_overrides(self.overrides))
         self._check_overrides(pattern)
+        self._check_units(pattern)
         set_(self, "parsed_schedule", parse_schedule(self.schedule, self.start, self.end,
                                                      self.frequency))
         self._warn_about_unread_options()
@@ -280,8 +296,8 @@ class SparsityConfig:
         set_ = object.__setattr__
         set_(self, "parsed_distribution", DISTRIBUTIONS[self.distribution])
         seed = int(self.seed)
-        set_(self, "parsed_score", RandomScore(seed) if self.score == "random"
-             else MagnitudeScore())
+        set_(self, "parsed_score", parse_training_score(self.score) or (
+            RandomScore(seed) if self.score == "random" else MagnitudeScore()))
         grow = {"rigl": GradientScore(), "set": RandomScore(seed)}.get(self.regrow)
         set_(self, "parsed_regrowth", None if grow is None else Regrowth(
             self.regrow, grow, float(self.regrow_fraction),
@@ -328,7 +344,7 @@ class SparsityConfig:
     def _check_regrowth(self, pattern: Pattern) -> None:
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
-        _check_choice(self.score, "score", SCORES)
+        self._check_score()
         if self.score == "random" and self.schedule not in ("oneshot", "constant"):
             raise ValueError(f"score='random' draws one random mask; it needs schedule "
                              f"'oneshot' or 'constant', got {self.schedule!r} (a gradual "
@@ -355,6 +371,45 @@ class SparsityConfig:
                 or self.sr_ste_decay < 0):
             raise ValueError(f"sr_ste_decay must be a finite number >= 0, got "
                              f"{self.sr_ste_decay!r}")
+
+    def _check_units(self, pattern: Pattern) -> None:
+        """Unit patterns (heads, neurons) tie several tensors to one choice of units: one
+        target per block, units that stay put."""
+        for where, unit in [("pattern", pattern), *(
+                (f"overrides[{regex!r}]", o.pattern)
+                for regex, o in self.parsed_overrides.items())]:
+            if unit is None or not unit.is_unit:
+                continue
+            if self.distribution != "uniform":
+                raise ValueError(f"{where} {unit.spec!r} prunes the same share of units in "
+                                 f"every block; distribution {self.distribution!r} would give "
+                                 f"the tensors of one block different targets: use 'uniform'")
+            if self.regrow is not None:
+                raise ValueError(f"{where} {unit.spec!r}: regrow={self.regrow!r} moves "
+                                 f"entries of single tensors, not whole units; leave regrow "
+                                 f"None")
+
+    def _check_score(self) -> None:
+        """A score that names one, and a training score that has steps to learn from."""
+        try:
+            training = parse_training_score(self.score)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"score {self.score!r}: {error}") from None
+        if training is None:
+            if not isinstance(self.score, str) or self.score not in SCORES:
+                raise ValueError(f"unknown score {self.score!r}; valid: "
+                                 f"{', '.join(map(repr, SCORES))}, a mapping {{'name': ..., "
+                                 f"options}} or a training score piece")
+            return
+        if self.regrow == "sr-ste":
+            raise ValueError(f"score {training.name!r} with regrow='sr-ste': SR-STE re-derives "
+                             f"its N:M masks from |w| at every step; use score='magnitude'")
+        start = check_step(self.start, "start")
+        if self.schedule in ("oneshot", "constant") and start == 0 and self.regrow is None:
+            raise ValueError(f"score {training.name!r} ranks what training observed, but "
+                             f"schedule={self.schedule!r} at start=0 makes its only mask "
+                             f"before the first step: start later (e.g. start=0.1), use a "
+                             f"gradual schedule ('gmp'), or score='magnitude'")
 
     def _warn_about_unread_options(self) -> None:
         """Settings that the chosen ``regrow`` and schedule never read are said, not dropped
@@ -425,6 +480,8 @@ class SparsityConfig:
         plain["pattern"] = self.parsed_pattern.spec  # " 2:4" and "2:4" are one pattern
         plain["layer_types"] = [f"{t.__module__}.{t.__qualname__}" for t in self.layer_types]
         plain["allow"], plain["deny"] = list(self.allow), list(self.deny)
+        if isinstance(self.parsed_score, TrainingScore):
+            plain["score"] = score_setting(self.parsed_score)
         plain["overrides"] = {k: {**v, **({"pattern": o.pattern.spec} if o.pattern else {})}
                               for (k, v), o in zip((self.overrides or {}).items(),
                                                    self.parsed_overrides.values(), strict=True)}

@@ -18,7 +18,12 @@ from torch import nn
 from torch.optim import Optimizer
 
 from sparse_training.callbacks.resume import read_callback_states, resume_path
-from sparse_training.config import DEFAULT_LAYER_TYPES, LayerTypes, SparsityConfig
+from sparse_training.config import (
+    DEFAULT_LAYER_TYPES,
+    LayerTypes,
+    ScoreSetting,
+    SparsityConfig,
+)
 from sparse_training.engine import SparsityEngine
 from sparse_training.engine.distributed import keep_masks_out_of_buffer_broadcast
 from sparse_training.engine.optimizer_hooks import fused_problem, optimizer_problem
@@ -96,7 +101,8 @@ class SparsityCallback(Callback):
                  deny: Sequence[str] | None = None, dense_ratio: float = 0.0,
                  overrides: Mapping[str, Mapping[str, str | float]] | None = None,
                  distribution: str = "uniform", layer_types: LayerTypes = DEFAULT_LAYER_TYPES,
-                 log_layers: bool = False, score: str = "magnitude", regrow: str | None = None,
+                 log_layers: bool = False, score: ScoreSetting = "magnitude",
+                 regrow: str | None = None,
                  regrow_fraction: float = DEFAULT_ALPHA, regrow_end: Step = DEFAULT_REGROW_END,
                  sr_ste_decay: float = DEFAULT_SR_STE_DECAY, seed: int = 0,
                  check_masks: bool = True, fused: bool | str = "auto",

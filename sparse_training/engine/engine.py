@@ -37,6 +37,7 @@ from torch.optim import Optimizer
 from sparse_training.config import SparsityConfig
 from sparse_training.engine import ownership
 from sparse_training.engine.distributed import sharding_problem
+from sparse_training.engine.dynamic import make_updater
 from sparse_training.engine.optimizer_hooks import (
     Attached,
     after_step,
@@ -50,7 +51,6 @@ from sparse_training.engine.slot_set import SlotSet
 from sparse_training.engine.slots import MaskedSlot
 from sparse_training.engine.state import FORMAT, checked_masks, pack_compressed, pack_masks
 from sparse_training.engine.tensors import original_class, zeros_problem
-from sparse_training.engine.updaters import make_updater
 
 
 class SparsityEngine(SlotSet):
@@ -160,6 +160,8 @@ class SparsityEngine(SlotSet):
         it the checkpoint's)."""
         self.updater.load_state_dict(state["updater"])
         self.set_masks({**masks, **compressed}, step=None, broadcast=False, check=False)
+        if self.updater.statistics is not None and "statistics" in state:
+            self.updater.statistics.load_state_dict(state["statistics"], self.slots)
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, total_steps: int | None) -> None:
@@ -223,7 +225,9 @@ class SparsityEngine(SlotSet):
         of a trained model, without a training loop.
 
         Raises:
-            ValueError: ``fraction`` not a number in [0, 1] (before any mask changes).
+            ValueError: ``fraction`` not a number in [0, 1], or a training score (movement,
+                second order) that has observed no training step of some tensor; before
+                any mask changes.
         """
         if (isinstance(fraction, bool) or not isinstance(fraction, numbers.Real)
                 or not 0.0 <= fraction <= 1.0):
@@ -309,12 +313,15 @@ class SparsityEngine(SlotSet):
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Masks (bit-packed; the compressed layers' too), the settings that made them and
-        the updater's progress; random draws depend on (seed, step) only, so no generator
-        state is needed."""
-        return {"format": FORMAT, "settings": self.config.as_dict(),
-                "masks": pack_masks(self.masked), "compressed": pack_compressed(self.compressed),
-                "updater": self.updater.state_dict()}
+        """Masks (bit-packed; the compressed layers' too), the settings that made them, the
+        updater's progress and a training score's statistics; random draws depend on
+        (seed, step) only, so no generator state is needed."""
+        state = {"format": FORMAT, "settings": self.config.as_dict(),
+                 "masks": pack_masks(self.masked), "compressed": pack_compressed(self.compressed),
+                 "updater": self.updater.state_dict()}
+        if self.updater.statistics is not None:  # a training score's: what it observed
+            state["statistics"] = self.updater.statistics.state_dict(self.slots)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`; everything is checked before anything changes.

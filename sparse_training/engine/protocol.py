@@ -10,7 +10,7 @@ the engine, in :mod:`sparse_training.layers`, and hands the engine its slot
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple, Protocol
 
 import torch
@@ -102,18 +102,24 @@ class Slot(Protocol):
         """The mask of the whole tensor (gathered when sharded: a collective)."""
 
     def set_mask(self, mask: Tensor, optimizers: Iterable[Optimizer] = (),
-                 reset_state: bool = True, gradient: Tensor | None = None) -> None:
+                 reset_state: bool = True, gradient: Tensor | None = None,
+                 carried: Sequence[Tensor] = ()) -> None:
         """Install the whole tensor's ``mask`` and write the weight under it; with
         ``reset_state``, the state of ``optimizers`` restarts (zero) wherever a position is
-        not kept in both masks, and a moved block takes its block of ``gradient``."""
+        not kept in both masks, and a moved block takes its block of ``gradient``;
+        ``carried`` tensors (a training score's statistics, dim 0 the local tensor's rows)
+        follow the mask as that state does."""
 
     def sparsity(self, kept: int) -> float:
         """The fraction of the dense weight's entries that are zero, its mask keeping
         ``kept`` entries (:func:`~sparse_training.engine.slots.whole_counts`)."""
 
     # -- regrowth ---------------------------------------------------------------------------
-    def drop_scores(self) -> Tensor:
-        """What drop ranks, shaped like :meth:`full_mask` (|w| of the whole tensor)."""
+    def drop_scores(self, scores: Tensor | None = None) -> Tensor:
+        """What drop ranks, shaped like :meth:`full_mask`: the whole weight (drop ranks its
+        ``|w|``), or the whole of ``scores``, given shaped like the local tensor the
+        optimizer steps on (a training score's ranks), summed over each entry of the mask
+        as ``|w|`` is."""
 
     def grow_scores(self, scores: Tensor) -> Tensor:
         """Dense-shaped ``scores`` as grow ranks them, shaped like :meth:`full_mask`."""

@@ -16,7 +16,12 @@ dimensions, tied ones once), in this order:
    task head or a pooler, is one block); compressed layers that rules 1-3 would leave
    eligible count as the blocks they are in, so the same blocks stay dense before and
    after compression;
-6. **shape**: a tensor whose 2-D view cannot take its N:M pattern (block patterns take
+6. **units**: under a unit pattern (``"head"``, ``"neuron"``) a tensor is selected when it
+   is a member of a recognized attention or FFN block
+   (:func:`~sparse_training.engine.structure.find_units`): it takes the block pattern of
+   its share, tied to the other selected members of its block, which must share one
+   target;
+7. **shape**: a tensor whose 2-D view cannot take its N:M pattern (block patterns take
    any shape, the last blocks overhanging), or whose target keeps none of its blocks,
    stays dense, and so does a task head: fewer outputs than M under N:M (a 2-output QA
    head), fewer rows than the block under a block pattern. A tensor named by ``allow`` or
@@ -42,10 +47,18 @@ from torch import nn
 
 from sparse_training.config import DEFAULT_LAYER_TYPES, LayerOverride, SparsityConfig
 from sparse_training.engine.protocol import CompressedLayer
+from sparse_training.engine.structure import (
+    Units,
+    check_unit_rows,
+    find_units,
+    not_a_member,
+    tie_of,
+)
 from sparse_training.engine.tensors import WeightTensor, find_weight_tensors
 from sparse_training.pieces.distributions import DISTRIBUTIONS, Distribution, Uniform
 from sparse_training.pieces.masks import as_matrix, block_grid, kept_count, view_shape_problem
 from sparse_training.pieces.patterns import Pattern, parse_pattern
+from sparse_training.pieces.units import UnitTie
 
 
 @dataclass(frozen=True)
@@ -62,6 +75,8 @@ class TensorPlan:
         sparsity: final target; None under the global distribution.
         input_dim: where the tensor stores its input dimension (1: ``(out, in, ...)``, 0:
             ``(in, out, ...)``, HF ``Conv1D``), which its masks group along.
+        tie: under a unit pattern, the tensor's share of its heads or neurons (``pattern``
+            is then the block pattern of that share), else None.
     """
 
     names: tuple[str, ...]
@@ -72,6 +87,7 @@ class TensorPlan:
     pattern: Pattern | None = None
     sparsity: float | None = None
     input_dim: int = 1
+    tie: UnitTie | None = None
 
     @property
     def name(self) -> str:
@@ -167,10 +183,11 @@ def _empty_problem(plan: TensorPlan) -> str | None:
     pattern, target = plan.pattern, plan.sparsity
     if pattern.is_nm or target is None:
         return None
-    blocks = plan.block_count
+    blocks = plan.block_count if plan.tie is None else plan.tie.units
     if kept_count(blocks, target) > 0:
         return None
-    unit = "weights" if pattern.block_rows * pattern.block_cols == 1 else "blocks"
+    unit = (f"{plan.tie.kind}s" if plan.tie is not None else "weights"
+            if pattern.block_rows * pattern.block_cols == 1 else "blocks")
     return (f"pattern {pattern.spec!r} at sparsity {target:g} keeps none of its {blocks} "
             f"{unit} (round({target:g} x {blocks}) = {blocks} pruned): the tensor would be "
             f"all zeros")
@@ -274,15 +291,21 @@ def plan_tensors(
     dense_ratio: float = 0.0,
     overrides: Mapping[str, LayerOverride] | None = None,
     distribution: Distribution = DISTRIBUTIONS["uniform"],
+    units: Mapping[int | None, Units] | None = None,
 ) -> list[TensorPlan]:
     """Decide, for every weight tensor, whether and how it is masked (module docstring).
+
+    ``units`` are the model's heads and neurons (:func:`~sparse_training.engine.structure.
+    find_units`) by the head size of the unit patterns in use (None: the model's own).
 
     Raises:
         ValueError: an ``allow``, ``deny`` or ``overrides`` regex that matches no weight
             tensor, an ``allow``/``overrides`` regex that reaches no eligible one or (an
             override) is taken over by an earlier one, tied names given different
-            settings, or a tensor named by ``allow``/``overrides`` that cannot take its
-            pattern or would keep no block; all before anything changes.
+            settings, a tensor named by ``allow``/``overrides`` that cannot take its
+            pattern or would keep no block, a unit pattern that finds no unit, or the
+            members of one unit block given different targets; all before anything
+            changes.
     """
     overrides = dict(overrides or {})
     all_names = [n for t in tensors for n in searched_names(t)]
@@ -291,11 +314,11 @@ def plan_tensors(
     _check_every_regex_matches("overrides", list(overrides), all_names)
 
     def row(tensor: WeightTensor, selected: bool, reason: str, layer_pattern=None,
-            target=None) -> TensorPlan:
+            target=None, tie=None) -> TensorPlan:
         if len(tensor.names) > 1:
             reason += f" (tied: {', '.join(tensor.names[1:])})"
         return TensorPlan(tensor.names, tensor.kind, tuple(tensor.param.shape), selected,
-                          reason, layer_pattern, target, tensor.input_dim)
+                          reason, layer_pattern, target, tensor.input_dim, tie)
 
     rows: list[TensorPlan | None] = []
     eligible: list[int] = []
@@ -346,6 +369,17 @@ def plan_tensors(
                               f"{len(dense_blocks)} of {len(blocks)} blocks")
         elif override.sparsity == 0.0:
             rows[index] = row(tensor, False, f"override {override_regex!r}: sparsity 0")
+        elif layer_pattern.is_unit:
+            tie = tie_of(tensor.names, layer_pattern, (units or {}).get(layer_pattern.unit_size))
+            if tie is None and index in named:
+                raise ValueError(f"tensor {tensor.name!r} was asked for by name but "
+                                 f"{not_a_member(layer_pattern)}")
+            target = sparsity if override.sparsity is None else override.sparsity
+            rows[index] = row(tensor, False, not_a_member(layer_pattern)) if tie is None else (
+                row(tensor, True, f"override {override_regex!r}" if override_regex else
+                    f"selected ({tie.kind} of {tie.group})",
+                    tie.block_pattern(as_matrix(tensor.param, tensor.input_dim).shape),
+                    target, tie))
         elif problem := _layout_problem(tensor, layer_pattern):
             raise ValueError(problem)
         elif (problem := _shape_problem(tensor, layer_pattern)) and index in named:
@@ -366,6 +400,8 @@ def plan_tensors(
             rows[index] = row(tensor, True, "selected", layer_pattern,
                               _final_sparsity(layer_pattern, sparsity))
 
+    check_unit_rows([rows[i] for i in eligible], [pattern, *(
+        o.pattern for o in overrides.values() if o.pattern is not None)])
     if following and not pattern.is_nm:
         targets = distribution([rows[i].shape for i in following], sparsity)
         for index, target in zip(following, targets, strict=True):
@@ -385,11 +421,15 @@ def plan_model(model: nn.Module, config: SparsityConfig
                ) -> tuple[list[WeightTensor], list[TensorPlan]]:
     """The weight tensors of ``model`` and their plans under ``config``'s selection."""
     tensors = find_weight_tensors(model)
+    patterns = [config.parsed_pattern, *(o.pattern for o in config.parsed_overrides.values()
+                                         if o.pattern is not None)]
+    units = {size: find_units(model, tensors, size)
+             for size in {p.unit_size for p in patterns if p.is_unit}}
     return tensors, plan_tensors(
         tensors, pattern=config.parsed_pattern, sparsity=config.sparsity,
         layer_types=config.layer_types, allow=config.allow, deny=config.deny,
         dense_ratio=config.dense_ratio, overrides=config.parsed_overrides,
-        distribution=config.parsed_distribution)
+        distribution=config.parsed_distribution, units=units)
 
 
 def format_table(plans: Sequence[TensorPlan]) -> str:
@@ -402,8 +442,10 @@ def format_table(plans: Sequence[TensorPlan]) -> str:
             target = density = "global"
         else:
             target, density = f"{p.sparsity:.4f}", f"{1 - p.sparsity:.4f}"
-        lines.append((p.name, p.kind, "x".join(map(str, p.shape)),
-                      p.pattern.spec if p.pattern else "-", target, density, p.reason))
+        spec = "-" if p.pattern is None else p.pattern.spec if p.tie is None else (
+            f"{p.tie.kind} ({p.pattern.spec})")
+        lines.append((p.name, p.kind, "x".join(map(str, p.shape)), spec, target, density,
+                      p.reason))
     return text_table(("tensor", "type", "shape", "pattern", "sparsity", "density", "decision"),
                       lines)
 

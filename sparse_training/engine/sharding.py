@@ -125,3 +125,33 @@ def totals_like(shard_sums: Sequence[Tensor], likes: Sequence[Tensor]) -> Tensor
                 dist.all_reduce(part, group=mesh.get_group(dim))
         totals[index] = part
     return totals
+
+
+@torch.no_grad()
+def gather_rows(shard: Tensor, like: Tensor) -> Tensor:
+    """The whole of a tensor kept per rank with the rows (dim 0) of the DTensor ``like``'s
+    local shard, any trailing shape (an all-gather): ``shard`` itself where ``like`` is not
+    sharded."""
+    if not is_sharded(like):
+        return shard
+    whole = (like.shape[0], *shard.shape[1:])
+    return DTensor.from_local(shard.contiguous(), like.device_mesh, like.placements,
+                              shape=whole, stride=_contiguous_strides(whole)).full_tensor()
+
+
+def shard_rows(whole: Tensor, like: Tensor) -> Tensor:
+    """This rank's rows of ``whole`` (dim 0 split as the DTensor ``like``'s), nothing sent:
+    ``whole`` itself where ``like`` is not sharded."""
+    if not is_sharded(like):
+        return whole
+    shard = distribute_tensor(whole.to(local(like).device), like.device_mesh, like.placements,
+                              src_data_rank=None)
+    return shard.to_local().contiguous()
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))

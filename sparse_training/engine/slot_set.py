@@ -100,19 +100,22 @@ class SlotSet:
     @torch.no_grad()
     def set_masks(self, new_masks: dict[str, Tensor], step: int | None, broadcast: bool,
                   reset_state: bool = True, check: bool = True,
-                  gradients: dict[str, Tensor] | None = None) -> None:
+                  gradients: dict[str, Tensor] | None = None,
+                  carried: dict[str, list[Tensor]] | None = None) -> None:
         """Install masks (keyed by tensor name; of the whole tensors, sharded ones too; a
         block layer's block grid) through each slot (:meth:`Slot.set_mask
         <sparse_training.engine.protocol.Slot.set_mask>`): the weights follow, and, with
         ``reset_state``, the optimizer state restarts wherever a position is not kept in
-        both the old and the new mask; a moved block takes its block of ``gradients``.
+        both the old and the new mask; a moved block takes its block of ``gradients``, and
+        the ``carried`` tensors of a slot (a training score's statistics) follow its mask.
         Under torch.distributed, rank 0's masks are broadcast (``broadcast``) and checksums
         compared (``check`` and :attr:`check_masks`) of the new masks and of every
         unsharded masked-dense one."""
-        gradients = gradients or {}
+        gradients, carried = gradients or {}, carried or {}
         for slot in self.slots:
             if (new := new_masks.get(slot.name)) is not None:
-                slot.set_mask(new, self._attached, reset_state, gradients.get(slot.name))
+                slot.set_mask(new, self._attached, reset_state, gradients.get(slot.name),
+                              carried.get(slot.name, ()))
         self.recount()
         if check:
             check_across_ranks([s for s in self.slots if s.name in new_masks

@@ -131,12 +131,13 @@ class MaskedSlot:
 
     @torch.no_grad()
     def set_mask(self, mask: Tensor, optimizers: Iterable[Optimizer] = (),
-                 reset_state: bool = True, gradient: Tensor | None = None) -> None:
+                 reset_state: bool = True, gradient: Tensor | None = None,
+                 carried: Sequence[Tensor] = ()) -> None:
         """Install ``mask``, the whole tensor's (this rank keeps its shard of it), and zero
-        the pruned weights; with ``reset_state``, the state of ``optimizers`` restarts
-        (zero) wherever a position is not kept in both the old and the new mask (pruned,
-        or grown and so starting from zero). A grown weight's gradient is its own:
-        ``gradient`` is not needed."""
+        the pruned weights; with ``reset_state``, the state of ``optimizers`` and the
+        ``carried`` tensors restart (zero) wherever a position is not kept in both the old
+        and the new mask (pruned, or grown and so starting from zero). A grown weight's
+        gradient is its own: ``gradient`` is not needed."""
         if self.sharded:
             mask = shard_like(mask, self.param)
         restart = ~(mask & self.mask)
@@ -146,6 +147,8 @@ class MaskedSlot:
             for optimizer in optimizers:
                 for value in self.state_tensors(optimizer):
                     value.masked_fill_(restart, 0)
+            for value in carried:
+                value.masked_fill_(restart, 0)
 
     def sparsity(self, kept: int) -> float:
         return 1.0 - kept / self.numel
@@ -174,9 +177,12 @@ class MaskedSlot:
     def gradient_ready(self) -> bool:
         return self.param.grad is not None
 
-    def drop_scores(self) -> Tensor:
-        """The whole weight (drop ranks its ``|w|``)."""
-        return self.full_param()
+    def drop_scores(self, scores: Tensor | None = None) -> Tensor:
+        """The whole weight (drop ranks its ``|w|``), or the whole of the local-shaped
+        ``scores``."""
+        if scores is None:
+            return self.full_param()
+        return gather_like(scores, self.param) if self.sharded else scores
 
     def grow_scores(self, scores: Tensor) -> Tensor:
         """``scores`` as they are: the mask is the weight's."""

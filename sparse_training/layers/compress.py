@@ -42,6 +42,7 @@ from sparse_training.layers.swap import (
 from sparse_training.pieces.masks import kept_count, pattern_mask
 from sparse_training.pieces.patterns import Pattern, parse_pattern
 from sparse_training.pieces.scores import DenseWeight
+from sparse_training.pieces.training_scores import TrainingScore
 
 if TYPE_CHECKING:
     from sparse_training.config import SparsityConfig
@@ -116,8 +117,10 @@ _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
 def _first_mask(weight: torch.Tensor, plan: TensorPlan, index: int,
                 config: SparsityConfig) -> torch.Tensor:
     """The mask the masked-dense engine would set at step 0: the pattern's mask of the
-    config's score of the ``index``-th selected tensor (``ScheduledMasks.score``)."""
-    score = config.parsed_score(DenseWeight(weight), 0, index)
+    config's score of the ``index``-th selected tensor (``ScheduledMasks.score``; a
+    training score has observed nothing at step 0: the largest |w|, as its updater keeps)."""
+    score = None if isinstance(config.parsed_score, TrainingScore) else (
+        config.parsed_score(DenseWeight(weight), 0, index))
     return pattern_mask(weight.detach(), plan.pattern, plan.sparsity, score)
 
 

@@ -19,7 +19,7 @@ ranks RigL's growth and is the first gradient of every grown block (RigL and SET
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from sparse_training.engine.protocol import CompressedLayer, LayerForm
-from sparse_training.engine.sharding import copy_whole, full
+from sparse_training.engine.sharding import copy_whole, full, gather_rows, shard_rows
 from sparse_training.engine.slots import state_tensors
 from sparse_training.kernels.block_sparse import dense_to_values
 from sparse_training.layers.blocks import gather_blocks
@@ -221,13 +221,24 @@ class BlockSparseSlot(CompressedSlot):
 
     def magnitudes(self) -> Tensor:
         """Float32 ``(block_rows, block_cols)`` sums of ``|w|`` per block, zero where none."""
-        topology = self.layer.topology
-        grid = torch.zeros(self.mask.shape, device=self.mask.device)
-        grid[topology.row_indices.long(), topology.col_indices.long()] = (
-            full(self.param).detach().abs().float().sum((1, 2)))
-        return grid
+        return self._grid(full(self.param).detach().abs().float())
 
-    held = drop_scores = magnitudes
+    held = magnitudes
+
+    def drop_scores(self, scores: Tensor | None = None) -> Tensor:
+        """The grid of ``|w|`` sums per block, or of the sums of ``scores`` (shaped like the
+        local values: a training score's ranks; zero where no block is kept)."""
+        if scores is None:
+            return self.magnitudes()
+        return self._grid(gather_rows(scores, self.param))
+
+    def _grid(self, per_value: Tensor) -> Tensor:
+        """The ``(block_rows, block_cols)`` grid of the sums of ``per_value`` (shaped like
+        the whole values) over each kept block, zero where none."""
+        topology = self.layer.topology
+        grid = torch.zeros(self.mask.shape, dtype=per_value.dtype, device=self.mask.device)
+        grid[topology.row_indices.long(), topology.col_indices.long()] = per_value.sum((1, 2))
+        return grid
 
     def forward_weight(self) -> Tensor:
         """The dense weight, zeros at dropped blocks (differentiable in ``values``)."""
@@ -240,12 +251,14 @@ class BlockSparseSlot(CompressedSlot):
 
     @torch.no_grad()
     def set_mask(self, mask: Tensor, optimizers: Iterable[Optimizer] = (),
-                 reset_state: bool = True, gradient: Tensor | None = None) -> None:
+                 reset_state: bool = True, gradient: Tensor | None = None,
+                 carried: Sequence[Tensor] = ()) -> None:
         """Keep the blocks of the grid ``mask`` (same count) where it differs from the
         layer's, between backward and the optimizer step: a block kept before keeps its
-        values, gradient and optimizer state; a newly kept block starts with zero values
-        and state and takes its block of the dense ``gradient`` (zero without one), as a
-        grown masked-dense weight does."""
+        values, gradient, optimizer state and ``carried`` tensors (shaped like the local
+        values); a newly kept block starts with zero values, state and carried tensors and
+        takes its block of the dense ``gradient`` (zero without one), as a grown
+        masked-dense weight does."""
         if torch.equal(mask.to(self.mask.device), self.mask):
             return
         sources = self.layer.block_sources(mask)
@@ -262,6 +275,9 @@ class BlockSparseSlot(CompressedSlot):
         for optimizer in optimizers:
             for state in state_tensors(optimizer, self.param):
                 copy_whole(state, gather_blocks(full(state), sources))
+        for value in carried:
+            value.copy_(shard_rows(gather_blocks(gather_rows(value, self.param), sources),
+                                   self.param))
 
 
 class SemiStructuredSlot(CompressedSlot):
@@ -299,8 +315,8 @@ class SemiStructuredSlot(CompressedSlot):
         """The weight under its mask."""
         return self.layer.weight * self.mask
 
-    def drop_scores(self) -> Tensor:
-        return self.param.detach()
+    def drop_scores(self, scores: Tensor | None = None) -> Tensor:
+        return self.param.detach() if scores is None else scores
 
     def grow_scores(self, scores: Tensor) -> Tensor:
         return scores
@@ -311,18 +327,20 @@ class SemiStructuredSlot(CompressedSlot):
 
     @torch.no_grad()
     def set_mask(self, mask: Tensor, optimizers: Iterable[Optimizer] = (),
-                 reset_state: bool = True, gradient: Tensor | None = None) -> None:
+                 reset_state: bool = True, gradient: Tensor | None = None,
+                 carried: Sequence[Tensor] = ()) -> None:
         """Keep the 2:4 ``mask``: the layer zeroes its pruned weights
         (``SemiStructuredLinear.set_mask``), and, with ``reset_state``, their optimizer
-        state restarts wherever a position is not kept in both masks."""
+        state and the ``carried`` tensors restart wherever a position is not kept in both
+        masks."""
         if torch.equal(mask, self.mask):
             return
         restart = ~(mask & self.mask)
         self.layer.set_mask(mask)
         if reset_state:
-            for optimizer in optimizers:
-                for state in state_tensors(optimizer, self.param):
-                    state.masked_fill_(restart, 0)
+            states = [s for o in optimizers for s in state_tensors(o, self.param)]
+            for state in [*states, *carried]:
+                state.masked_fill_(restart, 0)
 
     def attach(self, optimizer: Optimizer, dense_state: bool) -> None:
         """The optimizer step masks the gradient from now on: the layer need not."""

@@ -18,7 +18,19 @@ spec                        meaning
 ``"block:RxC+N:M"``         N of every M consecutive blocks along the input
                             dimension kept (nmSPARSE's block-wise N:M)
 ``"vector:V+N:M"``          the same with ``Vx1`` blocks (vector-wise N:M)
+``"head"``, ``"head:D"``    whole attention heads: the rows of the query, key and
+                            value projections and the columns of the output
+                            projection that serve one head, kept or pruned together
+                            (head size D, or the model's own; under grouped-query
+                            attention a unit is one key/value head and its queries)
+``"neuron"``                whole FFN neurons: a row of the up (and gate) projection
+                            and the matching column of the down projection
 ==========================  =====================================================
+
+Heads and neurons are *unit* patterns: one unit spans several tensors, so the engine finds
+the units of the model (:mod:`sparse_training.engine.structure`) and gives each member
+tensor the block pattern of its share (``block:32x384`` for one head's query rows in a
+384-wide BERT) tied to the other members (:mod:`sparse_training.pieces.units`).
 """
 
 from __future__ import annotations
@@ -35,7 +47,10 @@ PATTERN_FORMS = (
     '"vector:V" (e.g. "vector:8")',
     '"block:RxC+N:M"',
     '"vector:V+N:M"',
+    '"head" or "head:D" (whole attention heads of size D)',
+    '"neuron" (whole FFN neurons)',
 )
+UNITS = ("head", "neuron")
 
 MAX_TRANSPOSABLE_M = 5  # exact search over every N-regular MxM tile: at most 2040 tiles
 
@@ -45,6 +60,8 @@ _GRAMMAR = (
     re.compile(_NM + r"(?P<transposable>:2d)?", re.ASCII),
     re.compile(r"block:(?P<rows>\d+)x(?P<cols>\d+)(\+" + _NM + r")?", re.ASCII),
     re.compile(r"vector:(?P<rows>\d+)(\+" + _NM + r")?", re.ASCII),
+    re.compile(r"(?P<unit>head)(:(?P<unit_size>\d+))?", re.ASCII),
+    re.compile(r"(?P<unit>neuron)"),
 )
 
 
@@ -59,6 +76,9 @@ class Pattern:
         m: group size along the input dimension, or None for magnitude top-k.
         transposable: N:M along rows and columns of every MxM tile.
         spec: the string this pattern was parsed from.
+        unit: ``"head"`` or ``"neuron"`` for unit patterns (several tensors per unit; the
+            block fields are then resolved per tensor by selection), else None.
+        unit_size: the head size a ``"head:D"`` pattern gives, or None (the model's).
     """
 
     block_rows: int = 1
@@ -67,6 +87,13 @@ class Pattern:
     m: int | None = None
     transposable: bool = False
     spec: str = "unstructured"
+    unit: str | None = None
+    unit_size: int | None = None
+
+    @property
+    def is_unit(self) -> bool:
+        """Whether this is a unit pattern (heads, neurons): one unit spans several tensors."""
+        return self.unit is not None
 
     @property
     def is_2_4(self) -> bool:
@@ -79,6 +106,9 @@ class Pattern:
         """Why no compressed layer takes patterns of this kind, or None: blocks
         (``BlockSparseLinear``, whose block sizes it checks itself) and 2:4
         (``SemiStructuredLinear``) compress."""
+        if self.is_unit:
+            return (f"pattern {self.spec!r} prunes whole {self.unit}s across tensors, which "
+                    f"train masked-dense")
         if self.is_nm and not self.is_2_4:
             return (f"pattern {self.spec!r}: of the N:M patterns only '2:4' and '2:4:2d' "
                     f"compress (the sparse tensor cores)")
@@ -167,7 +197,11 @@ def parse_pattern(spec: str | Pattern) -> Pattern:
     cols = int(fields.get("cols", 1))
     if rows < 1 or cols < 1:
         raise ValueError(f"pattern {spec!r}: block dimensions must be >= 1, got {rows}x{cols}")
-    return Pattern(rows, cols, n, m, "transposable" in fields, text)
+    unit_size = int(fields["unit_size"]) if "unit_size" in fields else None
+    if unit_size is not None and unit_size < 1:
+        raise ValueError(f"pattern {spec!r}: the head size must be >= 1, got {unit_size}")
+    return Pattern(rows, cols, n, m, "transposable" in fields, text, fields.get("unit"),
+                   unit_size)
 
 
 def _checked(pattern: Pattern) -> Pattern:

@@ -94,9 +94,10 @@ class SparseRefinement:
 def drop_and_grow(masks: Sequence[Tensor], weights: Sequence[Tensor],
                   grow_scores: Sequence[Tensor], pattern: Pattern, fraction: float,
                   kept: Sequence[int] | None = None, input_dims: Sequence[int] | None = None,
-                  ) -> list[Tensor]:
-    """Swap ``fraction`` of each group's active blocks: drop the smallest |w|, grow the
-    largest |grow score| among the rest; every group keeps exactly its count.
+                  drop_scores: Sequence[Tensor] | None = None) -> list[Tensor]:
+    """Swap ``fraction`` of each group's active blocks: drop the smallest |w| (or
+    ``drop_scores``), grow the largest |grow score| among the rest; every group keeps
+    exactly its count.
 
     The blocks are the pattern's blocks (whole blocks move together, overhanging ones
     included); the groups are its N:M groups, or the whole tensor for unstructured and
@@ -109,6 +110,8 @@ def drop_and_grow(masks: Sequence[Tensor], weights: Sequence[Tensor],
         kept: each ``mask.sum()`` if the caller has them (counting here is a device sync).
         input_dims: where each tensor stores its input dimension (default 1,
             :func:`~sparse_training.pieces.masks.as_matrix`).
+        drop_scores: what drop ranks instead of ``|w|`` (a training score's ranks, signed,
+            shaped like the weights; summed over each block), one per tensor.
 
     Returns:
         The new bool masks, shaped like the weights.
@@ -122,8 +125,9 @@ def drop_and_grow(masks: Sequence[Tensor], weights: Sequence[Tensor],
                                                                         dim)), []).append(i)
     new: list[Tensor] = [None] * len(masks)  # type: ignore[list-item]
     for (_, _, dim, count), indices in by_shape.items():
-        magnitude = pool_blocks(score_stack([weights[i] for i in indices], input_dim=dim),
-                                rows, cols)
+        magnitude = pool_blocks(score_stack(
+            [weights[i] for i in indices],
+            None if drop_scores is None else [drop_scores[i] for i in indices], dim), rows, cols)
         growth = pool_blocks(score_stack([grow_scores[i] for i in indices], input_dim=dim),
                              rows, cols)  # |g|
         matrices = torch.stack([as_matrix(masks[i], dim) for i in indices])
