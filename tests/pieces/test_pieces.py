@@ -11,12 +11,8 @@ import pytest
 import torch
 
 from sparse_training import SparsityConfig
-from sparse_training.engine.updaters import (
-    DropAndGrow,
-    ScheduledMasks,
-    SparseRefinedSTE,
-    make_updater,
-)
+from sparse_training.engine.dynamic import DropAndGrow, SparseRefinedSTE, make_updater
+from sparse_training.engine.updaters import ScheduledMasks
 from sparse_training.pieces import distributions, regrowth, schedules, scores
 from sparse_training.pieces.distributions import DISTRIBUTIONS, ERK, Global, Uniform
 from sparse_training.pieces.regrowth import Regrowth, SparseRefinement
