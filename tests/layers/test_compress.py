@@ -165,7 +165,7 @@ class FakeTrainer:
 
     def __init__(self, precision: str) -> None:
         self.strategy = types.SimpleNamespace(root_device=torch.device("cuda", 0))
-        self.precision, self.ckpt_path = precision, None
+        self.precision, self.ckpt_path, self.callbacks = precision, None, []
 
 
 @pytest.mark.parametrize("precision, compressed, header", [
