@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -372,8 +373,14 @@ class SparsityCallback(Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
-        """A fit that failed (ours or another callback's error) gives the tensors up too."""
+        """A fit that failed (ours or another callback's error) gives the tensors up too.
+        With tensors of the model still on the meta device the error is raised from here:
+        Lightning's teardown, next, moves the model to the CPU, which fails on meta tensors
+        and would replace the error with its own."""
         self.teardown(trainer, pl_module, "fit")
+        if isinstance(exception, Exception) and any(
+                t.is_meta for t in itertools.chain(pl_module.parameters(), pl_module.buffers())):
+            raise exception
 
     # -- checkpointing ----------------------------------------------------------------------
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,

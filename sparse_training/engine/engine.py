@@ -65,7 +65,8 @@ class SparsityEngine(SlotSet):
     Raises:
         ValueError: from selection, for a selected tensor that cannot be masked (on the
             meta device, a parametrization that does not keep zeros, a foreign
-            ``<name>_mask`` attribute, held by another live engine), or for a state that
+            ``<name>_mask`` attribute, held by another live engine), a compressed layer
+            whose mask is not set (meta, or after ``to_empty()``), or for a state that
             does not fit; always before any weight or mask changes.
     """
 
@@ -119,6 +120,11 @@ class SparsityEngine(SlotSet):
                 raise ValueError(f"{where} is parametrized ({kind}) so that {problem}; use an "
                                  f"N:M pattern (it keeps N in every group), deny the tensor, "
                                  f"or remove the parametrization")
+        for slot in self.compressed:
+            if problem := slot.module.mask_problem():
+                kind = original_class(type(slot.module)).__name__
+                raise ValueError(f"compressed layer {slot.name.rpartition('.')[0]!r} ({kind}): "
+                                 f"{problem}")
         for slot in self.slots:
             owner = ownership.owner(slot.param)
             if owner is not None and owner is not self:
