@@ -34,6 +34,7 @@ from sparse_training.engine.selection import (
 from sparse_training.engine.sharding import is_sharded
 from sparse_training.engine.state import LayerForm, check_compressed
 from sparse_training.kernels.block_sparse import block_grid
+from sparse_training.kernels.semi_structured.masks import features_problem
 from sparse_training.layers.block_sparse import BlockSparseLinear
 from sparse_training.layers.blocks import BLOCK_SIZES
 from sparse_training.layers.semi_structured import SemiStructuredLinear
@@ -179,6 +180,8 @@ def compress_selected(model: nn.Module, config: SparsityConfig,
             reason = swap
         elif (unsupported := pattern_problem(plan.pattern)) is not None:
             reason = unsupported
+        elif plan.pattern.is_nm and (shape := features_problem(*plan.shape[::-1])):
+            reason = f"SemiStructuredLinear: {shape}"  # a 10-class head, say
         elif saved is None and (kept_all := _keeps_every_block(plan)) is not None:
             reason = kept_all  # (on resume the checkpoint decides)
         elif config.compress == "auto" and saved is None:

@@ -210,6 +210,28 @@ def test_a_target_that_prunes_no_block_keeps_the_layer_masked_dense():
     assert rows["net.2"].decision == "compressed" and model.net[2].nnz == 14
 
 
+class TenClasses(BlockNet):
+    """BlockNet with a 10-class head: 2:4 masks its inputs, but no 2:4 layer takes 10
+    outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net[4] = nn.Linear(64, 10)
+
+
+def test_a_2to4_head_of_10_outputs_stays_masked_dense_with_its_line(lightning_log):
+    model = TenClasses()
+    sparse = SparsityCallback("2:4", compress=True)
+    make_trainer([sparse], max_epochs=1).fit(model, make_loader())
+    assert [type(model.net[i]).__name__ for i in (0, 2, 4)] == [
+        "SemiStructuredLinear", "SemiStructuredLinear", "Linear"]
+    assert [s.name for s in sparse.engine.masked] == ["net.4.weight"]
+    assert sparse.engine.tensor_sparsity["net.4.weight"] == 0.5
+    (line,) = [line for line in lightning_log.text.splitlines() if line.startswith("net.4 ")]
+    assert line.endswith("masked-dense: SemiStructuredLinear: out_features must be a positive "
+                         "multiple of 4 (2:4 groups), got 10")
+
+
 def test_a_new_callback_on_layers_compressed_before_says_they_keep_their_blocks():
     """A second fit with a new callback: the layers the first compressed keep their blocks;
     other settings than theirs get a warning naming them, the same settings none."""
