@@ -203,7 +203,8 @@ class SparsityCallback(Callback):
         both hold (a compressed layer's by the dense weight it replaced), naming both; checked
         before any of them swaps or masks anything."""
         callbacks = [c for c in trainer.callbacks if isinstance(c, SparsityCallback)]
-        shared = shared_tensor(pl_module, [c.config for c in callbacks])
+        shared = None if len(callbacks) < 2 else shared_tensor(pl_module,
+                                                               [c.config for c in callbacks])
         if shared is None:
             return None
         name, i, j = shared
