@@ -16,8 +16,10 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import shlex
 import struct
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -277,18 +279,36 @@ def cached_training(cache_dir: str | Path, prefix: str, settings: dict[str, Any]
                     train: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], float]:
     """``train()``'s state dict and its seconds: from ``cache_dir/prefix-<hash>.pt`` when
     trained before with the same ``settings`` (a JSON-able dict of everything the result
-    depends on; a line says so), else trained now and saved there."""
+    depends on; a line says so), else trained now and saved there. The file is written
+    under a temporary name in the same folder, then renamed, so a sweep killed mid-save
+    leaves none; a file that does not load as such a cache (torn, or another program's) is
+    named, trained again and replaced."""
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     path = Path(cache_dir) / f"{prefix}-{key}.pt"
     if path.is_file():
-        cached = torch.load(path)
-        print(f"dense net: cached {path}")
-        return cached["state_dict"], cached["seconds"]
+        try:
+            cached = torch.load(path)
+            state, seconds = cached["state_dict"], float(cached["seconds"])
+            if not isinstance(state, dict):
+                raise TypeError(f"its state_dict is a {type(state).__name__}, not a dict")
+        except (OSError, EOFError, RuntimeError, ValueError, KeyError, TypeError,
+                pickle.UnpicklingError) as error:
+            print(f"dense net: the cache file {path} (cache_dir={cache_dir}) does not load "
+                  f"({type(error).__name__}: {str(error)[:160]}); training again to replace it")
+        else:
+            print(f"dense net: cached {path}")
+            return state, seconds
     start = time.perf_counter()
     state = train()
     seconds = time.perf_counter() - start
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"state_dict": state, "seconds": seconds}, path)
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    try:
+        torch.save({"state_dict": state, "seconds": seconds}, partial)
+        os.replace(partial, path)
+    finally:
+        Path(partial).unlink(missing_ok=True)
     return state, seconds
 
 

@@ -275,7 +275,8 @@ SETUP = [  # (callbacks' settings, model, trainer settings, message)
     ([dict(pattern="unstructured", sparsity=0.5, schedule="gmp", start=10, end=0.1)], TinyNet,
      {}, r"start must come before end, got start=10 -> .* \(over the 8 steps of this fit\)"),
     ([dict(allow=[r"net\.0"]), dict(allow=[r"net\.[02]"])], TinyNet, {},
-     r"'net.0.weight' \(Linear\) is already masked by another SparsityEngine"),
+     r"tensor 'net.0.weight' is selected by two callbacks, SparsityCallback\(pattern='2:4', "
+     r"allow=\['net\\\\.0'\]\) and SparsityCallback\(pattern='2:4', allow=\['net\\\\.\[02\]'\]\)"),
 ]
 
 

@@ -12,12 +12,20 @@ from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities import rank_zero_warn
 from torch import Tensor, nn
 
+from sparse_training.callbacks.sparsity import compute_dtype
 from sparse_training.config import unknown_setting
 from sparse_training.pieces.distillation import DistillationLoss, Logits, TeacherCache, as_heads
 
 
 def _as_logits(output: Any) -> Logits:
     return output
+
+
+def weight_dtype(precision: str) -> torch.dtype | None:
+    """The dtype of the model's weights under a Lightning ``precision``: float32 under mixed
+    precision (autocast computes in the lower one); None where the plugin alone knows
+    (transformer-engine, bitsandbytes)."""
+    return torch.float32 if str(precision).endswith("-mixed") else compute_dtype(precision)
 
 
 def _example_keys(index: Sequence[int] | Tensor, batch: int) -> list[int]:
@@ -46,9 +54,11 @@ class DistillationCallback(Callback):
     The callback holds the teacher, outside the LightningModule: the teacher is in no
     optimizer, out of the student's ``state_dict`` and checkpoint (unless ``save_teacher``),
     out of what ``SparsityCallback`` selects, and never put in train mode by the Trainer. At
-    ``setup`` it is moved to the strategy's device and converted by the precision plugin like
-    the student (``bf16-true``: bfloat16 weights; mixed precision: float32 weights run under
-    the training step's autocast). The student's ``training_step`` asks for the loss::
+    ``setup`` it is moved to the strategy's device and cast to the dtype the precision gives
+    the student's weights, whatever its own (``32-true`` and mixed precision: float32, mixed
+    running under the training step's autocast; ``bf16-true``: bfloat16; ``64-true``:
+    float64; other precisions: the plugin converts it as it does the student), so a bfloat16
+    teacher serves a float32 student. The student's ``training_step`` asks for the loss::
 
         logits = self.net(x)
         distillation = DistillationCallback.of(self.trainer)
@@ -78,8 +88,10 @@ class DistillationCallback(Callback):
     Raises:
         TypeError: a teacher that is not an ``nn.Module``, an unknown setting (the nearest
             valid one named), or an ``outputs`` that is not a function.
-        ValueError: a bad temperature or hardness (at construction); a teacher that is part
-            of the LightningModule or held by one of its optimizers (at fit start).
+        ValueError: a bad temperature or hardness (at construction); a teacher on the meta
+            device or part of the LightningModule (at setup) or held by one of its
+            optimizers (at fit start); ``outputs`` failing on the teacher's output or the
+            student's (naming which, at the step).
     """
 
     def __init__(self, teacher: nn.Module, *, temperature: float = 2.0, hardness: float = 1.0,
@@ -132,7 +144,7 @@ class DistillationCallback(Callback):
             mask: True where a class counts (``DistillationLoss``).
         """
         self.settings.check_task_loss(task_loss)  # before the teacher runs
-        student = as_heads(self.outputs(student_output), "student")
+        student = self._logits(student_output, "student")
         soft = None
         if self.settings.hardness > 0.0:  # hardness 0: the teacher does not run
             teacher = self.teacher_logits(student, *teacher_args, index=index,
@@ -157,19 +169,47 @@ class DistillationCallback(Callback):
         if self.teacher.training:  # someone called .train() on it
             self.teacher.eval()
         with torch.no_grad():
-            heads = as_heads(self.outputs(self.teacher(*args, **kwargs)), "teacher")
+            heads = self._logits(self.teacher(*args, **kwargs), "teacher")
         if keys is not None:
             self.cache.put(keys, heads)
         return heads
 
+    def _logits(self, output: Any, side: str) -> tuple[Tensor, ...]:
+        """``outputs`` applied to the ``side`` ("student", "teacher") model's output, as heads.
+
+        Raises:
+            ValueError: ``outputs`` failed on that output, naming the side and what it got.
+        """
+        try:
+            logits = self.outputs(output)
+        except Exception as error:
+            shown = (f"a tensor of shape {tuple(output.shape)}" if isinstance(output, Tensor)
+                     else f"a {type(output).__name__}")
+            raise ValueError(f"DistillationCallback: outputs= failed on the {side}'s output "
+                             f"({shown}): {type(error).__name__}: {error}. It picks the logits "
+                             f"out of the student's and the teacher's outputs alike: give both "
+                             f"models outputs of one form, or an outputs that takes both") from error
+        return as_heads(logits, side)
+
     # -- the Trainer's hooks ------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Refuse a teacher inside the student; move it to the student's device and
-        precision."""
+        """Refuse a teacher on the meta device or inside the student; move it to the
+        student's device and cast it to its weights' dtype (class doc)."""
+        teacher = type(self.teacher).__name__
+        if meta := [n for n, t in [*self.teacher.named_parameters(),
+                                   *self.teacher.named_buffers()] if t.is_meta]:
+            raise ValueError(f"DistillationCallback: the teacher ({teacher}) has {len(meta)} "
+                             f"tensors on the meta device ({meta[0]}, ...): no weights to "
+                             f"imitate. Load its trained weights first (from_pretrained, or "
+                             f"load_state_dict(..., assign=True)); to_empty() would give it "
+                             f"uninitialized ones")
         if problem := _shared(self.teacher, pl_module):
             raise ValueError(f"DistillationCallback: {problem}; keep the teacher only in the "
                              f"callback (it would be saved, trained or pruned with the student)")
         self.teacher.to(trainer.strategy.root_device)
+        dtype = weight_dtype(trainer.precision)
+        if dtype is not None:  # nn.Module.to(dtype) casts floating-point tensors only
+            self.teacher.to(dtype)
         trainer.precision_plugin.convert_module(self.teacher)
         self.teacher.eval()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -17,7 +18,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
-from sparse_training.callbacks.resume import read_callback_states, resume_path
+from sparse_training.callbacks.resume import checkpoint_compressed, own_state
 from sparse_training.config import (
     DEFAULT_LAYER_TYPES,
     LayerTypes,
@@ -27,10 +28,10 @@ from sparse_training.config import (
 from sparse_training.engine import SparsityEngine
 from sparse_training.engine.distributed import keep_masks_out_of_buffer_broadcast
 from sparse_training.engine.optimizer_hooks import fused_problem, optimizer_problem
+from sparse_training.engine.ownership import shared_tensor
 from sparse_training.engine.protocol import CompressedLayer
 from sparse_training.engine.selection import format_table, plan_model
 from sparse_training.engine.sharding import FSDP1_PROBLEM
-from sparse_training.engine.state import check_mask_settings, check_settings, check_state
 from sparse_training.engine.tensors import find_weight_tensors
 from sparse_training.layers.compress import (
     compress_selected,
@@ -116,13 +117,22 @@ class SparsityCallback(Callback):
         self._unused_checked = False
         self._fitting = False  # between on_fit_start and teardown
         self._swapped: list[tuple[str, nn.Module]] = []  # (name, Linear) swapped at setup
-        # (module, device, compute dtype, checkpoint's masks) from setup to fit start
-        self._compressing: tuple[nn.Module, torch.device, torch.dtype | None, Any] | None = None
+        # (module, trainer, device, compute dtype, checkpoint's masks) from setup to fit start
+        self._compressing: tuple[nn.Module, pl.Trainer, torch.device, torch.dtype | None,
+                                 Any] | None = None
 
     @classmethod
     def from_config(cls, source: str | Path | Mapping[str, Any]) -> SparsityCallback:
         """Build from a YAML file or dict with the constructor's keys; unknown keys raise."""
         return cls(**SparsityConfig.load(source))
+
+    def __repr__(self) -> str:
+        """The settings that tell callbacks apart: pattern, sparsity, selection, compress."""
+        c = self.config
+        shown = {"pattern": c.parsed_pattern.spec, "sparsity": c.sparsity,
+                 "allow": list(c.allow), "deny": list(c.deny), "compress": c.compress}
+        return "SparsityCallback(" + ", ".join(
+            f"{k}={v!r}" for k, v in shown.items() if v or k == "pattern") + ")"
 
     @functools.cached_property
     def state_key(self) -> str:
@@ -150,10 +160,12 @@ class SparsityCallback(Callback):
         self._restored = None  # a state Lightning restores comes after setup, for this run
         if stage != "fit":
             return
-        saved = self._checkpoint_compressed(trainer)
+        saved = checkpoint_compressed(trainer, self._claims(trainer), self.config)
+        if problem := self._overlap(trainer, pl_module):
+            raise ValueError(f"SparsityCallback: {problem}")
         if not self.config.compress:
             return
-        self._compressing = (pl_module, trainer.strategy.root_device,
+        self._compressing = (pl_module, trainer, trainer.strategy.root_device,
                              compute_dtype(trainer.precision), saved)
         if find_weight_tensors(pl_module):
             self.compress(pl_module)
@@ -179,7 +191,9 @@ class SparsityCallback(Callback):
             raise RuntimeError("SparsityCallback.compress(pl_module) swaps layers between "
                                "setup and the optimizers: call it in configure_model with the "
                                "LightningModule being fit")
-        _, device, dtype, saved = self._compressing
+        _, trainer, device, dtype, saved = self._compressing
+        if problem := self._overlap(trainer, pl_module):
+            raise ValueError(f"SparsityCallback: {problem}")
         before = dict(pl_module.named_modules())
         rows = compress_selected(pl_module, self.config, device, dtype, saved)
         # kept until the optimizers are checked at fit start, to put back if they are wrong
@@ -190,37 +204,19 @@ class SparsityCallback(Callback):
         rank_zero_info(f"SparsityCallback: training paths (compress={self.config.compress!r} "
                        f"for {target})\n" + format_swaps(rows))
 
-    def _checkpoint_compressed(self, trainer: pl.Trainer) -> dict[str, Any] | None:
-        """The compressed masks of the checkpoint resumed (``{}``: it holds no
-        SparsityCallback state, so no compressed layers), after checking its state's layout
-        and mask settings; None: not resuming, or a state that has none (saved before they
-        were kept) or cannot be read ahead (:func:`read_callback_states`; then the masks are
-        installed when Lightning restores the state).
-
-        Raises:
-            ValueError: an unreadable checkpoint, a state of another format, changed mask
-                settings (``compress`` included), or a state filed under another selection.
-        """
-        path = resume_path(trainer)
-        if path is None:
+    def _overlap(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
+        """One owner per tensor: which tensor two SparsityCallbacks of this Trainer would
+        both hold (a compressed layer's by the dense weight it replaced), naming both; checked
+        before any of them swaps or masks anything."""
+        callbacks = [c for c in trainer.callbacks if isinstance(c, SparsityCallback)]
+        shared = None if len(callbacks) < 2 else shared_tensor(pl_module,
+                                                               [c.config for c in callbacks])
+        if shared is None:
             return None
-        states = read_callback_states(path)
-        if states is None:
-            rank_zero_warn(f"SparsityCallback: cannot read the callback state of {path} before "
-                           f"Lightning restores it; compressed layers take its masks then")
-            return None
-        state = self._own_state(trainer, states)
-        if state is None and self.config.compress is True:
-            raise ValueError(f"SparsityCallback: compress=True resumes the compressed layers of "
-                             f"a checkpoint, but {path} holds no SparsityCallback state (a "
-                             f"dense run's?): load its weights (load_from_checkpoint) and start "
-                             f"a new fit to compress them, or resume with compress='auto' or "
-                             f"False (masked-dense)")
-        if state is None:
-            return {}
-        check_state(state)
-        check_mask_settings(state["settings"], self.config.as_dict())
-        return state.get("compressed")
+        name, i, j = shared
+        return (f"tensor {name!r} is selected by two callbacks, {callbacks[i]!r} and "
+                f"{callbacks[j]!r} (SparsityCallbacks {i + 1} and {j + 1} of the Trainer); a "
+                f"tensor has one owner: give them disjoint selections (allow/deny)")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if isinstance(trainer.strategy, FSDPStrategy):
@@ -229,7 +225,9 @@ class SparsityCallback(Callback):
         swapped, self._swapped = self._swapped, []
         restored, self._restored = self._restored, None  # this fit's, whatever follows
         self._compressing = None
-        if problem := optimizer_problem(pl_module, self.config, optimizers):
+        # layers built in configure_model count in the overlap
+        if problem := (self._overlap(trainer, pl_module)
+                       or optimizer_problem(pl_module, self.config, optimizers)):
             undo_swaps(pl_module, swapped)
             raise ValueError(f"SparsityCallback: {problem}")
         if self.config.compress is True and not any(
@@ -382,36 +380,26 @@ class SparsityCallback(Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
-        """A fit that failed (ours or another callback's error) gives the tensors up too."""
+        """A fit that failed (ours or another callback's error) gives the tensors up too.
+        With tensors of the model still on the meta device the error is raised from here:
+        Lightning's teardown, next, moves the model to the CPU, which fails on meta tensors
+        and would replace the error with its own."""
         self.teardown(trainer, pl_module, "fit")
+        if isinstance(exception, Exception) and any(
+                t.is_meta for t in itertools.chain(pl_module.parameters(), pl_module.buffers())):
+            raise exception
 
     # -- checkpointing ----------------------------------------------------------------------
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         """A checkpoint whose SparsityCallback state is filed under another key was saved
         with another selection: say what changed instead of silently starting over."""
-        self._own_state(trainer, checkpoint.get("callbacks") or {})
+        own_state(checkpoint.get("callbacks") or {}, self._claims(trainer), self.config)
 
-    def _own_state(self, trainer: pl.Trainer, states: Mapping[str, Any]
-                   ) -> dict[str, Any] | None:
-        """This callback's state among a checkpoint's callback states, or None.
-
-        Raises:
-            ValueError: the only SparsityCallback state no callback claims was saved with
-                other mask settings (naming them), or with another selection.
-        """
-        if self.state_key in states:
-            return states[self.state_key]
-        claimed = {c.state_key for c in trainer.callbacks if isinstance(c, SparsityCallback)}
-        unclaimed = [k for k in states if str(k).startswith("SparsityCallback")
-                     and k not in claimed]
-        if len(unclaimed) == 1:
-            check_settings(states[unclaimed[0]].get("settings", {}), self.config.as_dict())
-        if unclaimed:
-            raise ValueError(f"cannot resume: the checkpoint's sparsity state is filed under "
-                             f"{unclaimed}, made with another selection than this callback's "
-                             f"{self.state_key!r}")
-        return None
+    def _claims(self, trainer: pl.Trainer) -> tuple[str, list[str]]:
+        """This callback's state key and every SparsityCallback's of the Trainer."""
+        return self.state_key, [c.state_key for c in trainer.callbacks
+                                if isinstance(c, SparsityCallback)]
 
     def state_dict(self) -> dict[str, Any]:
         if self.engine is not None:

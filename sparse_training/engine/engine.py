@@ -45,8 +45,8 @@ from sparse_training.engine.optimizer_hooks import (
     masked_gradients_step,
     use_fused,
 )
-from sparse_training.engine.protocol import CompressedLayer, Slot
-from sparse_training.engine.selection import plan_model
+from sparse_training.engine.protocol import Slot
+from sparse_training.engine.selection import held_layers, plan_model
 from sparse_training.engine.slot_set import SlotSet
 from sparse_training.engine.slots import MaskedSlot
 from sparse_training.engine.state import FORMAT, checked_masks, pack_compressed, pack_masks
@@ -65,7 +65,8 @@ class SparsityEngine(SlotSet):
     Raises:
         ValueError: from selection, for a selected tensor that cannot be masked (on the
             meta device, a parametrization that does not keep zeros, a foreign
-            ``<name>_mask`` attribute, masked by another live engine), or for a state that
+            ``<name>_mask`` attribute, held by another live engine), a compressed layer
+            whose mask is not set (meta, or after ``to_empty()``), or for a state that
             does not fit; always before any weight or mask changes.
     """
 
@@ -77,17 +78,15 @@ class SparsityEngine(SlotSet):
                             f"{type(model).__name__} and {type(config).__name__}")
         self.config = config
         tensors, self.plans = plan_model(model, config)
-        layers = [(name, m) for name, m in model.named_modules()
-                  if isinstance(m, CompressedLayer)]
+        layers = held_layers(model, tensors, self.plans)  # others are another selection's
         # random streams by tensor, in model order over masked and compressed tensors: a
         # tensor draws the same scores whether it trains masked-dense or compressed, sharded
         # (FSDP2's FSDPBlockSparseLinear) or not
-        compressed_kinds = {original_class(type(m)).__name__ for _, m in layers}
         super().__init__(
             slots=[MaskedSlot(p, t) for p, t in zip(self.plans, tensors, strict=True)
                    if p.selected] + [m.slot(f"{name}.{m.trained_weight}") for name, m in layers],
             streams={p.name: i for i, p in enumerate(
-                p for p in self.plans if p.selected or p.kind in compressed_kinds)},
+                p for p in self.plans if p.selected or p.compressed)},
             pooled_sparsity=config.sparsity, check_masks=config.check_masks)
         self.model = model
         self.fused_optimizers: set[Optimizer] = set()
@@ -116,22 +115,31 @@ class SparsityEngine(SlotSet):
                 raise ValueError(f"{where} is pruned by torch.nn.utils.prune (a forward "
                                  f"pre-hook multiplies it by another mask); call "
                                  f"torch.nn.utils.prune.remove(module, name) first")
-            owner = ownership.owner(slot.param)
-            if owner is not None and owner is not self:
-                raise ValueError(f"{where} is already masked by another SparsityEngine "
-                                 f"(pattern {owner.config.pattern!r}); give two callbacks "
-                                 f"disjoint selections (allow/deny), or detach() the other "
-                                 f"engine first")
             if problem := zeros_problem(slot.tensor, whole_rows=not slot.plan.pattern.is_nm):
                 kind = type(slot.tensor.store[0][0]).__name__
                 raise ValueError(f"{where} is parametrized ({kind}) so that {problem}; use an "
                                  f"N:M pattern (it keeps N in every group), deny the tensor, "
                                  f"or remove the parametrization")
+        for slot in self.compressed:
+            if problem := slot.module.mask_problem():
+                kind = original_class(type(slot.module)).__name__
+                raise ValueError(f"compressed layer {slot.name.rpartition('.')[0]!r} ({kind}): "
+                                 f"{problem}")
+        for slot in self.slots:
+            owner = ownership.owner(slot.param)
+            if owner is not None and owner is not self:
+                kind, held = ((original_class(type(slot.module)).__name__, "held") if
+                              slot.compressed else (slot.plan.kind, "masked"))
+                raise ValueError(f"tensor {slot.name!r} ({kind}) is already {held} by another "
+                                 f"SparsityEngine (pattern {owner.config.pattern!r}); give two "
+                                 f"callbacks disjoint selections (allow/deny), or detach() the "
+                                 f"other engine first")
 
     def _take(self) -> None:
-        """Own the selected tensors and put their mask buffers on the model."""
-        for slot in self.masked:
+        """Own the selected and compressed tensors; put the mask buffers on the model."""
+        for slot in self.slots:
             ownership.take(slot.param, self)
+        for slot in self.masked:
             slot.install()
         self.recount()
 
@@ -303,7 +311,6 @@ class SparsityEngine(SlotSet):
         self.fused_optimizers.clear()
         for slot in self.slots:
             slot.detach()
-        for slot in self.masked:
             ownership.give_up(slot.param, self)
 
     @property

@@ -19,8 +19,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from sparse_training.engine.protocol import CompressedLayer
-from sparse_training.engine.selection import plan_model
+from sparse_training.engine.selection import held_layers, plan_model
 from sparse_training.engine.sharding import is_sharded, local
 from sparse_training.kernels import zero_pruned_
 
@@ -200,8 +199,7 @@ def optimizer_problem(model: nn.Module, config: SparsityConfig,
                             f"{shown})")
     tensors, plans = plan_model(model, config)
     trained = [(p.name, t.param) for p, t in zip(plans, tensors, strict=True) if p.selected]
-    trained += [(f"{name}.{attr}", param) for name, layer in model.named_modules()
-                if isinstance(layer, CompressedLayer)
+    trained += [(f"{name}.{attr}", param) for name, layer in held_layers(model, tensors, plans)
                 for attr, param in layer.named_parameters(recurse=False)]
     missing = [name for name, param in trained if param.requires_grad and id(param) not in held]
     if missing:

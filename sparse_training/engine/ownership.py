@@ -1,24 +1,64 @@
-"""Who owns what: which live engine masks a tensor, and which engines train a model.
+"""Who owns what: which live engine holds a tensor, and which engines train a model.
 
-Both registries hold weak references only (an engine lives as long as its optimizer hooks
-do). The engine refuses a tensor another live engine masks (two callbacks with overlapping
-selections), and the swap path (:mod:`sparse_training.layers.swap`) refuses to swap the
-modules of a model an attached engine trains.
+One owner per weight tensor: an engine holds the tensors its selection reaches, masked ones
+and compressed layers' (:attr:`TensorPlan.compressed
+<sparse_training.engine.selection.TensorPlan.compressed>`). :func:`shared_tensor` finds a
+tensor that two selections would both hold, before any engine exists (the callbacks refuse
+the overlap at setup, naming both); the registries hold weak references only (an engine
+lives as long as its optimizer hooks do): the engine refuses a tensor another live engine
+holds, and the swap path (:mod:`sparse_training.layers.swap`) refuses to swap the modules
+of a model an attached engine trains.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
-# id(parameter) -> (parameter, engine), both weak: which live engine masks a tensor
+from sparse_training.engine.selection import plan_model, replaced_name
+
+if TYPE_CHECKING:
+    from sparse_training.config import SparsityConfig
+
+def held_tensors(model: nn.Module, config: SparsityConfig) -> dict[int, str]:
+    """The tensors of ``model`` an engine of ``config`` would hold, ``id(parameter) ->
+    name``, a compressed layer's by the name of the dense weight it replaced.
+
+    Raises:
+        ValueError: what selection raises for ``config`` on ``model``.
+    """
+    tensors, plans = plan_model(model, config)
+    return {id(t.param): replaced_name(p.name) if p.compressed else p.name
+            for p, t in zip(plans, tensors, strict=True) if p.selected or p.compressed}
+
+
+def shared_tensor(model: nn.Module, configs: Sequence[SparsityConfig]
+                  ) -> tuple[str, int, int] | None:
+    """The first tensor of ``model`` that two of ``configs`` would hold, as ``(name, i,
+    j)`` with ``i < j`` their positions, or None. A config whose selection raises is left
+    out (its own engine raises that)."""
+    first: dict[int, int] = {}
+    for index, config in enumerate(configs):
+        try:
+            held = held_tensors(model, config)
+        except ValueError:
+            continue
+        for key, name in held.items():
+            if key in first:
+                return name, first[key], index
+            first[key] = index
+    return None
+
+
+# id(parameter) -> (parameter, engine), both weak: which live engine holds a tensor
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 
 def owner(param: Tensor) -> Any | None:
-    """The live engine that masks ``param``, or None."""
+    """The live engine that holds ``param``, or None."""
     entry = _OWNERS.get(id(param))
     if entry is None or entry[0]() is not param:
         return None

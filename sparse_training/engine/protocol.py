@@ -136,11 +136,44 @@ class Slot(Protocol):
 class CompressedLayer(nn.Module):
     """A layer that holds its own sparsity (only the kept weights, or a fixed 2:4 mask).
 
-    Subclasses name the parameter holding their weight (:attr:`trained_weight`), hand the
-    engine their :meth:`slot`, and turn back into ``nn.Linear`` (:meth:`to_dense`).
+    Subclasses name the parameter holding their weight (:attr:`trained_weight`) and the
+    buffer holding their mask (:attr:`mask_buffer`), hand the engine their :meth:`slot`,
+    and turn back into ``nn.Linear`` (:meth:`to_dense`).
+
+    A layer built on the meta device has a mask of no values; ``to_empty()`` gives it
+    storage of uninitialized memory, so the layer marks its mask unset (:attr:`mask_unset`)
+    until ``reset_parameters``, ``load_state_dict`` or setting a mask writes one, and
+    refuses to run until then (:meth:`check_mask_set`).
     """
 
     trained_weight: str = "weight"
+    mask_buffer: str = "mask"
+    mask_unset = False  # the mask buffer holds uninitialized memory (to_empty of a meta layer)
+
+    def _apply(self, fn, recurse: bool = True) -> CompressedLayer:
+        was_meta = getattr(self, self.mask_buffer).is_meta
+        super()._apply(fn, recurse)
+        if was_meta and not getattr(self, self.mask_buffer).is_meta:  # to_empty(): no values
+            self.mask_unset = True
+        return self
+
+    def mask_problem(self) -> str | None:
+        """Why the layer's mask holds no values to train with, or None: on the meta device,
+        or unset after ``to_empty()``."""
+        if getattr(self, self.mask_buffer).is_meta:
+            return (f"its {self.mask_buffer} is on the meta device: to_empty() and "
+                    f"reset_parameters() (or load_state_dict) first")
+        if self.mask_unset:
+            return (f"its {self.mask_buffer} is uninitialized memory (built on the meta device, "
+                    f"then to_empty()): call reset_parameters() or load_state_dict() first, "
+                    f"which set it")
+        return None
+
+    def check_mask_set(self) -> None:
+        """Raise RuntimeError, naming the layer, while :attr:`mask_unset`."""
+        if self.mask_unset:
+            raise RuntimeError(f"{type(self).__name__}({self.extra_repr()}): "
+                               f"{self.mask_problem()}")
 
     def slot(self, name: str) -> Slot:
         """The engine's view of this layer's weight, named ``name``."""

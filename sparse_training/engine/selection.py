@@ -32,8 +32,10 @@ Regexes are searched (``re.search``) in the qualified tensor names, e.g.
 under the name of the weight it replaced: :func:`searched_names`); every regex must match some
 weight-like tensor, every ``allow`` and ``overrides`` regex one that rules 1-3 leave
 eligible (or a compressed layer's), and every ``overrides`` regex one that no earlier
-override takes. The result is a
-list of :class:`TensorPlan`, the setup table's rows.
+override takes. A compressed layer is this selection's (``TensorPlan.compressed``: its
+engine holds it) where rules 1-3 reach it as the ``nn.Linear`` it replaced; one they leave
+out belongs to another selection, so callbacks with disjoint selections each hold their
+own. The result is a list of :class:`TensorPlan`, the setup table's rows.
 """
 
 from __future__ import annotations
@@ -77,6 +79,9 @@ class TensorPlan:
             ``(in, out, ...)``, HF ``Conv1D``), which its masks group along.
         tie: under a unit pattern, the tensor's share of its heads or neurons (``pattern``
             is then the block pattern of that share), else None.
+        compressed: a compressed layer's tensor that rules 1-3 reach as they would the
+            ``nn.Linear`` it replaced: the engine holds it (the layer keeps its own
+            sparsity); one outside them is another selection's.
     """
 
     names: tuple[str, ...]
@@ -88,6 +93,7 @@ class TensorPlan:
     sparsity: float | None = None
     input_dim: int = 1
     tie: UnitTie | None = None
+    compressed: bool = False
 
     @property
     def name(self) -> str:
@@ -280,6 +286,21 @@ def _check_regexes_reach(kind: str, regexes: Sequence[str], tensors: Sequence[We
                              f"{regex!r} first or narrow {earlier!r}")
 
 
+def _compressed_outside(tensor: WeightTensor, layer_types: tuple[type[nn.Module], ...],
+                        allow: Sequence[str], deny: Sequence[str]) -> str | None:
+    """Why rules 1-3 leave a compressed layer's tensor out, judged as the ``nn.Linear`` it
+    replaced (its type, and its dense weight's name beside its own), or None."""
+    names = searched_names(tensor)
+    if not any(isinstance(module, layer_types) for module, _ in tensor.owners) and not (
+            issubclass(nn.Linear, layer_types)):
+        return "type Linear not in layer_types"
+    if (regex := _first_match(deny, names)) is not None:
+        return f"deny {regex!r}"
+    if allow and _first_match(allow, names) is None:
+        return "matches no allow regex"
+    return None
+
+
 def plan_tensors(
     tensors: Sequence[WeightTensor],
     *,
@@ -322,16 +343,17 @@ def plan_tensors(
 
     rows: list[TensorPlan | None] = []
     eligible: list[int] = []
-    compressed: set[int] = set()  # reached by allow and overrides (at compression)
-    counted: list[int] = []  # the blocks of dense_ratio: eligible, or compressed where
-    for tensor in tensors:   # deny and allow leave them eligible (as they were at the swap)
+    compressed: set[int] = set()  # compressed tensors rules 1-3 reach (as at the swap)
+    counted: list[int] = []  # the blocks of dense_ratio: eligible, or compressed and reached
+    for tensor in tensors:
         if any(isinstance(module, CompressedLayer) for module, _ in tensor.owners):
-            names = searched_names(tensor)
-            if _first_match(deny, names) is None and (not allow or _first_match(allow, names)):
-                counted.append(len(rows))
+            if outside := _compressed_outside(tensor, layer_types, allow, deny):
+                rows.append(row(tensor, False, f"compressed, another selection's: {outside}"))
+                continue
+            counted.append(len(rows))
             compressed.add(len(rows))
-            rows.append(row(tensor, False, f"compressed: {tensor.kind} holds its own "
-                                           f"sparsity"))
+            rows.append(replace(row(tensor, False, f"compressed: {tensor.kind} holds its own "
+                                                   f"sparsity"), compressed=True))
         elif not any(isinstance(module, layer_types) for module, _ in tensor.owners):
             rows.append(row(tensor, False, f"type {tensor.kind} not in layer_types"))
         elif tensor.param.numel() == 0:
@@ -430,6 +452,16 @@ def plan_model(model: nn.Module, config: SparsityConfig
         layer_types=config.layer_types, allow=config.allow, deny=config.deny,
         dense_ratio=config.dense_ratio, overrides=config.parsed_overrides,
         distribution=config.parsed_distribution, units=units)
+
+
+def held_layers(model: nn.Module, tensors: Sequence[WeightTensor],
+                plans: Sequence[TensorPlan]) -> list[tuple[str, CompressedLayer]]:
+    """``(module name, layer)`` of each compressed layer of ``model`` whose trained tensor
+    ``plans`` hold (:attr:`TensorPlan.compressed`; ``tensors``, ``plans``: of
+    :func:`plan_model`)."""
+    held = {id(t.param) for p, t in zip(plans, tensors, strict=True) if p.compressed}
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, CompressedLayer) and id(getattr(m, m.trained_weight)) in held]
 
 
 def format_table(plans: Sequence[TensorPlan]) -> str:

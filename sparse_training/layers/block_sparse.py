@@ -43,9 +43,9 @@ from sparse_training.layers.blocks import (
     check_block_mask,
     check_density,
     check_features,
+    compact_from,
     gather_blocks,
     inside,
-    nonzero_blocks,
     transfer,
 )
 from sparse_training.layers.storage import BlockSparseSlot, probed
@@ -65,6 +65,7 @@ class BlockSparseLinear(CompressedLayer):
     """
 
     trained_weight = "values"  # the parameter holding the weight
+    mask_buffer = "block_mask"
 
     def __init__(self, in_features: int, out_features: int,
                  block: tuple[int, int] = (64, 64), density: float = 0.1, bias: bool = True,
@@ -99,9 +100,17 @@ class BlockSparseLinear(CompressedLayer):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Uniform in ``±1/sqrt(in_features)`` like ``nn.Linear``; padded tails zero."""
+        """Uniform in ``±1/sqrt(in_features)`` like ``nn.Linear``; padded tails zero. A
+        layer whose block mask is unset (built on the meta device, then ``to_empty()``)
+        first draws its ``nnz`` kept blocks at random, as the constructor does."""
         bound = 1.0 / math.sqrt(self.in_features)
         with torch.no_grad():
+            if self.mask_unset:
+                self.block_mask.copy_(top_blocks(torch.rand(self.block_mask.shape,
+                                                            device=self.block_mask.device),
+                                                 self.nnz))
+                self.mask_unset = False
+                _rebuild_topology(self)
             self.values.uniform_(-bound, bound).mul_(inside(self.topology))
             if self.bias is not None:
                 self.bias.uniform_(-bound, bound)
@@ -119,7 +128,12 @@ class BlockSparseLinear(CompressedLayer):
     def _build_topology(self) -> BlockTopology:
         """Built eagerly, also when the first call is traced by ``torch.compile``: index
         tensors a compiled graph made and the layer kept would live in the CUDA-graph
-        memory pool (``mode="reduce-overhead"``) and be overwritten by the next replay."""
+        memory pool (``mode="reduce-overhead"``) and be overwritten by the next replay.
+
+        Raises:
+            RuntimeError: the block mask is unset (:meth:`CompressedLayer.check_mask_set`).
+        """
+        self.check_mask_set()
         return BlockTopology.from_block_mask(self.block_mask, self.out_features,
                                              self.in_features, self.block,
                                              nnz=self.values.shape[0])
@@ -173,13 +187,16 @@ class BlockSparseLinear(CompressedLayer):
 
     def block_sources(self, mask: Tensor) -> Tensor:
         """For each block ``mask`` keeps (row-major order), its position in ``values`` now,
-        or -1 where it is not kept now: int64 ``[nnz]``, what :func:`gather_blocks` takes.
+        or -1 where it is not kept now (every block, while the mask is unset): int64
+        ``[nnz]``, what :func:`gather_blocks` takes.
 
         Raises:
             ValueError: a mask of another shape or dtype.
         """
         check_block_mask(mask, tuple(self.block_mask.shape))
         rows, cols = mask.to(self.block_mask.device).nonzero(as_tuple=True)
+        if self.mask_unset:
+            return torch.full_like(rows, -1)
         return torch.where(self.block_mask[rows, cols],
                            kept_positions(self.block_mask)[rows, cols], -1)
 
@@ -219,6 +236,7 @@ class BlockSparseLinear(CompressedLayer):
         copy_whole(self.values, values.to(dtype=self.values.dtype, device=mask.device)
                    * inside(topology))
         self.block_mask.copy_(mask)
+        self.mask_unset = False
         packed = None if self._topology is None else self._topology.packed
         if (packed is not None and packed.device == mask.device and not packed.is_inference()
                 and packed.shape == topology.packed.shape):
@@ -242,11 +260,15 @@ class BlockSparseLinear(CompressedLayer):
                 block grid's shape.
 
         Kept blocks and the bias are copied; device, dtype and ``requires_grad`` follow
-        ``linear``'s.
+        ``linear``'s. A ``linear`` on the meta device (no values to rank) gives a meta layer
+        of the ``nnz`` that ``density`` keeps; ``to_empty()`` and ``reset_parameters()`` then
+        draw its blocks at random and initialize them.
 
         Raises:
             ValueError: both or neither of ``density`` and ``mask``, an invalid block or
-                density, a mask of another shape, not constant on a block, or keeping none.
+                density, a mask of another shape, not constant on a block, or keeping none;
+                a ``mask`` for a meta ``linear`` (its values would not survive
+                ``to_empty()``).
         """
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"from_dense takes an nn.Linear, got {type(linear).__name__}")
@@ -256,7 +278,13 @@ class BlockSparseLinear(CompressedLayer):
         block = check_block(block)
         weight = linear.weight.detach()
         grid = block_grid(*weight.shape, block)
-        if density is not None:
+        if weight.is_meta:  # no values to rank: reset_parameters after to_empty draws them
+            if mask is not None:
+                raise ValueError("from_dense of an nn.Linear on the meta device takes density, "
+                                 "not mask: to_empty() would leave none of it; give density, "
+                                 "or build the Linear's weights first")
+            block_mask = None
+        elif density is not None:
             nnz = blocks_kept(grid, check_density(density), tuple(weight.shape), block)
             block_mask = top_blocks(block_norms(weight, block), nnz)
         elif isinstance(mask, Tensor) and mask.dtype == torch.bool and mask.shape == weight.shape:
@@ -269,7 +297,8 @@ class BlockSparseLinear(CompressedLayer):
             raise ValueError(f"mask must be a bool tensor of the weight's shape "
                              f"{tuple(weight.shape)} or of the block grid's shape {grid}, "
                              f"got {what}")
-        layer = cls(linear.in_features, linear.out_features, block, bias=linear.bias is not None,
+        layer = cls(linear.in_features, linear.out_features, block,
+                    1.0 if density is None else density, bias=linear.bias is not None,
                     device=weight.device, dtype=weight.dtype, block_mask=block_mask)
         transfer(layer.values, dense_to_values(weight, layer.topology),
                   linear.weight.requires_grad, layer.bias, linear.bias)
@@ -302,11 +331,13 @@ class BlockSparseLinear(CompressedLayer):
     def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict,
                               strict: bool, missing_keys: list[str], *args: Any) -> None:
         """Load the dense form or the compact one, each checked in full before anything is
-        copied (:meth:`_compact_from`)."""
+        copied (:func:`~sparse_training.layers.blocks.compact_from`)."""
         given = any(prefix + k in state_dict for k in ("weight", "values", "block_mask"))
-        self._compact_from(state_dict, prefix)
+        compact_from(self, state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                       missing_keys, *args)
+        if prefix + "block_mask" in state_dict:  # (a dense weight was made compact above)
+            self.mask_unset = False
         if not given and not is_sharded(self.values):  # the key this layer saves
             missing_keys[:] = [k for k in missing_keys
                                if k not in (prefix + "values", prefix + "block_mask")]
@@ -318,69 +349,6 @@ class BlockSparseLinear(CompressedLayer):
                 f"block={r}x{c}, density={self.density:.4f}, nnz={self.nnz}, "
                 f"bias={self.bias is not None}")
 
-    def _compact_from(self, state_dict: dict, prefix: str) -> None:
-        """Check this layer's entries of ``state_dict`` (keys ``prefix + name``) and turn a dense
-        ``weight`` into the compact ``values`` and ``block_mask``, in place.
-
-        The block mask of a dense weight is the layer's current ``block_mask`` where the weight
-        is zero outside it, else the blocks that hold a nonzero if they are exactly ``nnz``.
-
-        Raises:
-            ValueError: naming the key: a weight of another shape, with nonzeros in other than
-                ``nnz`` blocks, beside compact keys, or dense for sharded values; a
-                ``block_mask`` of another shape, dtype or count, or without ``values``;
-                ``values`` of another shape.
-        """
-        weight = state_dict.get(prefix + "weight")
-        values, mask = state_dict.get(prefix + "values"), state_dict.get(prefix + "block_mask")
-        if weight is None:
-            self._check_compact(values, mask, prefix)
-            return
-        if values is not None or mask is not None:
-            raise ValueError(f"{prefix}weight and the compact {prefix}values/block_mask are both "
-                             f"given; give one form")
-        shape = (self.out_features, self.in_features)
-        if not isinstance(weight, Tensor) or tuple(weight.shape) != shape:
-            what = tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
-            raise ValueError(f"{prefix}weight has shape {what}, the layer's dense weight "
-                             f"(out_features, in_features) = {shape}")
-        if is_sharded(self.values):
-            raise ValueError(f"{prefix}weight is dense but the layer's values are sharded (FSDP2): "
-                             f"sharded layers load the compact form they save")
-        nonzero = nonzero_blocks(weight.detach(), self.block)
-        mask = self.block_mask.to(nonzero.device)
-        if (nonzero & ~mask).any():
-            if int(nonzero.sum()) != self.nnz:
-                (r, c), kept = self.block, int(nonzero.sum())
-                raise ValueError(
-                    f"{prefix}weight has nonzeros in {kept} of its {nonzero.numel()} {r}x{c} "
-                    f"blocks, some outside the layer's block_mask, and the layer keeps nnz = "
-                    f"{self.nnz}: load a weight that is zero outside {self.nnz} blocks, or set "
-                    f"the mask first (set_block_mask)")
-            mask = nonzero
-        topology = BlockTopology.from_block_mask(mask, *shape, self.block, nnz=self.nnz)
-        del state_dict[prefix + "weight"]
-        state_dict[prefix + "values"] = dense_to_values(weight.detach(), topology)
-        state_dict[prefix + "block_mask"] = mask
-
-
-    def _check_compact(self, values: Tensor | None, mask: Tensor | None, prefix: str) -> None:
-        """The compact form's checks (either key may be absent in a partial state_dict)."""
-        if mask is not None:
-            check_block_mask(mask, tuple(self.block_mask.shape), prefix + "block_mask")
-            if values is None:
-                raise ValueError(f"{prefix}block_mask without {prefix}values: the compact form "
-                                 f"loads both (or give the dense {prefix}weight)")
-            if int(mask.sum()) != self.nnz:
-                raise ValueError(f"{prefix}block_mask keeps {int(mask.sum())} blocks but values "
-                                 f"holds {self.nnz}: the state_dict is inconsistent")
-        expected = (self.nnz, *self.block)
-        if values is not None and tuple(values.shape) != expected:
-            what = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
-            raise ValueError(f"{prefix}values has shape {what}, the layer's (nnz, R, C) = "
-                             f"{expected}: a checkpoint of another layer")
-
-
 def _after_load(module: BlockSparseLinear, incompatible_keys) -> None:
     """After ``load_state_dict`` (checked in full before): the topology is rebuilt."""
     _rebuild_topology(module)
@@ -388,9 +356,10 @@ def _after_load(module: BlockSparseLinear, incompatible_keys) -> None:
 
 def _rebuild_topology(module: BlockSparseLinear) -> None:
     """Build the topology now (not at the next forward) wherever the block mask has real
-    storage: a forward that ``torch.compile`` traces then finds it cached, where building
-    it would break the graph (:meth:`BlockSparseLinear._build_topology` runs eagerly) and
-    leave the compiled model in pieces for good. Elsewhere (meta tensors, inside a trace)
-    it is dropped, to be built at its next use."""
-    real = module.block_mask.device.type != "meta" and not torch.compiler.is_compiling()
+    storage and values: a forward that ``torch.compile`` traces then finds it cached, where
+    building it would break the graph (:meth:`BlockSparseLinear._build_topology` runs
+    eagerly) and leave the compiled model in pieces for good. Elsewhere (meta tensors, an
+    unset mask, inside a trace) it is dropped, to be built at its next use."""
+    real = (module.block_mask.device.type != "meta" and not module.mask_unset
+            and not torch.compiler.is_compiling())
     module._topology = module._build_topology() if real else None

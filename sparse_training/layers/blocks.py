@@ -1,6 +1,7 @@
 """Block geometry of :class:`~sparse_training.layers.block_sparse.BlockSparseLinear`:
 argument checks, kept counts, the entries of overhanging blocks, block moves, and the
-compact checkpoint form turned dense (:func:`dense_state_dict`).
+checkpoint forms: the compact form turned dense (:func:`dense_state_dict`), a dense one
+turned compact for the layer to load (:func:`compact_from`).
 
 The weight ``(out_features, in_features)`` is cut into ``R x C`` blocks; the last block row
 and column may hang over the edge, their outside entries held as zeros.
@@ -14,7 +15,13 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from sparse_training.kernels.block_sparse import BlockTopology, block_grid, values_to_dense
+from sparse_training.kernels._shards import is_sharded
+from sparse_training.kernels.block_sparse import (
+    BlockTopology,
+    block_grid,
+    dense_to_values,
+    values_to_dense,
+)
 from sparse_training.pieces.masks import kept_count
 
 BLOCK_SIZES = (16, 32, 64, 128)
@@ -186,3 +193,70 @@ def dense_state_dict(state_dict: Mapping[str, Tensor], model: nn.Module) -> dict
         del dense[key], dense[prefix + "block_mask"]
         dense[prefix + "weight"] = values_to_dense(values, topology).clone()
     return dense
+
+
+def compact_from(layer: nn.Module, state_dict: dict, prefix: str) -> None:
+    """Check a ``BlockSparseLinear``'s entries of ``state_dict`` (keys ``prefix + name``) and
+    turn a dense ``weight`` into the compact ``values`` and ``block_mask``, in place.
+
+    The block mask of a dense weight is the layer's current ``block_mask`` where it is set
+    and the weight is zero outside it, else the blocks that hold a nonzero if they are
+    exactly ``nnz``.
+
+    Raises:
+        ValueError: naming the key: a weight of another shape, with nonzeros in other than
+            ``nnz`` blocks, beside compact keys, or dense for sharded values; a
+            ``block_mask`` of another shape, dtype or count, or without ``values``;
+            ``values`` of another shape.
+    """
+    weight = state_dict.get(prefix + "weight")
+    values, mask = state_dict.get(prefix + "values"), state_dict.get(prefix + "block_mask")
+    if weight is None:
+        _check_compact(layer, values, mask, prefix)
+        return
+    if values is not None or mask is not None:
+        raise ValueError(f"{prefix}weight and the compact {prefix}values/block_mask are both "
+                         f"given; give one form")
+    shape = (layer.out_features, layer.in_features)
+    if not isinstance(weight, Tensor) or tuple(weight.shape) != shape:
+        what = tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
+        raise ValueError(f"{prefix}weight has shape {what}, the layer's dense weight "
+                         f"(out_features, in_features) = {shape}")
+    if is_sharded(layer.values):
+        raise ValueError(f"{prefix}weight is dense but the layer's values are sharded (FSDP2): "
+                         f"sharded layers load the compact form they save")
+    nonzero = nonzero_blocks(weight.detach(), layer.block)
+    mask = layer.block_mask.to(nonzero.device)
+    if layer.mask_unset or (nonzero & ~mask).any():
+        if int(nonzero.sum()) != layer.nnz:
+            (r, c), kept = layer.block, int(nonzero.sum())
+            where = ("the layer's block_mask unset (to_empty of a meta layer)"
+                     if layer.mask_unset else "some outside the layer's block_mask")
+            raise ValueError(
+                f"{prefix}weight has nonzeros in {kept} of its {nonzero.numel()} {r}x{c} "
+                f"blocks, {where}, and the layer keeps nnz = {layer.nnz}: load a weight "
+                f"that is zero outside {layer.nnz} blocks, or set the mask first "
+                f"(set_block_mask)")
+        mask = nonzero
+    topology = BlockTopology.from_block_mask(mask, *shape, layer.block, nnz=layer.nnz)
+    del state_dict[prefix + "weight"]
+    state_dict[prefix + "values"] = dense_to_values(weight.detach(), topology)
+    state_dict[prefix + "block_mask"] = mask
+
+
+def _check_compact(layer: nn.Module, values: Tensor | None, mask: Tensor | None,
+                   prefix: str) -> None:
+    """The compact form's checks (either key may be absent in a partial state_dict)."""
+    if mask is not None:
+        check_block_mask(mask, tuple(layer.block_mask.shape), prefix + "block_mask")
+        if values is None:
+            raise ValueError(f"{prefix}block_mask without {prefix}values: the compact form "
+                             f"loads both (or give the dense {prefix}weight)")
+        if int(mask.sum()) != layer.nnz:
+            raise ValueError(f"{prefix}block_mask keeps {int(mask.sum())} blocks but values "
+                             f"holds {layer.nnz}: the state_dict is inconsistent")
+    expected = (layer.nnz, *layer.block)
+    if values is not None and tuple(values.shape) != expected:
+        what = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
+        raise ValueError(f"{prefix}values has shape {what}, the layer's (nnz, R, C) = "
+                         f"{expected}: a checkpoint of another layer")

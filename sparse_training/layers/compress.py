@@ -24,11 +24,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from sparse_training.engine.protocol import CompressedLayer
-from sparse_training.engine.selection import TensorPlan, plan_model, replaced_name, setting_of
+from sparse_training.engine.selection import (
+    TensorPlan,
+    held_layers,
+    plan_model,
+    replaced_name,
+    setting_of,
+)
 from sparse_training.engine.sharding import is_sharded
 from sparse_training.engine.state import LayerForm, check_compressed
 from sparse_training.kernels.block_sparse import block_grid
+from sparse_training.kernels.semi_structured.masks import features_problem
 from sparse_training.layers.block_sparse import BlockSparseLinear
 from sparse_training.layers.blocks import BLOCK_SIZES
 from sparse_training.layers.semi_structured import SemiStructuredLinear
@@ -177,6 +183,8 @@ def compress_selected(model: nn.Module, config: SparsityConfig,
             reason = swap
         elif (unsupported := pattern_problem(plan.pattern)) is not None:
             reason = unsupported
+        elif plan.pattern.is_nm and (shape := features_problem(*plan.shape[::-1])):
+            reason = f"SemiStructuredLinear: {shape}"  # a 10-class head, say
         elif saved is None and (kept_all := _keeps_every_block(plan)) is not None:
             reason = kept_all  # (on resume the checkpoint decides)
         elif config.compress == "auto" and saved is None:
@@ -187,9 +195,8 @@ def compress_selected(model: nn.Module, config: SparsityConfig,
             reason = None
         entries.append((plan, reason, f"{module_name}.{layer_class.trained_weight}", module))
     skipped = {p.name.rpartition(".")[0]: p.reason for p in plans if not p.selected}
-    # layers the model already holds compressed take the checkpoint's masks in the engine
-    held = {f"{name}.{m.trained_weight}" for name, m in model.named_modules()
-            if isinstance(m, CompressedLayer)}
+    # layers of this selection already compressed take the checkpoint's masks in the engine
+    held = {f"{name}.{m.trained_weight}" for name, m in held_layers(model, tensors, plans)}
     masks = None if saved is None else _saved_masks(
         {k: v for k, v in saved.items() if k not in held} if isinstance(saved, dict) else saved,
         entries, skipped)
@@ -213,8 +220,7 @@ def compress_selected(model: nn.Module, config: SparsityConfig,
         rows.append(SwapRow(module_name, plan.shape, plan.pattern.spec,
                             "compressed" if masks is None else "compressed: the checkpoint's "
                             "mask", layer.train(module.training)))
-    if config.compress is True and len(reasons) == len(rows) and not any(
-            isinstance(m, CompressedLayer) for m in model.modules()):
+    if config.compress is True and len(reasons) == len(rows) and not held:
         lines = "\n".join(f"  {name}: {why}" for name, why in reasons) or "\n".join(
             f"  {p.name}: not selected: {p.reason}" for p in plans)  # why none was selected
         raise ValueError(f"compress=True but no selected tensor can train compressed; "
@@ -281,14 +287,14 @@ def _compressed_layer(linear: nn.Linear, pattern: Pattern, mask: torch.Tensor) -
 
 
 def held_apart(model: nn.Module, swapped: set[str], config: SparsityConfig) -> str | None:
-    """Which compressed layers ``model`` held before this fit's swaps (not in ``swapped``:
-    an earlier fit's, or ``sparsify``'s) keep another pattern than ``config`` gives them
-    (its overrides included), or another count of blocks than its target keeps (where the
-    target is the tensor's own: not under ERK or global, which weigh the whole model);
-    None if every one follows ``config``."""
+    """Which compressed layers of ``config``'s selection ``model`` held before this fit's
+    swaps (not in ``swapped``: an earlier fit's, or ``sparsify``'s) keep another pattern
+    than ``config`` gives them (its overrides included), or another count of blocks than
+    its target keeps (where the target is the tensor's own: not under ERK or global, which
+    weigh the whole model); None if every one follows ``config``."""
     apart = []
-    for name, layer in model.named_modules():
-        if not isinstance(layer, CompressedLayer) or name in swapped:
+    for name, layer in held_layers(model, *plan_model(model, config)):
+        if name in swapped:
             continue
         weight = f"{name}.{layer.trained_weight}" if name else layer.trained_weight
         pattern, target = setting_of((weight, replaced_name(weight)), config)

@@ -38,7 +38,6 @@ The bytes each route keeps per weight entry are tabled in ``docs/semi_structured
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 import torch.nn.functional as F
@@ -58,8 +57,13 @@ from sparse_training.kernels.semi_structured import (
     semi_structured_linear,
     shape_problem,
 )
-from sparse_training.kernels.semi_structured.masks import check_mask, zero_outside
+from sparse_training.kernels.semi_structured.masks import (
+    check_mask,
+    features_problem,
+    zero_outside,
+)
 from sparse_training.kernels.semi_structured.paths import check_timing
+from sparse_training.layers.blocks import transfer
 from sparse_training.layers.storage import SemiStructuredSlot
 from sparse_training.pieces.masks import pattern_mask
 
@@ -77,11 +81,8 @@ def _weights_changed_marker(weight: Tensor) -> tuple[int, int]:
 
 
 def _check_arguments(in_features: object, out_features: object, transposable: object) -> None:
-    for name, size in (("in_features", in_features), ("out_features", out_features)):
-        if (not isinstance(size, numbers.Integral) or isinstance(size, bool) or size < 4
-                or size % 4):
-            raise ValueError(f"{name} must be a positive multiple of 4 (2:4 groups), got "
-                             f"{size!r}")
+    if problem := features_problem(in_features, out_features):
+        raise ValueError(problem)
     if not isinstance(transposable, bool):
         raise ValueError(f"transposable must be True or False, got {transposable!r}")
 
@@ -119,12 +120,12 @@ class SemiStructuredLinear(CompressedLayer):
                                                device=device, dtype=dtype))
         self.bias = (nn.Parameter(torch.empty(self.out_features, device=device, dtype=dtype))
                      if bias else None)
-        self.reset_parameters()
-        if mask is None:
-            mask = pattern_mask(self.weight.detach(), self.pattern)
         self.register_buffer("mask", torch.empty_like(self.weight, dtype=torch.bool),
                              persistent=False)
-        self.set_mask(mask)
+        self.mask_unset = True  # reset_parameters takes the initial weight's mask
+        self.reset_parameters()
+        if mask is not None:
+            self.set_mask(mask)
         if not _COUNTING:
             _COUNTING.append(register_optimizer_step_post_hook(_count_step))
 
@@ -140,12 +141,16 @@ class SemiStructuredLinear(CompressedLayer):
         return f"SemiStructuredLinear({self.in_features}->{self.out_features}, {self.pattern})"
 
     def reset_parameters(self) -> None:
-        """Uniform in ``±1/sqrt(in_features)``, like ``nn.Linear``."""
+        """Uniform in ``±1/sqrt(in_features)``, like ``nn.Linear``, zero where the mask
+        prunes; a layer without a mask yet (being built, or unset by ``to_empty()`` of a
+        meta layer) takes the magnitude mask of the drawn weight."""
         bound = 1.0 / math.sqrt(self.in_features)
         with torch.no_grad():
             self.weight.uniform_(-bound, bound)
             if self.bias is not None:
                 self.bias.uniform_(-bound, bound)
+        self.set_mask(pattern_mask(self.weight.detach(), self.pattern) if self.mask_unset
+                      else self.mask)
 
     @torch.no_grad()
     def set_mask(self, mask: Tensor) -> None:
@@ -159,6 +164,7 @@ class SemiStructuredLinear(CompressedLayer):
         check_mask(mask, (self.out_features, self.in_features), self.transposable,
                    self._owner())
         self.mask.copy_(mask)
+        self.mask_unset = False
         self.weight.masked_fill_(~self.mask, 0)
         self._packs: dict[tuple[torch.dtype, bool], list] = {}  # see _copy
         self._routes: dict[tuple, PathChoice | str] = {}  # by (device, dtype, tokens, timing)
@@ -213,7 +219,10 @@ class SemiStructuredLinear(CompressedLayer):
             ValueError: ``x`` is not a tensor whose last dimension is ``in_features``, not on
                 the weight's device, or its dtype is not the weight's (under autocast: not
                 one autocast casts).
+            RuntimeError: the mask is unset (``to_empty()`` of a meta layer, before
+                ``reset_parameters()`` or ``load_state_dict``).
         """
+        self.check_mask_set()
         dtype = self._compute_dtype(x)
         if torch.compiler.is_compiling():  # cuBLAS, traced without Python-side caches
             if not self.masks_gradient:
@@ -328,14 +337,15 @@ class SemiStructuredLinear(CompressedLayer):
                                       missing_keys, unexpected_keys, error_msgs)
         if prefix + "mask" in unexpected_keys:  # a legacy state dict's mask, used above
             unexpected_keys.remove(prefix + "mask")
-        if len(error_msgs) == errors:  # torch refused nothing (it raises after all modules)
+        if len(error_msgs) == errors and mask is not None:  # torch refused nothing
             self.set_mask(mask)
 
     @torch.no_grad()
-    def _loaded_mask(self, state_dict: dict, prefix: str) -> Tensor:
+    def _loaded_mask(self, state_dict: dict, prefix: str) -> Tensor | None:
         """The mask after loading ``state_dict``: its legacy ``mask`` if it has one, else the
         current mask if the loaded weight is zero outside it, else the loaded weight's
-        magnitude mask of this layer's pattern (NaN ranks lowest).
+        magnitude mask of this layer's pattern (NaN ranks lowest); None (the mask stays
+        unset) without a weight to take it from.
 
         Raises:
             ValueError: a ``weight`` or ``bias`` of another shape than the layer's, a legacy
@@ -353,8 +363,10 @@ class SemiStructuredLinear(CompressedLayer):
                        f"{self._owner()}, state dict key {prefix + 'mask'!r}")
             return legacy
         weight = state_dict.get(prefix + "weight")
-        if not isinstance(weight, Tensor) or zero_outside(weight, self.mask):
-            return self.mask  # torch reports a missing weight, or one that is no tensor
+        if not isinstance(weight, Tensor):  # torch reports a missing weight, or no tensor
+            return None if self.mask_unset else self.mask
+        if not self.mask_unset and zero_outside(weight, self.mask):
+            return self.mask
         return pattern_mask(weight, self.pattern)
 
     @classmethod
@@ -362,9 +374,12 @@ class SemiStructuredLinear(CompressedLayer):
                    mask: Tensor | None = None) -> SemiStructuredLinear:
         """``linear``'s weight under ``mask`` (default: its magnitude 2:4 mask, transposable
         where asked) and its bias; device, dtype and ``requires_grad`` follow ``linear``'s.
+        A ``linear`` on the meta device gives a meta layer: after ``to_empty()``,
+        ``reset_parameters()`` takes the mask of the weight it draws.
 
         Raises:
-            ValueError: not an ``nn.Linear``, features not multiples of 4, a bad mask.
+            ValueError: not an ``nn.Linear``, features not multiples of 4, a bad mask; a
+                ``mask`` for a meta ``linear`` (its values would not survive ``to_empty()``).
         """
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"from_dense takes an nn.Linear, got {type(linear).__name__}; "
@@ -372,19 +387,17 @@ class SemiStructuredLinear(CompressedLayer):
                              "nn.Linear from its transposed weight first")
         _check_arguments(linear.in_features, linear.out_features, transposable)
         weight = linear.weight.detach()
+        if weight.is_meta and mask is not None:
+            raise ValueError("from_dense of an nn.Linear on the meta device takes no mask: "
+                             "to_empty() would leave none of it (reset_parameters() then "
+                             "takes the drawn weight's); build the Linear's weights first")
         mask = mask if mask is not None else pattern_mask(weight, "2:4:2d" if transposable
                                                           else "2:4")
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
                     device=weight.device, dtype=weight.dtype, transposable=transposable,
                     mask=mask)
-        with torch.no_grad():
-            layer.weight.copy_(weight)
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias)
+        transfer(layer.weight, weight, linear.weight.requires_grad, layer.bias, linear.bias)
         layer.set_mask(mask)  # zeroes the pruned copies
-        layer.weight.requires_grad_(linear.weight.requires_grad)
-        if linear.bias is not None:
-            layer.bias.requires_grad_(linear.bias.requires_grad)
         return layer
 
     def to_dense(self) -> nn.Linear:
@@ -393,13 +406,8 @@ class SemiStructuredLinear(CompressedLayer):
         linear = nn.utils.skip_init(nn.Linear, self.in_features, self.out_features,
                                     bias=self.bias is not None, device=self.weight.device,
                                     dtype=self.weight.dtype)
-        with torch.no_grad():
-            linear.weight.copy_(self.weight * self.mask)
-            if self.bias is not None:
-                linear.bias.copy_(self.bias)
-        linear.weight.requires_grad_(self.weight.requires_grad)
-        if self.bias is not None:
-            linear.bias.requires_grad_(self.bias.requires_grad)
+        transfer(linear.weight, self.weight.detach() * self.mask, self.weight.requires_grad,
+                 linear.bias, self.bias)
         return linear
 
     def extra_repr(self) -> str:

@@ -339,6 +339,58 @@ def test_the_teacher_takes_the_students_precision_and_can_be_saved(tmp_path):
         assert torch.equal(value, teacher.state_dict()[name]), name
 
 
+@pytest.mark.parametrize(("teacher_dtype", "precision"), [
+    (torch.bfloat16, "32-true"), (torch.bfloat16, "bf16-mixed"), (torch.float64, "32-true"),
+    (torch.float64, "bf16-mixed"), (torch.float32, "bf16-true"),
+])
+def test_a_teacher_of_another_dtype_is_cast_to_the_students_weights(teacher_dtype, precision):
+    """A bfloat16 (HF) or float64 teacher beside a float32 student: cast at setup to the
+    dtype the precision gives the student's weights (float32 under mixed precision, which
+    autocasts both), so its forward takes the student's inputs."""
+    teacher = mlp(seed=0).to(teacher_dtype)
+    student = Student()
+    make_trainer([DistillationCallback(teacher, hardness=0.5)], max_epochs=1,
+                 precision=precision).fit(student, loader())
+    weights = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    assert {p.dtype for p in teacher.parameters()} == {weights}
+    assert {p.dtype for p in student.parameters()} == {weights}
+
+
+def test_a_teacher_on_the_meta_device_is_refused_by_name():
+    with torch.device("meta"):
+        teacher = mlp(seed=0)
+    with pytest.raises(ValueError, match=r"the teacher \(Sequential\) has 4 tensors on the meta "
+                                         r"device \(0.weight, ...\): no weights to imitate. Load "
+                                         r"its trained weights first"):
+        make_trainer([DistillationCallback(teacher)], max_epochs=1).fit(Student(), loader())
+    assert all(p.is_meta for p in teacher.parameters())
+
+
+class Output(dict):
+    """A model output with fields, as Hugging Face returns (``out.logits``)."""
+
+    __getattr__ = dict.__getitem__
+
+
+class FieldsStudent(Student):
+    def training_step(self, batch, batch_idx):
+        x, y, _ = batch
+        logits = self.net(x)
+        return DistillationCallback.of(self.trainer).loss(Output(logits=logits), None, x)
+
+
+@pytest.mark.parametrize(("student", "teacher", "side", "got"), [
+    (FieldsStudent, lambda: mlp(seed=0), "teacher", r"a tensor of shape \(16, 5\)"),
+    (Student, lambda: mlp(seed=0), "student", r"a tensor of shape \(16, 5\)"),
+])
+def test_outputs_failing_on_one_side_says_which(student, teacher, side, got):
+    callback = DistillationCallback(teacher(), outputs=lambda out: out.logits)
+    with pytest.raises(ValueError, match=rf"outputs= failed on the {side}'s output \({got}\): "
+                                         rf"AttributeError: .*logits.* It picks the logits out "
+                                         rf"of the student's and the teacher's outputs alike"):
+        make_trainer([callback], max_epochs=1).fit(student(), loader())
+
+
 def test_resuming_with_other_settings_warns_naming_them(tmp_path):
     ckpt = tmp_path / "last.ckpt"
     trainer = make_trainer([DistillationCallback(mlp(seed=0), temperature=2.0, hardness=0.7)],

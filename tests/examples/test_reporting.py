@@ -1,5 +1,6 @@
-"""examples/reporting.py: progress lines, threads, result files, the plot, and a W&B summary run
-written offline and read back. Config loading and checks: tests/examples/test_sweep_config.py."""
+"""examples/reporting.py: progress lines, threads, the dense-run cache, result files, the plot,
+and a W&B summary run written offline and read back. Config loading and checks:
+tests/examples/test_sweep_config.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -184,3 +186,42 @@ def test_read_offline_run_rejects_other_files(tmp_path: Path) -> None:
     (tmp_path / "run-x.wandb").write_bytes(b"not a run")
     with pytest.raises(ValueError, match="is not a W&B run file"):
         reporting.read_offline_run(tmp_path)
+
+
+def test_cached_training_saves_whole_files_and_retrains_over_torn_or_foreign_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    calls = []
+
+    def train() -> dict:
+        calls.append(1)
+        return {"w": torch.arange(4.0)}
+
+    cache = tmp_path / "cache"
+    state, _ = reporting.cached_training(cache, "dense", {"seed": 0}, train)
+    (path,) = cache.iterdir()  # the file only: no temporary one left
+    assert path.name.startswith("dense-") and path.suffix == ".pt"
+    again, _ = reporting.cached_training(cache, "dense", {"seed": 0}, train)
+    assert len(calls) == 1 and torch.equal(again["w"], state["w"])
+    assert f"dense net: cached {path}" in capsys.readouterr().out
+
+    whole = path.read_bytes()
+    for broken in (whole[: len(whole) // 2], b"not a checkpoint", None):
+        if broken is None:  # a file of another program that torch loads
+            torch.save([1, 2, 3], path)
+        else:
+            path.write_bytes(broken)
+        state, _ = reporting.cached_training(cache, "dense", {"seed": 0}, train)
+        shown = capsys.readouterr().out
+        assert f"dense net: the cache file {path} (cache_dir={cache}) does not load (" in shown
+        assert "training again to replace it" in shown and torch.equal(state["w"], torch.arange(4.0))
+        assert torch.load(path)["state_dict"].keys() == {"w"}  # replaced by a whole file
+    assert len(calls) == 4
+
+    def killed(obj: object, file: str) -> None:  # a kill in the middle of the write
+        Path(file).write_bytes(whole[:100])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(reporting.torch, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        reporting.cached_training(cache, "dense", {"seed": 1}, train)
+    assert [p.name for p in cache.iterdir()] == [path.name]  # no torn file, no leftover

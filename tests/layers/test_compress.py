@@ -165,7 +165,7 @@ class FakeTrainer:
 
     def __init__(self, precision: str) -> None:
         self.strategy = types.SimpleNamespace(root_device=torch.device("cuda", 0))
-        self.precision, self.ckpt_path = precision, None
+        self.precision, self.ckpt_path, self.callbacks = precision, None, []
 
 
 @pytest.mark.parametrize("precision, compressed, header", [
@@ -208,6 +208,28 @@ def test_a_target_that_prunes_no_block_keeps_the_layer_masked_dense():
         "masked-dense: the 64x16 weight has 4 blocks of 16x16: sparsity 0.1 keeps 4 of 4 "
         "blocks (nothing pruned; use smaller blocks or a higher sparsity)")
     assert rows["net.2"].decision == "compressed" and model.net[2].nnz == 14
+
+
+class TenClasses(BlockNet):
+    """BlockNet with a 10-class head: 2:4 masks its inputs, but no 2:4 layer takes 10
+    outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net[4] = nn.Linear(64, 10)
+
+
+def test_a_2to4_head_of_10_outputs_stays_masked_dense_with_its_line(lightning_log):
+    model = TenClasses()
+    sparse = SparsityCallback("2:4", compress=True)
+    make_trainer([sparse], max_epochs=1).fit(model, make_loader())
+    assert [type(model.net[i]).__name__ for i in (0, 2, 4)] == [
+        "SemiStructuredLinear", "SemiStructuredLinear", "Linear"]
+    assert [s.name for s in sparse.engine.masked] == ["net.4.weight"]
+    assert sparse.engine.tensor_sparsity["net.4.weight"] == 0.5
+    (line,) = [line for line in lightning_log.text.splitlines() if line.startswith("net.4 ")]
+    assert line.endswith("masked-dense: SemiStructuredLinear: out_features must be a positive "
+                         "multiple of 4 (2:4 groups), got 10")
 
 
 def test_a_new_callback_on_layers_compressed_before_says_they_keep_their_blocks():
@@ -359,3 +381,70 @@ def test_compress_in_configure_model_is_needed_and_refuses_what_it_cannot_do():
         compress_selected(lazy, SparsityConfig(**SETTINGS, compress=True))
     assert type(lazy.net[0]) is nn.Linear
     SparsityCallback(**SETTINGS, compress=False).compress(BlockNet())  # nothing to do
+
+
+class MetaNet(BlockNet):
+    """BlockNet whose layers are still on the meta device at setup."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net.to("meta")
+
+
+class MetaInConfigureModel(BuiltInConfigureModel):
+    """Builds its layers on the meta device in configure_model and compresses them there."""
+
+    def configure_model(self) -> None:
+        if hasattr(self, "net"):
+            return
+        self.pending[0].to("meta")
+        super().configure_model()
+
+
+@pytest.mark.parametrize("model_class", [MetaNet, MetaInConfigureModel])
+def test_compress_on_meta_layers_raises_its_own_error_from_fit(model_class):
+    """Not Lightning's teardown error (it moves the model to the CPU, which meta refuses)."""
+    model = model_class()
+    with pytest.raises(ValueError, match=r"\['net.0.weight', 'net.2.weight'\] are on the meta "
+                                         r"device: .* initialize the weights first"):
+        make_trainer([SparsityCallback(**SETTINGS, compress=True)],
+                     max_epochs=1).fit(model, make_loader())
+    assert type(model.net[0]) is nn.Linear and model.net[0].weight.is_meta
+
+
+class BlockLayersFromMeta(BlockNet):
+    """BlockSparseLinear layers built on the meta device in configure_model, given storage
+    with to_empty() and, with ``reset``, initialized."""
+
+    def __init__(self, reset: bool) -> None:
+        super().__init__()
+        self.reset = reset
+        del self.net
+
+    def configure_model(self) -> None:
+        if hasattr(self, "net"):
+            return
+        with torch.device("meta"):
+            self.net = nn.Sequential(BlockSparseLinear(16, 64, (16, 16), density=0.5),
+                                     nn.ReLU(), BlockSparseLinear(64, 64, (16, 16), density=0.25),
+                                     nn.ReLU(), nn.Linear(64, 4))
+        self.net.to_empty(device="cpu")
+        self.net[4].reset_parameters()
+        for i in (0, 2):
+            self.net[i].block_mask.fill_(True)  # what uninitialized memory may hold
+            if self.reset:
+                self.net[i].reset_parameters()
+
+
+def test_rigl_on_layers_built_on_the_meta_device_trains_their_drawn_blocks():
+    rigl = dict(SETTINGS, compress=True, regrow="rigl", frequency=2, regrow_end=1.0)
+    model = BlockLayersFromMeta(reset=True)
+    sparse = SparsityCallback(**rigl)
+    make_trainer([sparse], max_epochs=1).fit(model, make_loader())
+    assert sparse.engine.updater.last_regrow is not None
+    for i, nnz in ((0, 2), (2, 4)):
+        assert int(model.net[i].block_mask.sum()) == model.net[i].nnz == nnz
+    model = BlockLayersFromMeta(reset=False)
+    with pytest.raises(ValueError, match=r"compressed layer 'net.0' \(BlockSparseLinear\): its "
+                                         r"block_mask is uninitialized memory"):
+        make_trainer([SparsityCallback(**rigl)], max_epochs=1).fit(model, make_loader())

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor
 
 from sparse_training.kernels.semi_structured.cusparselt import row_chunks
+
+
+def features_problem(in_features: object, out_features: object) -> str | None:
+    """Why a 2:4 layer cannot have these features, or None: each must be a positive multiple
+    of 4 (the groups run along the inputs, and along the outputs for ``2:4:2d``)."""
+    for name, size in (("in_features", in_features), ("out_features", out_features)):
+        if (not isinstance(size, numbers.Integral) or isinstance(size, bool) or size < 4
+                or size % 4):
+            return f"{name} must be a positive multiple of 4 (2:4 groups), got {size!r}"
+    return None
 
 
 def check_mask(mask: Tensor, shape: tuple[int, int], transposable: bool, owner: str) -> None:
