@@ -13,7 +13,7 @@ import)::
     engine/        SparsityEngine: slots (the Slot protocol, masked-dense storage),
         |          selection, updaters, optimizer hooks, state, distributed
         |
-    config.py      SparsityConfig: every setting, strings parsed once into pieces
+    config/        SparsityConfig: every setting, strings parsed once into pieces
         |
     pieces/        patterns, masks, schedules, distributions, scores, regrowth,
         |          the distillation loss (torch only)

@@ -96,6 +96,8 @@ RUNS = {
                                        regrow_fraction=1.0)),
 }
 RUNS["rigl fused"] = (TinyNet, {**RUNS["rigl"][1], "fused": True})  # the masked AdamW kernel
+# a training score on each rank from the averaged gradients: the same statistics everywhere
+RUNS["rigl movement"] = (TinyNet, {**RUNS["rigl"][1], "score": "movement"})
 # SemiStructuredLinear layers swapped in at setup, their 2:4 masks fixed
 RUNS["2:4-compressed"] = (BlockNet, dict(pattern="2:4:2d", compress=True, regrow=None))
 

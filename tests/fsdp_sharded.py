@@ -54,6 +54,13 @@ RUNS = {
                   frequency=2),
     "rigl": dict(pattern="unstructured", sparsity=0.9, distribution="erk", score="random",
                  regrow="rigl", schedule="constant", frequency=2, regrow_end=6),
+    # training scores: statistics of the local shards (the second-order Fisher blocks lie
+    # within rows), ranked on them and gathered at updates; an update at step 5 of 8 makes
+    # the first epoch's checkpoint carry statistics between updates
+    "second-order": dict(pattern="unstructured", sparsity=0.8, distribution="global",
+                         schedule="gmp", start=0, end=7, frequency=5, score="second-order"),
+    "movement": dict(pattern="block:8x4", sparsity=0.5, schedule="linear", start=0, end=6,
+                     frequency=3, score="movement"),
 }
 # the hook path above ("auto" takes the fused step on GPUs), and the fused masked step on
 # the local shards (Triton's interpreter on CPU)
@@ -256,6 +263,12 @@ def main(out: Path, accelerator: str) -> None:
     resumed = fit(RUNS["rigl"], make_loader(n=128), ckpt_path=out / "rigl.ckpt",
                   accelerator=accelerator)
     results["rigl-stopped"], results["rigl-resumed"] = stopped.rows, resumed.rows
+    results["second-order-stopped"] = fit(
+        RUNS["second-order"], make_loader(n=128),
+        [SaveAndStop(out / "second-order.ckpt")], accelerator=accelerator).rows
+    results["second-order-resumed"] = fit(
+        RUNS["second-order"], make_loader(n=128), ckpt_path=out / "second-order.ckpt",
+        accelerator=accelerator).rows
     compressed = {"settings": RUNS["compressed"], "widths": WIDTHS["compressed"],
                   "accelerator": accelerator}
     results["compressed"] = fit(**compressed, loader=make_loader(n=128)).rows

@@ -41,7 +41,7 @@ def ddp_results(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("run, masks_seen", [("rigl", 4), ("set", 4), ("rigl fused", 4),
-                                             ("rigl-compressed", 2)])
+                                             ("rigl-compressed", 2), ("rigl movement", 4)])
 def test_every_rank_holds_the_same_masks_at_every_step(ddp_results, run, masks_seen):
     ranks = [json.loads((ddp_results / f"{run}_rank{r}.json").read_text()) for r in (0, 1)]
     rows0, rows1 = ranks[0]["rows"], ranks[1]["rows"]

@@ -130,7 +130,8 @@ def _logical(rows: list[dict]) -> list[dict]:
 
 
 @pytest.mark.parametrize("run, masks_seen", [("2:4", 2), ("gmp", 4), ("block", 3),
-                                             ("rigl", 4), ("2:4 fused", 2), ("rigl fused", 4)])
+                                             ("rigl", 4), ("2:4 fused", 2), ("rigl fused", 4),
+                                             ("second-order", 3), ("movement", 3)])
 def test_sharded_masks_equal_one_process_at_every_step(sharded, run, masks_seen):
     (rank0, rank1), accelerator = sharded
     rows = rank0[run]
@@ -142,9 +143,10 @@ def test_sharded_masks_equal_one_process_at_every_step(sharded, run, masks_seen)
     assert all(rows[0]["sharded"])
     assert all(row["fused"] == run.endswith("fused") for row in rows[1:])  # the kernel's path
     assert set(rows[0]["kinds"]) == {"Linear"}  # the setup table's type, not FSDPLinear
-    # each rank holds its shard of each mask: the 5-row head splits 3 + 2
+    # each rank holds its shard of each mask: the 5-row head splits 3 + 2 (8-row blocks
+    # leave it out: the 24-row layer is the last)
     assert rows[0]["local_shapes"][-1][0] + rank1[run][0]["local_shapes"][-1][0] == (
-        5 if run != "block" else 24)
+        24 if run in ("block", "movement") else 5)
     if run.startswith("rigl"):  # drop and grow keeps every tensor's count exactly
         assert all(row["counts"] == rows[1]["counts"] for row in rows[1:])
         assert len({row["parameters"] for row in rows}) == len(rows)
@@ -156,9 +158,10 @@ def test_sharded_checkpoint_resumes_exactly(sharded):
     and optimizer-driven steps as the run that never stopped."""
     (rank0, rank1), _ = sharded
     for rank in (rank0, rank1):
-        whole = rank["rigl"]
-        assert _logical(rank["rigl-stopped"]) == _logical(whole[:5])
-        assert _logical(rank["rigl-resumed"]) == _logical(whole[4:])
+        for run in ("rigl", "second-order"):  # the second-order Fisher saved between updates
+            whole = rank[run]
+            assert _logical(rank[f"{run}-stopped"]) == _logical(whole[:5])
+            assert _logical(rank[f"{run}-resumed"]) == _logical(whole[4:])
 
 
 def test_compressed_values_sharded_along_kept_blocks_train_and_resume_exactly(sharded):

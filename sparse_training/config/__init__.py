@@ -9,12 +9,7 @@ touches a model; every message names the bad value and the valid forms.
 
 from __future__ import annotations
 
-import difflib
-import importlib
 import math
-import numbers
-import re
-import sys
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -23,6 +18,18 @@ from typing import Any
 
 from torch import nn
 
+from sparse_training.config.values import (
+    LayerOverride,
+    caller_level,
+    check_choice,
+    check_target,
+    is_int,
+    is_real,
+    layer_type,
+    parse_overrides,
+    regex_list,
+    unknown_setting,
+)
 from sparse_training.pieces.distributions import DISTRIBUTIONS, Distribution
 from sparse_training.pieces.masks import check_sparsity
 from sparse_training.pieces.patterns import Pattern, parse_pattern
@@ -42,7 +49,6 @@ from sparse_training.pieces.score_registry import (
 from sparse_training.pieces.scores import GradientScore, MagnitudeScore, RandomScore, Score
 from sparse_training.pieces.training_scores import TrainingScore
 
-OVERRIDE_KEYS = ("sparsity", "pattern")
 COMPRESS = ("auto", True, False)
 SCORES = ("magnitude", "random", *TRAINING_SCORES)
 ScoreSetting = str | Mapping[str, Any] | TrainingScore
@@ -51,118 +57,6 @@ FUSED = ("auto", True, False)
 LayerTypes = type[nn.Module] | str | Sequence[type[nn.Module] | str]
 DEFAULT_LAYER_TYPES: tuple[type[nn.Module], ...] = (
     nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention, nn.RNNBase)
-
-
-@dataclass(frozen=True)
-class LayerOverride:
-    """Per-tensor settings from ``overrides``; None fields follow the model-wide ones."""
-
-    pattern: Pattern | None = None
-    sparsity: float | None = None
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of a warning that points at the first caller outside this package
-    (the user's ``SparsityCallback(...)`` line, not the callback's)."""
-    package = str(Path(__file__).parent)
-    frame, level = sys._getframe(1), 1
-    while frame is not None and (frame.f_code.co_filename.startswith(package)
-                                 or frame.f_code.co_filename == "<string>"):  # dataclass init
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def unknown_setting(keys: Iterable[str], valid: Sequence[str]) -> str | None:
-    """The message for the first of ``keys`` not in ``valid``, naming the nearest valid one,
-    or None."""
-    for key in keys:
-        if key not in valid:
-            near = difflib.get_close_matches(key, valid, n=1)
-            hint = f"; did you mean {near[0]!r}?" if near else ""
-            return f"unknown setting {key!r}{hint} Valid settings: {', '.join(valid)}"
-    return None
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _regex_list(value: Sequence[str] | None, name: str) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str | bytes) or not isinstance(value, Sequence) or not all(
-            isinstance(v, str) for v in value):
-        example = repr([value]) if isinstance(value, str) else "['encoder', r'\\.fc\\d']"
-        raise ValueError(f"{name} must be a list of regex strings, e.g. {example}, got "
-                         f"{value!r}")
-    for regex in value:
-        try:
-            re.compile(regex)
-        except re.error as error:
-            raise ValueError(f"{name} regex {regex!r} is invalid: {error}") from None
-    return tuple(value)
-
-
-def _layer_type(entry: Any) -> type[nn.Module]:
-    """A module class from a class, a ``torch.nn`` name ("Linear") or an import path."""
-    cls = entry
-    if isinstance(entry, str):
-        module_name, _, class_name = entry.rpartition(".")
-        try:
-            cls = getattr(importlib.import_module(module_name) if module_name else nn,
-                          class_name, None)
-        except ImportError:
-            cls = None
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise ValueError(f"layer_types entry {entry!r} is not a torch.nn.Module subclass; give "
-                         f"classes, torch.nn names (e.g. 'Linear', 'Conv2d') or import paths "
-                         f"(e.g. 'transformers.pytorch_utils.Conv1D')")
-    return cls
-
-
-def _parse_overrides(overrides: Mapping[str, Mapping[str, Any]] | None
-                     ) -> dict[str, LayerOverride]:
-    if overrides is None:
-        return {}
-    if not isinstance(overrides, Mapping):
-        raise ValueError(f"overrides must be a dict {{regex: {{'sparsity': ..., 'pattern': "
-                         f"...}}}}, got {overrides!r}")
-    parsed = {}
-    for regex, settings in overrides.items():
-        if not isinstance(regex, str):
-            raise ValueError(f"overrides' keys must be regex strings naming tensors, e.g. "
-                             f"{{r'\\.fc1\\.': {{'sparsity': 0.5}}}}, got the key {regex!r}")
-        _regex_list([regex], "overrides")
-        if not isinstance(settings, Mapping) or not settings or (
-                set(settings) - set(OVERRIDE_KEYS)):
-            raise ValueError(f"overrides[{regex!r}] must be a dict with keys from "
-                             f"{OVERRIDE_KEYS}, got {settings!r}")
-        try:
-            pattern = parse_pattern(settings["pattern"]) if "pattern" in settings else None
-        except ValueError as error:
-            raise ValueError(f"overrides[{regex!r}]: {error}") from error
-        sparsity = settings.get("sparsity")
-        if sparsity is not None:
-            sparsity = check_sparsity(sparsity, f"overrides[{regex!r}]['sparsity']")
-        parsed[regex] = LayerOverride(pattern, sparsity)
-    return parsed
-
-
-def _check_target(pattern: Pattern | None, sparsity: float | None, where: str) -> None:
-    if pattern is not None and pattern.is_nm and sparsity is not None and (
-            abs(sparsity - pattern.nm_sparsity) > 1e-9):
-        raise ValueError(f"{where}: pattern {pattern.spec!r} implies sparsity "
-                         f"{pattern.nm_sparsity:g}; leave sparsity None or set it to that, "
-                         f"got {sparsity!r}")
-
-
-def _check_choice(value: Any, name: str, valid: Sequence[Any]) -> None:
-    if not any(value is v or (isinstance(v, str) and value == v) for v in valid):
-        raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(map(repr, valid))}")
 
 
 @dataclass(frozen=True)
@@ -256,30 +150,30 @@ class SparsityConfig:
         elif not pattern.is_nm:
             raise ValueError(f"pattern {pattern.spec!r} needs a sparsity in [0, 1); only N:M "
                              f"patterns imply one")
-        _check_target(pattern, self.sparsity, "SparsityCallback")
-        _check_choice(self.distribution, "distribution", DISTRIBUTIONS)
+        check_target(pattern, self.sparsity, "SparsityCallback")
+        check_choice(self.distribution, "distribution", DISTRIBUTIONS)
         if pattern.is_nm and self.distribution != "uniform":
             raise ValueError(f"distribution {self.distribution!r} needs an unstructured or "
                              f"block pattern; N:M ({pattern.spec!r}) fixes each group's count")
-        if not _is_real(self.dense_ratio) or not 0.0 <= self.dense_ratio < 1.0:
+        if not is_real(self.dense_ratio) or not 0.0 <= self.dense_ratio < 1.0:
             raise ValueError(f"dense_ratio must be a number in [0, 1), got {self.dense_ratio!r}")
         for flag in ("log_layers", "check_masks"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
-        _check_choice(self.fused, "fused", FUSED)
-        _check_choice(self.compress, "compress", COMPRESS)
+        check_choice(self.fused, "fused", FUSED)
+        check_choice(self.compress, "compress", COMPRESS)
         self._check_regrowth(pattern)
         types = self.layer_types
         types = (types,) if isinstance(types, type | str) else types
         if not isinstance(types, Sequence) or not types:
             raise ValueError(f"layer_types must be a non-empty list of torch.nn.Module "
                              f"classes, got {self.layer_types!r}")
-        set_(self, "layer_types", tuple(_layer_type(t) for t in types))
-        set_(self, "allow", _regex_list(self.allow, "allow"))
-        set_(self, "deny", _regex_list(self.deny, "deny"))
+        set_(self, "layer_types", tuple(layer_type(t) for t in types))
+        set_(self, "allow", regex_list(self.allow, "allow"))
+        set_(self, "deny", regex_list(self.deny, "deny"))
         set_(self, "dense_ratio", float(self.dense_ratio))
         set_(self, "parsed_pattern", pattern)
-        set_(self, "parsed_overrides", _parse_overrides(self.overrides))
+        set_(self, "parsed_overrides", parse_overrides(self.overrides))
         self._check_overrides(pattern)
         self._check_units(pattern)
         set_(self, "parsed_schedule", parse_schedule(self.schedule, self.start, self.end,
@@ -339,17 +233,17 @@ class SparsityConfig:
                 raise ValueError(f"overrides[{regex!r}]: pattern {layer_pattern.spec!r} needs "
                                  f"a sparsity (the model-wide pattern {pattern.spec!r} gives "
                                  f"none); add 'sparsity' to the override")
-            _check_target(layer_pattern, override.sparsity, f"overrides[{regex!r}]")
+            check_target(layer_pattern, override.sparsity, f"overrides[{regex!r}]")
 
     def _check_regrowth(self, pattern: Pattern) -> None:
-        if not _is_int(self.seed):
+        if not is_int(self.seed):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         self._check_score()
         if self.score == "random" and self.schedule not in ("oneshot", "constant"):
             raise ValueError(f"score='random' draws one random mask; it needs schedule "
                              f"'oneshot' or 'constant', got {self.schedule!r} (a gradual "
                              f"schedule would prune trained weights at random)")
-        _check_choice(self.regrow, "regrow", (None, *REGROW))
+        check_choice(self.regrow, "regrow", (None, *REGROW))
         if self.regrow is None:
             return
         if pattern.transposable:
@@ -357,7 +251,7 @@ class SparsityConfig:
                              f"({pattern.spec!r}); use the plain N:M pattern")
         if self.regrow == "sr-ste" and not pattern.is_nm:
             raise ValueError(f"regrow='sr-ste' trains N:M masks; got pattern {pattern.spec!r}")
-        if not _is_real(self.regrow_fraction) or not 0.0 < self.regrow_fraction <= 1.0:
+        if not is_real(self.regrow_fraction) or not 0.0 < self.regrow_fraction <= 1.0:
             raise ValueError(f"regrow_fraction must be a number in (0, 1], got "
                              f"{self.regrow_fraction!r}")
         end, start = check_step(self.regrow_end, "regrow_end"), check_step(self.start, "start")
@@ -367,7 +261,7 @@ class SparsityConfig:
                              f"{self.regrow!r} would never drop and grow; "
                              f"give a later step (int) or fraction of training (float; default "
                              f"{DEFAULT_REGROW_END})")
-        if (not _is_real(self.sr_ste_decay) or not math.isfinite(self.sr_ste_decay)
+        if (not is_real(self.sr_ste_decay) or not math.isfinite(self.sr_ste_decay)
                 or self.sr_ste_decay < 0):
             raise ValueError(f"sr_ste_decay must be a finite number >= 0, got "
                              f"{self.sr_ste_decay!r}")
@@ -431,7 +325,7 @@ class SparsityConfig:
             warnings.warn(f"SparsityConfig: {shown} not read with regrow={self.regrow!r} and "
                           f"schedule={self.schedule!r} (regrow_fraction and regrow_end: RigL "
                           f"and SET; sr_ste_decay: SR-STE; frequency: gradual schedules and "
-                          f"regrowth); leave them out", UserWarning, stacklevel=_caller_level())
+                          f"regrowth); leave them out", UserWarning, stacklevel=caller_level())
 
     # -- the settings as data ----------------------------------------------------------------
     @classmethod
