@@ -40,8 +40,14 @@ BLOCK = re.compile(r"(<!-- generated: (?P<renderer>\S+) (?P<files>[^>]*?) -->\n)
 SQUAD_COLUMNS = [c for c in squad_report.COLUMNS if c[0] not in ("family", "error")]
 # The goals of the distillation sweep: the F1 gap to dense with the same budget (mean of the
 # seeds) each run should reach.
-SQUAD_GOALS = {"2:4": -0.5, "4:8": -0.5, "16:32": -0.5, "gmp 80%": -3.0, "gmp 90%": -6.0,
-               "block 32x32 50%": -3.0, "block 32x32 75%": -8.0, "rigl 80%": -6.0}
+# the accuracy goals of coarse and high sparsity, for the magnitude rows and the rows of the
+# scores that learn from training (examples/configs/squad.yaml)
+SQUAD_GOALS = {"2:4": -1.5, "2:4 second-order 20 ep": -1.5, "gmp 80%": -3.0,
+               "second-order 80%": -3.0, "second-order 80% damp 0.1": -3.0, "gmp 90%": -6.0,
+               "second-order 90%": -6.0, "second-order 90% damp 0.1": -6.0,
+               "block 32x32 50%": -3.0, "block 32x32 50% second-order": -3.0,
+               "block 32x32 75%": -8.0, "block 32x32 75% second-order": -8.0,
+               "heads+neurons 50%": -3.0, "heads+neurons 50% second-order": -3.0}
 
 
 def mnist_tables(content: dict[str, Any]) -> str:
@@ -142,7 +148,33 @@ def render(page: Path) -> str:
 PLOTS = {  # PNG beside the pages -> (its JSON, how to draw it)
     "mnist_accuracy_vs_sparsity.png": "mnist/results.json",
     "squad_f1_vs_sparsity.png": "squad_distill/results.json",
+    "squad_scores.png": "squad_distill/results.json",
 }
+# the scores compared, per pattern: panel -> score -> its runs (examples/configs/squad.yaml);
+# squad_f1_vs_sparsity.png plots every other run
+SCORE_PANELS = {
+    "unstructured (oBERT-style GMP)": {
+        "magnitude": ["gmp 80%", "gmp 90%"], "movement": ["movement 80%", "movement 90%"],
+        "soft movement": ["soft movement 80%", "soft movement 90%"],
+        "second-order": ["second-order 80%", "second-order 90%"],
+        "second-order, damp 0.1": ["second-order 80% damp 0.1", "second-order 90% damp 0.1"]},
+    "block 32x32 (gradual)": {
+        "magnitude": ["block 32x32 50%", "block 32x32 75%"],
+        "movement": ["block 32x32 50% movement", "block 32x32 75% movement"],
+        "soft movement": ["block 32x32 75% soft movement"],
+        "second-order": ["block 32x32 50% second-order", "block 32x32 75% second-order"],
+        "second-order, joint": ["block 32x32 50% second-order joint",
+                                "block 32x32 75% second-order joint"]},
+    "heads + FFN neurons (gradual)": {
+        "magnitude": ["heads+neurons 50%"], "movement": ["heads+neurons 50% movement"],
+        "second-order": ["heads+neurons 50% second-order"]},
+    "2:4 (one-shot, 10 / 20 epochs)": {
+        "magnitude": ["2:4"], "second-order": ["2:4 second-order", "2:4 second-order 20 ep"],
+        "second-order, damp 0.1": ["2:4 second-order 20 ep damp 0.1"]},
+}
+SCORE_COLORS = {"magnitude": "tab:grey", "movement": "tab:orange", "soft movement": "tab:red",
+                "second-order": "tab:blue", "second-order, damp 0.1": "tab:cyan",
+                "second-order, joint": "tab:purple"}
 
 
 def draw(png: Path, source: Path) -> None:
@@ -153,11 +185,62 @@ def draw(png: Path, source: Path) -> None:
                          metric="test accuracy", title="MNIST LeNet-300-100",
                          dense=content["dense"]["accuracy"], ylim=(0.0, 1.0), zoom=(0.9, 1.0),
                          dashed=["reference finetune"])
+    elif png.name == "squad_scores.png":
+        draw_scores(png, squad_report.summarize(squad_report.read_rows(source)))
     elif rows := squad_report.read_rows(source):
+        compared = {run for panel in SCORE_PANELS.values() for runs in panel.values()
+                    for run in runs} - {"2:4"}
         lines = squad_report.summarize(rows)
-        series, ranges = squad_report.f1_series(lines)
+        series, ranges = squad_report.f1_series([line for line in lines
+                                                 if line["name"] not in compared])
         plot_vs_sparsity(png, series, metric="F1", title="SQuAD v1.1: F1 vs sparsity",
                          dense=squad_report.dense_f1(lines), ranges=ranges)
+
+
+def draw_scores(png: Path, lines: list[dict[str, Any]]) -> None:
+    """One panel per pattern of :data:`SCORE_PANELS`: F1 against sparsity, a line per
+    score (error bars: min and max over seeds), the dashed line the run's baseline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_name = {line["name"]: line for line in lines if "f1" in line}
+    fig, axes = plt.subplots(1, len(SCORE_PANELS), figsize=(4.2 * len(SCORE_PANELS), 4.4),
+                             sharey=True)
+    for ax, (title, scores) in zip(axes, SCORE_PANELS.items(), strict=True):
+        baselines = set()
+        # one sparsity in the panel: a column per score (and per run) instead of an x axis
+        columns = len({by_name[r]["sparsity"] for runs in scores.values() for r in runs
+                       if r in by_name}) == 1
+        names = [r for runs in scores.values() for r in runs if r in by_name]
+        for score, runs in scores.items():
+            points = [by_name[run] for run in runs if run in by_name]
+            if not points:
+                continue
+            baselines.update(p["baseline"] for p in points)
+            x = [names.index(p["name"]) if columns else p["sparsity"] for p in points]
+            y = [p["f1"] for p in points]
+            errors = [[p["f1"] - p["f1_min"] for p in points],
+                      [p["f1_max"] - p["f1"] for p in points]]
+            ax.errorbar(x, y, yerr=errors, capsize=3, marker="o", color=SCORE_COLORS[score],
+                        ls="-" if len(points) > 1 and not columns else "none", label=score)
+        for baseline in sorted(baselines):
+            if baseline in by_name:
+                ax.axhline(by_name[baseline]["f1"], color="k", ls="--", lw=0.8)
+        ax.set_title(title, fontsize=10)
+        if columns:
+            ax.set_xticks(range(len(names)), names, rotation=25, ha="right", fontsize=7)
+            ax.set_xlim(-0.5, len(names) - 0.5)
+        else:
+            ax.set_xlabel("sparsity")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower left")
+    axes[0].set_ylabel("F1 (dashed: dense with the same distillation budget)")
+    fig.suptitle("SQuAD v1.1, all-MiniLM-L6-v2: the score that ranks the weights")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str]) -> int:
