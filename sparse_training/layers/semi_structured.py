@@ -99,7 +99,8 @@ class SemiStructuredLinear(CompressedLayer):
 
     Raises:
         ValueError: features that are not positive multiples of 4, a non-bool
-            ``transposable``, a dtype that is not floating point, a bad mask.
+            ``transposable``, a dtype that is not floating point, a bad mask, or a ``mask``
+            for a layer on the meta device (``to_empty()`` would keep none of it).
     """
 
     trained_weight = "weight"  # the parameter holding the weight
@@ -123,6 +124,11 @@ class SemiStructuredLinear(CompressedLayer):
         self.register_buffer("mask", torch.empty_like(self.weight, dtype=torch.bool),
                              persistent=False)
         self.mask_unset = True  # reset_parameters takes the initial weight's mask
+        if mask is not None and self.weight.is_meta:
+            raise ValueError("SemiStructuredLinear on the meta device takes no mask: "
+                             "to_empty() would keep none of it (reset_parameters() then takes "
+                             "the drawn weight's); give the mask with set_mask() after "
+                             "to_empty()")
         self.reset_parameters()
         if mask is not None:
             self.set_mask(mask)
@@ -395,7 +401,7 @@ class SemiStructuredLinear(CompressedLayer):
                                                           else "2:4")
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
                     device=weight.device, dtype=weight.dtype, transposable=transposable,
-                    mask=mask)
+                    mask=None if weight.is_meta else mask)
         transfer(layer.weight, weight, linear.weight.requires_grad, layer.bias, linear.bias)
         layer.set_mask(mask)  # zeroes the pruned copies
         return layer

@@ -105,3 +105,11 @@ def test_from_dense_of_a_meta_linear_builds_a_meta_layer():
         BlockSparseLinear.from_dense(linear, BLOCK, mask=torch.ones(3, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"on the meta device takes no mask"):
         SemiStructuredLinear.from_dense(linear, mask=torch.ones(48, 64, dtype=torch.bool))
+
+
+def test_a_2to4_layer_on_the_meta_device_refuses_a_mask_it_could_not_keep():
+    mask = torch.tensor([[True, True, False, False]] * 4)
+    with pytest.raises(ValueError, match="on the meta device takes no mask: to_empty"):
+        SemiStructuredLinear(4, 4, device="meta", mask=mask)
+    with torch.device("meta"), pytest.raises(ValueError, match="takes no mask"):
+        SemiStructuredLinear(4, 4, mask=mask)
