@@ -91,39 +91,45 @@ class SecondOrderScore:
         blocks = finite(gradient.to(fisher.dtype)).reshape(-1, size)  # (blocks, B)
         fisher.view(-1, size, size).baddbmm_(blocks[:, :, None], blocks[:, None, :])
 
-    def damped(self, statistics: dict[str, Tensor], count: int) -> Tensor:
-        """``F`` per block, float64, shaped like the Fisher statistics: the mean of the
-        observed outer products plus ``damp`` times the block's mean diagonal (a block
-        whose gradients were all zero, a dead neuron's, takes the tensor's mean, else 1)."""
+    def damped(self, statistics: dict[str, Tensor], count: int,
+               blocks: Tensor | None = None) -> Tensor:
+        """``F`` per block, float64, ``(blocks, B, B)`` (all of them, or the flat indices
+        ``blocks``): the mean of the observed outer products plus ``damp`` times the block's
+        mean diagonal (a block whose gradients were all zero, a dead neuron's, takes the
+        tensor's mean, else 1)."""
         if count < 1:
             raise ValueError("the second-order score needs at least one observed gradient")
-        fisher = statistics["fisher"].to(torch.float64) / count
-        diagonal = fisher.diagonal(dim1=-2, dim2=-1)
-        scale = diagonal.mean(-1, keepdim=True)
+        fisher = statistics["fisher"]
+        size = fisher.shape[-1]
+        fisher = fisher.view(-1, size, size)
+        scale = fisher.diagonal(dim1=-2, dim2=-1).to(torch.float64).mean(-1) / count
         positive = scale > 0
         fallback = scale[positive].mean() if bool(positive.any()) else scale.new_tensor(1.0)
         scale = torch.where(positive, scale, fallback)
-        return fisher + torch.diag_embed((self.damp * scale).expand(*diagonal.shape))
+        if blocks is not None:
+            fisher, scale = fisher[blocks], scale[blocks]
+        damped = fisher.to(torch.float64) / count
+        damped.diagonal(dim1=-2, dim2=-1).add_((self.damp * scale)[:, None])
+        return damped
 
-    def inverse(self, statistics: dict[str, Tensor], count: int) -> Tensor:
-        """``F^-1`` per block, float64, shaped like the Fisher statistics."""
-        damped = self.damped(statistics, count)
+    def inverse(self, statistics: dict[str, Tensor], count: int,
+                blocks: Tensor | None = None) -> Tensor:
+        """``F^-1`` per block, float64, ``(blocks, B, B)`` (:meth:`damped`'s)."""
+        damped = self.damped(statistics, count, blocks)
         factor, info = torch.linalg.cholesky_ex(damped)
         if bool((info != 0).any()):  # not positive definite in float64: a larger damp
-            scale = damped.diagonal(dim1=-2, dim2=-1).mean(-1, keepdim=True)
-            factor = torch.linalg.cholesky(damped + torch.diag_embed(
-                scale.expand(*damped.shape[:-1])))
+            damped.diagonal(dim1=-2, dim2=-1).add_(
+                damped.diagonal(dim1=-2, dim2=-1).mean(-1, keepdim=True))
+            factor = torch.linalg.cholesky(damped)
         return torch.cholesky_inverse(factor)
 
     def __call__(self, statistics: dict[str, Tensor], weight: Tensor, count: int) -> Tensor:
+        w = weight.to(torch.float64).reshape(-1, statistics["fisher"].shape[-1])
         if self.joint:  # 1/2 w_q (F w)_q: summed over whole Fisher blocks, 1/2 w^T F w
-            fisher = self.damped(statistics, count)
-            w = weight.to(torch.float64).reshape(*fisher.shape[:-1], 1)
-            saliency = 0.5 * w.squeeze(-1) * (fisher @ w).squeeze(-1)
+            saliency = 0.5 * w * (self.damped(statistics, count) @ w[:, :, None]).squeeze(2)
         else:
             diagonal = self.inverse(statistics, count).diagonal(dim1=-2, dim2=-1)
-            saliency = weight.to(torch.float64).reshape(diagonal.shape).square() / (
-                2 * diagonal)
+            saliency = w.square() / (2 * diagonal)
         return saliency.reshape(weight.shape).to(statistics_dtype(weight))
 
     @torch.no_grad()
@@ -132,15 +138,14 @@ class SecondOrderScore:
         """The weights after the OBS update for removing the entries ``pruned`` (bool, like
         ``weight``): ``w - F^-1 E_Q ([F^-1]_QQ)^-1 w_Q`` per Fisher block, so the pruned
         entries become zero and the others make up for them."""
-        inverse = self.inverse(statistics, count)
-        size = inverse.shape[-1]
-        inverse = inverse.view(-1, size, size)
+        size = statistics["fisher"].shape[-1]
         chosen = pruned.reshape(-1, size)
         w = weight.to(torch.float64).reshape(-1, size)
         touched = chosen.any(1).nonzero().squeeze(1)  # blocks that prune something
         if len(touched) == 0:
             return weight.clone()
-        block_inverse, q = inverse[touched], chosen[touched].to(torch.float64)
+        block_inverse = self.inverse(statistics, count, touched)
+        q = chosen[touched].to(torch.float64)
         # [F^-1]_QQ on Q, identity elsewhere: the solve gives x_Q = ([F^-1]_QQ)^-1 w_Q, 0 off Q
         system = block_inverse * (q[:, :, None] * q[:, None, :]) + torch.diag_embed(1 - q)
         x = torch.linalg.solve(system, (w[touched] * q)[:, :, None])

@@ -60,14 +60,18 @@ def squad_row(name: str, seed: int, baseline: str = "dense +KD", f1: float = 70.
 
 
 def test_squad_goals_tell_a_missing_run_from_a_missing_baseline():
-    rows = [squad_row("dense +KD", 0, f1=73.0), squad_row("2:4", 0, f1=72.0),
-            squad_row("4:8", 0, f1=72.9), squad_row("gmp 80%", 0, "dense +KD 20 ep", 60.0)]
+    rows = [squad_row("dense +KD", 0, f1=73.0), squad_row("2:4", 0, f1=71.0),
+            squad_row("dense +KD 20 ep", 0, "dense +KD 20 ep", 73.5),
+            squad_row("second-order 80%", 0, "dense +KD 20 ep", 70.6),
+            squad_row("gmp 80%", 0, "dense +KD 20 ep", 60.0),
+            squad_row("gmp 90%", 0, "dense +KD 30 ep", 60.0)]
     lines = {line.split(" | ")[0].strip("| "): line
              for line in results_pages.squad_goals(rows).splitlines()[2:]}
-    assert "| -1.00 | MISSED | dense +KD | 1 |" in lines["2:4"]
-    assert "| -0.10 | met | dense +KD | 1 |" in lines["4:8"]
-    assert "| – | baseline not run | dense +KD 20 ep | 1 |" in lines["gmp 80%"]
-    assert "| – | not run | – | – |" in lines["16:32"]
+    assert "| -2.00 | MISSED | dense +KD | 1 |" in lines["2:4"]
+    assert "| -2.90 | met | dense +KD 20 ep | 1 |" in lines["second-order 80%"]
+    assert "| -13.50 | MISSED | dense +KD 20 ep | 1 |" in lines["gmp 80%"]
+    assert "| – | baseline not run | dense +KD 30 ep | 1 |" in lines["gmp 90%"]
+    assert "| – | not run | – | – |" in lines["block 32x32 50% second-order"]
 
 
 def test_squad_left_to_run_lists_the_configs_pairs_without_a_result():

@@ -85,7 +85,8 @@ def test_window_labels_point_at_the_answer_and_gold_spans_score_100(tokenizer):
 def test_every_key_of_the_yaml_has_a_rule_and_the_defaults_pass():
     assert set(OmegaConf.load(squad_sweep.CONFIG)) == set(squad_recipes.RULES)
     specs = squad_recipes.check_config(load([]))
-    assert len(specs) == 17 and len({s.name for s in specs}) == 17
+    assert len(specs) == len(OmegaConf.load(squad_sweep.CONFIG).runs) == len(
+        {s.name for s in specs}) > 17
 
 
 def test_a_run_is_its_recipe_then_its_own_keys():
@@ -527,3 +528,21 @@ def test_the_settings_check_selects_under_the_names_of_the_trained_model():
     spec = squad_recipes.check_config(load(["encoder_layers=1", 'only=["2:4"]']))
     allowed = OmegaConf.merge(spec[0], {"callback": {"allow": [r"^bert\.bert\.encoder"]}})
     squad_recipes.check_against_model(cfg, [allowed], model_dir)
+
+
+def test_every_run_of_the_config_selects_from_the_trained_model():
+    """Every recipe and run (heads and neurons found in MiniLM's layers, scores that learn
+    from training) passes the settings check against the model it trains."""
+    cfg = load(["encoder_layers=1"])
+    specs = squad_recipes.check_config(cfg)
+    squad_recipes.check_against_model(cfg, specs, squad_data.model_dir(cfg.model_dir))
+
+
+def test_a_tiny_sweep_prunes_heads_and_neurons_by_the_second_order_score(tmp_path):
+    rows = squad_sweep.main([f"out_dir={tmp_path}", f"cache_dir={tmp_path / 'cache'}", *TINY,
+                             "logger=none", "recipes.heads_neurons.epochs=2",
+                             "recipes.heads_neurons.callback.frequency=3",
+                             'only=["heads+neurons 50% second-order"]'])
+    (row,) = rows
+    assert row["sparsity"] == pytest.approx(0.5, abs=1e-3) and "pruned_f1" not in row
+    assert 0.0 <= row["f1"] <= 100.0
