@@ -48,14 +48,19 @@ class Statistics:
             if gradient is None:
                 continue
             weight = local(slot.param).detach()
-            statistics = self.tensors.get(slot.name)
-            if statistics is None or next(iter(statistics.values())).shape[:1] != (
-                    weight.shape[:1]) or next(iter(statistics.values())).device != (
-                    weight.device):
-                statistics = self._place(slot.name, weight)
+            statistics = self._of(slot.name, weight)
             count = self.counts.get(slot.name, 0) + 1
             self.score.observe(statistics, weight, local(gradient), count)
             self.counts[slot.name] = count
+
+    def _of(self, name: str, weight: Tensor) -> dict[str, Tensor]:
+        """The statistics of ``name``, on ``weight``'s device and rows."""
+        statistics = self.tensors.get(name)
+        first = None if statistics is None else next(iter(statistics.values()))
+        if first is None or first.shape[:1] != weight.shape[:1] or first.device != (
+                weight.device):
+            statistics = self._place(name, weight)
+        return statistics
 
     def _place(self, name: str, weight: Tensor) -> dict[str, Tensor]:
         """The statistics of ``name`` on ``weight``'s device (restored ones moved there),
@@ -89,10 +94,7 @@ class Statistics:
                 f"mask update must come after some training steps (start > 0, or a gradual "
                 f"schedule); magnitude pruning needs none")
         weight = local(slot.param).detach()
-        statistics = self._place(slot.name, weight) if (
-            next(iter(self.tensors[slot.name].values())).device != weight.device) else (
-            self.tensors[slot.name])
-        return self.score(statistics, weight, count)
+        return self.score(self._of(slot.name, weight), weight, count)
 
     def compensate(self, slot: Slot, pruned: Tensor) -> None:
         """Move ``slot``'s local weights by the score's update for pruning ``pruned``

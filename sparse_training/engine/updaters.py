@@ -139,7 +139,8 @@ class ScheduledMasks:
     def observing(self, step: int) -> bool:
         """Whether a mask update comes after ``step`` (a training score observes until the
         last)."""
-        return step < self.schedule.updates()[-1]
+        last = self.schedule.end if self.schedule.end is not None else self.schedule.start
+        return step < last
 
     def after_step(self, engine: SlotSet, slots: list[MaskedSlot]) -> None:
         """After an optimizer step that ran (nothing for plain schedules)."""
