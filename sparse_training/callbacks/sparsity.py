@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -12,13 +13,12 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
-from pytorch_lightning.core.optimizer import _MockOptimizer
 from pytorch_lightning.strategies import FSDPStrategy
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
-from sparse_training.callbacks.resume import checkpoint_compressed, own_state
+from sparse_training.callbacks.resume import own_state, unreadable_checkpoint
 from sparse_training.config import (
     DEFAULT_LAYER_TYPES,
     LayerTypes,
@@ -29,13 +29,15 @@ from sparse_training.engine import SparsityEngine
 from sparse_training.engine.distributed import keep_masks_out_of_buffer_broadcast
 from sparse_training.engine.optimizer_hooks import fused_problem, optimizer_problem
 from sparse_training.engine.ownership import shared_tensor
+from sparse_training.engine.plan import SparsityPlan
 from sparse_training.engine.protocol import CompressedLayer
-from sparse_training.engine.selection import format_table, plan_model
 from sparse_training.engine.sharding import FSDP1_PROBLEM
+from sparse_training.engine.state import check_mask_settings, check_state
 from sparse_training.engine.tensors import find_weight_tensors
 from sparse_training.layers.compress import (
     compress_selected,
     dtype_name,
+    follow_checkpoint,
     held_apart,
     undo_swaps,
 )
@@ -111,15 +113,21 @@ class SparsityCallback(Callback):
         if message := SparsityConfig.unknown_setting(unknown):
             raise TypeError(message)
         arguments = dict(locals())  # the settings, by the names of SparsityConfig's fields
-        self.config = SparsityConfig(**{name: arguments[name] for name in SparsityConfig.names()})
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            self.config = SparsityConfig(**{name: arguments[name]
+                                            for name in SparsityConfig.names()})
+        for warning in said:  # said again at the line that built the callback
+            warnings.warn(warning.message, warning.category, stacklevel=2)
         self.engine: SparsityEngine | None = None
         self._restored: dict[str, Any] | None = None
         self._unused_checked = False
         self._fitting = False  # between on_fit_start and teardown
         self._swapped: list[tuple[str, nn.Module]] = []  # (name, Linear) swapped at setup
-        # (module, trainer, device, compute dtype, checkpoint's masks) from setup to fit start
-        self._compressing: tuple[nn.Module, pl.Trainer, torch.device, torch.dtype | None,
-                                 Any] | None = None
+        # (module, trainer, device, compute dtype) from setup to fit start
+        self._compressing: tuple[nn.Module, pl.Trainer, torch.device,
+                                 torch.dtype | None] | None = None
+        self._plan: SparsityPlan | None = None  # this fit's, built once, followed by swaps
 
     @classmethod
     def from_config(cls, source: str | Path | Mapping[str, Any]) -> SparsityCallback:
@@ -150,25 +158,39 @@ class SparsityCallback(Callback):
 
     # -- setup and fit start ---------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Resuming, check the checkpoint's state first (readable, same mask settings).
-        With ``compress``, swap the selected Linear layers for compressed ones here, before
+        """Build this fit's plan (:class:`~sparse_training.engine.plan.SparsityPlan`) and,
+        with ``compress``, swap the selected Linear layers for compressed ones here, before
         ``configure_optimizers`` (the optimizers see compressed parameters), deciding
-        ``"auto"`` for the strategy's root device and the precision's compute dtype; on
-        resume with the checkpoint's layers and masks, so its state_dict loads exactly. A
-        model with no weights yet is swapped when its ``configure_model`` calls
-        :meth:`compress`."""
+        ``"auto"`` for the strategy's root device and the precision's compute dtype. A
+        model with no weights yet is planned and swapped when its ``configure_model`` calls
+        :meth:`compress`. Resuming (``ckpt_path``), the layers are swapped the same way and
+        Lightning then loads the checkpoint's weights into them: each compressed layer
+        takes the blocks its loaded weight holds, and this callback's state the exact
+        masks; a state saved with other settings is refused then, before any step."""
         self._restored = None  # a state Lightning restores comes after setup, for this run
         if stage != "fit":
             return
-        saved = checkpoint_compressed(trainer, self._claims(trainer), self.config)
         if problem := self._overlap(trainer, pl_module):
             raise ValueError(f"SparsityCallback: {problem}")
         if not self.config.compress:
             return
         self._compressing = (pl_module, trainer, trainer.strategy.root_device,
-                             compute_dtype(trainer.precision), saved)
+                             compute_dtype(trainer.precision))
         if find_weight_tensors(pl_module):
             self.compress(pl_module)
+
+    def _plan_for(self, pl_module: nn.Module) -> SparsityPlan:
+        """This fit's plan of ``pl_module``: built at its first use in the fit, then
+        followed through swaps and sharding (built again only where layers were built or
+        removed since, as ``configure_model`` does).
+
+        Raises:
+            ValueError: what selection raises.
+        """
+        plan = None if self._plan is None else self._plan.bound(pl_module)
+        if plan is None:
+            self._plan = plan = SparsityPlan.build(pl_module, self.config)
+        return plan
 
     def compress(self, pl_module: pl.LightningModule) -> None:
         """Swap the selected Linear layers of ``pl_module``, the LightningModule being fit,
@@ -191,11 +213,12 @@ class SparsityCallback(Callback):
             raise RuntimeError("SparsityCallback.compress(pl_module) swaps layers between "
                                "setup and the optimizers: call it in configure_model with the "
                                "LightningModule being fit")
-        _, trainer, device, dtype, saved = self._compressing
+        _, trainer, device, dtype = self._compressing
         if problem := self._overlap(trainer, pl_module):
             raise ValueError(f"SparsityCallback: {problem}")
         before = dict(pl_module.named_modules())
-        rows = compress_selected(pl_module, self.config, device, dtype, saved)
+        rows, self._plan = compress_selected(pl_module, self._plan_for(pl_module), device,
+                                             dtype)
         # kept until the optimizers are checked at fit start, to put back if they are wrong
         self._swapped += [(name, before[name]) for name, module in pl_module.named_modules()
                           if isinstance(module, CompressedLayer) and before.get(name) is not
@@ -209,8 +232,9 @@ class SparsityCallback(Callback):
         both hold (a compressed layer's by the dense weight it replaced), naming both; checked
         before any of them swaps or masks anything."""
         callbacks = [c for c in trainer.callbacks if isinstance(c, SparsityCallback)]
-        shared = None if len(callbacks) < 2 else shared_tensor(pl_module,
-                                                               [c.config for c in callbacks])
+        if len(callbacks) < 2 or not find_weight_tensors(pl_module):
+            return None
+        shared = shared_tensor([c._plan_or_none(pl_module) for c in callbacks])
         if shared is None:
             return None
         name, i, j = shared
@@ -218,16 +242,28 @@ class SparsityCallback(Callback):
                 f"{callbacks[j]!r} (SparsityCallbacks {i + 1} and {j + 1} of the Trainer); a "
                 f"tensor has one owner: give them disjoint selections (allow/deny)")
 
+    def _plan_or_none(self, pl_module: nn.Module) -> SparsityPlan | None:
+        """:meth:`_plan_for`, None where selection raises (this callback raises it itself)."""
+        try:
+            return self._plan_for(pl_module)
+        except ValueError:
+            return None
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if isinstance(trainer.strategy, FSDPStrategy):
             raise ValueError(f"SparsityCallback cannot mask under FSDPStrategy: {FSDP1_PROBLEM}")
-        optimizers = [o for o in trainer.optimizers if not isinstance(o, _MockOptimizer)]
+        optimizers = [o for o in trainer.optimizers if not _placeholder(o)]
         swapped, self._swapped = self._swapped, []
         restored, self._restored = self._restored, None  # this fit's, whatever follows
         self._compressing = None
-        # layers built in configure_model count in the overlap
-        if problem := (self._overlap(trainer, pl_module)
-                       or optimizer_problem(pl_module, self.config, optimizers)):
+        try:
+            plan = self._plan_for(pl_module)
+            # layers built in configure_model count in the overlap
+            problem = (self._overlap(trainer, pl_module)
+                       or optimizer_problem(pl_module, plan, optimizers))
+        except ValueError as error:
+            problem = str(error)
+        if problem:
             undo_swaps(pl_module, swapped)
             raise ValueError(f"SparsityCallback: {problem}")
         if self.config.compress is True and not any(
@@ -238,17 +274,22 @@ class SparsityCallback(Callback):
                              "fully_shard (or use compress='auto' or False)")
         total = trainer.estimated_stepping_batches  # -1: no training batches (validation only)
         total = None if math.isinf(total) else max(int(total), 0)
-        if problem := self._fit_problem(pl_module, optimizers, total, restored):
+        if problem := self._fit_problem(plan, optimizers, total, restored):
             undo_swaps(pl_module, swapped)
             raise ValueError(f"SparsityCallback: {problem}")
         engine = self.engine
         if engine is None or not engine.bound_to(pl_module):
-            if restored is None and (apart := held_apart(pl_module, {n for n, _ in swapped},
-                                                         self.config)):
+            if restored is None and (apart := held_apart(pl_module, plan,
+                                                         {n for n, _ in swapped})):
                 rank_zero_warn(f"SparsityCallback: {apart}")
             if engine is not None:
                 engine.detach()
-            self.engine = engine = SparsityEngine(pl_module, self.config, state=restored)
+            try:
+                engine = SparsityEngine(pl_module, self.config, state=restored, plan=plan)
+            except ValueError:
+                undo_swaps(pl_module, swapped)
+                raise
+            self.engine = engine
         else:
             engine.claim()  # another callback may have taken the tensors since
             if restored is not None:
@@ -259,7 +300,7 @@ class SparsityCallback(Callback):
                                "start, beginning with the current masks")
         if not engine.slots:
             raise ValueError("SparsityCallback selected no weight tensor (setup table below)\n"
-                             + format_table(engine.plans))
+                             + engine.plan.table())
         if trainer.ckpt_path is not None and restored is None:
             rank_zero_warn("SparsityCallback: the checkpoint holds no SparsityCallback state; "
                            "the schedule starts at the resumed step")
@@ -267,7 +308,7 @@ class SparsityCallback(Callback):
         self._warn_about_schedule(total)
         rank_zero_info(f"SparsityCallback: {_counts(engine)} of {len(engine.plans)} weight "
                        f"tensors; {engine.updater.describe(total)}\n"
-                       + format_table(engine.plans))
+                       + engine.plan.table())
         self._unused_checked = False
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None:  # gradients are unscaled before on_before_optimizer_step
@@ -277,15 +318,14 @@ class SparsityCallback(Callback):
         keep_masks_out_of_buffer_broadcast(trainer.strategy.model, engine.slots)
         self._fitting = True
 
-    def _fit_problem(self, pl_module: pl.LightningModule, optimizers: list,
+    def _fit_problem(self, plan: SparsityPlan, optimizers: list,
                      total: int | None, restored: dict | None) -> str | None:
         """What this fit's optimizers and length refuse before any mask is made: a fused
         step that cannot serve an optimizer of the sparse weights, a schedule that does not
         fit ``total`` steps (a restored schedule keeps its checkpoint's steps)."""
         config = self.config
         if config.fused is True:
-            tensors, plans = plan_model(pl_module, config)
-            sparse = {id(t.param) for p, t in zip(plans, tensors, strict=True) if p.selected}
+            sparse = {id(t.param) for _, t in plan.masked}
             dense_state = config.parsed_refinement is not None
             for optimizer in optimizers:
                 held = (p for group in optimizer.param_groups for p in group["params"])
@@ -374,17 +414,21 @@ class SparsityCallback(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._fitting = False
         self._restored, self._swapped = None, []  # a stage's restored state ends with it
-        self._compressing = None
+        self._compressing, self._plan = None, None
         if self.engine is not None:
             self.engine.detach()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
-        """A fit that failed (ours or another callback's error) gives the tensors up too.
-        With tensors of the model still on the meta device the error is raised from here:
-        Lightning's teardown, next, moves the model to the CPU, which fails on meta tensors
-        and would replace the error with its own."""
+        """A fit that failed (ours or another callback's error) gives the tensors up too;
+        one that failed before its start (a checkpoint Lightning could not load, or whose
+        state does not fit) gets its Linear layers back, as they were. A checkpoint that
+        cannot be read gets a note naming it. With tensors of the model still on the meta device the
+        error is raised from here: Lightning's teardown, next, moves the model to the CPU,
+        which fails on meta tensors and would replace the error with its own."""
+        undo_swaps(pl_module, self._swapped)
         self.teardown(trainer, pl_module, "fit")
+        unreadable_checkpoint(trainer.ckpt_path, exception)
         if isinstance(exception, Exception) and any(
                 t.is_meta for t in itertools.chain(pl_module.parameters(), pl_module.buffers())):
             raise exception
@@ -392,9 +436,20 @@ class SparsityCallback(Callback):
     # -- checkpointing ----------------------------------------------------------------------
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
-        """A checkpoint whose SparsityCallback state is filed under another key was saved
-        with another selection: say what changed instead of silently starting over."""
-        own_state(checkpoint.get("callbacks") or {}, self._claims(trainer), self.config)
+        """Check the state first: a checkpoint whose SparsityCallback state is filed under
+        another key was saved with another selection, one with other mask settings is
+        refused naming them. Where Lightning restores before building the optimizers (every
+        strategy but ``ModelParallelStrategy``), the layers the checkpoint trained
+        compressed become this fit's (:func:`~sparse_training.layers.compress.
+        follow_checkpoint`): ``compress="auto"`` may have decided otherwise here."""
+        state = own_state(checkpoint.get("callbacks") or {}, self._claims(trainer), self.config)
+        if state is None:
+            return
+        check_state(state)
+        check_mask_settings(state["settings"], self.config.as_dict())
+        if self.config.compress and not self._fitting and self._plan is not None:
+            self._plan = follow_checkpoint(pl_module, self._plan, state.get("compressed"),
+                                           self._swapped)
 
     def _claims(self, trainer: pl.Trainer) -> tuple[str, list[str]]:
         """This callback's state key and every SparsityCallback's of the Trainer."""
@@ -411,6 +466,13 @@ class SparsityCallback(Callback):
             self._engine().load_state_dict(state_dict)
         else:  # the usual order: installed at on_fit_start, once the model is final
             self._restored = dict(state_dict)
+
+
+def _placeholder(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` is Lightning's stand-in for ``configure_optimizers`` returning
+    None: it holds plain tensors, no ``nn.Parameter``."""
+    return not any(isinstance(p, nn.Parameter) for group in optimizer.param_groups
+                   for p in group["params"])
 
 
 def _counts(engine: SparsityEngine) -> str:

@@ -20,7 +20,6 @@ from torch import nn
 
 from sparse_training.config.values import (
     LayerOverride,
-    caller_level,
     check_choice,
     check_target,
     is_int,
@@ -57,6 +56,11 @@ FUSED = ("auto", True, False)
 LayerTypes = type[nn.Module] | str | Sequence[type[nn.Module] | str]
 DEFAULT_LAYER_TYPES: tuple[type[nn.Module], ...] = (
     nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention, nn.RNNBase)
+
+
+# a warning of __post_init__ points at the line that built the config: this method, then
+# __post_init__, the dataclass's __init__, and its caller
+CALLER_LEVEL = 4
 
 
 @dataclass(frozen=True)
@@ -325,7 +329,7 @@ class SparsityConfig:
             warnings.warn(f"SparsityConfig: {shown} not read with regrow={self.regrow!r} and "
                           f"schedule={self.schedule!r} (regrow_fraction and regrow_end: RigL "
                           f"and SET; sr_ste_decay: SR-STE; frequency: gradual schedules and "
-                          f"regrowth); leave them out", UserWarning, stacklevel=caller_level())
+                          f"regrowth); leave them out", UserWarning, stacklevel=CALLER_LEVEL)
 
     # -- the settings as data ----------------------------------------------------------------
     @classmethod

@@ -8,10 +8,8 @@ import difflib
 import importlib
 import numbers
 import re
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -32,17 +30,6 @@ class LayerOverride:
 
 def is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def caller_level() -> int:
-    """The ``stacklevel`` of a warning that points at the first caller outside this package
-    (the user's ``SparsityCallback(...)`` line, not the callback's)."""
-    package = str(Path(__file__).parents[1])  # sparse_training/
-    frame, level = sys._getframe(1), 1
-    while frame is not None and (frame.f_code.co_filename.startswith(package)
-                                 or frame.f_code.co_filename == "<string>"):  # dataclass init
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def unknown_setting(keys: Iterable[str], valid: Sequence[str]) -> str | None:

@@ -45,8 +45,8 @@ from sparse_training.engine.optimizer_hooks import (
     masked_gradients_step,
     use_fused,
 )
+from sparse_training.engine.plan import SparsityPlan, plan_differences
 from sparse_training.engine.protocol import Slot
-from sparse_training.engine.selection import held_layers, plan_model
 from sparse_training.engine.slot_set import SlotSet
 from sparse_training.engine.slots import MaskedSlot
 from sparse_training.engine.state import FORMAT, checked_masks, pack_compressed, pack_masks
@@ -71,14 +71,24 @@ class SparsityEngine(SlotSet):
     """
 
     def __init__(self, model: nn.Module, config: SparsityConfig,
-                 state: dict[str, Any] | None = None) -> None:
+                 state: dict[str, Any] | None = None, plan: SparsityPlan | None = None) -> None:
         if not isinstance(model, nn.Module) or not isinstance(config, SparsityConfig):
             raise TypeError(f"SparsityEngine(model, config) takes a torch.nn.Module and a "
                             f"SparsityConfig (SparsityConfig(**settings) from a dict), got "
                             f"{type(model).__name__} and {type(config).__name__}")
+        if plan is not None and plan.config is not config:
+            raise ValueError("SparsityEngine(model, config, plan=...): the plan was built "
+                             "under another config; give plan.config")
         self.config = config
-        tensors, self.plans = plan_model(model, config)
-        layers = held_layers(model, tensors, self.plans)  # others are another selection's
+        bound = None if plan is None else plan.bound(model)
+        if plan is not None and bound is None:
+            raise ValueError("SparsityEngine(model, config, plan=...): the plan's weight "
+                             "tensors are not the model's (layers built or removed since it "
+                             "was made); build it again with SparsityPlan.build(model, config)")
+        self.plan = bound or SparsityPlan.build(model, config)
+        self.plans = list(self.plan.rows)
+        tensors = self.plan.tensors
+        layers = self.plan.held_layers(model)  # others are another selection's
         # random streams by tensor, in model order over masked and compressed tensors: a
         # tensor draws the same scores whether it trains masked-dense or compressed, sharded
         # (FSDP2's FSDPBlockSparseLinear) or not
@@ -93,8 +103,7 @@ class SparsityEngine(SlotSet):
         self._check_slots()
         self.updater = make_updater(config.parsed_schedule, config.parsed_score,
                                     config.parsed_regrowth, config.parsed_refinement)
-        restored = None if state is None else checked_masks(state, config, self.masked,
-                                                             self.compressed)
+        restored = None if state is None else self._checked(state)
         self._take()
         if restored is not None:
             self._restore(state, *restored)
@@ -324,7 +333,8 @@ class SparsityEngine(SlotSet):
         updater's progress and a training score's statistics; random draws depend on
         (seed, step) only, so no generator state is needed."""
         state = {"format": FORMAT, "settings": self.config.as_dict(),
-                 "masks": pack_masks(self.masked), "compressed": pack_compressed(self.compressed),
+                 "plan": self.plan.as_state(), "masks": pack_masks(self.masked),
+                 "compressed": pack_compressed(self.compressed),
                  "updater": self.updater.state_dict()}
         if self.updater.statistics is not None:  # a training score's: what it observed
             state["statistics"] = self.updater.statistics.state_dict(self.slots)
@@ -336,7 +346,23 @@ class SparsityEngine(SlotSet):
         Raises:
             ValueError: the state does not fit (see :mod:`sparse_training.engine.state`).
         """
-        self._restore(state, *checked_masks(state, self.config, self.masked, self.compressed))
+        self._restore(state, *self._checked(state))
+
+    def _checked(self, state: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """The state's masks, checked (:func:`~sparse_training.engine.state.checked_masks`);
+        a state whose plan trained tensors on other paths is refused naming them first.
+
+        Raises:
+            ValueError: the state does not fit.
+        """
+        if isinstance(state, dict) and (changed := plan_differences(state.get("plan"),
+                                                                    self.plan)):
+            raise ValueError("cannot resume: the checkpoint's plan differs from this fit's: "
+                             + "; ".join(changed[:6]) + ("; ..." if len(changed) > 6 else "")
+                             + ". Resume with the same compress setting on the same kind of "
+                             "device and precision (compress='auto' decides per device and "
+                             "dtype), or start a new fit from the checkpoint's weights")
+        return checked_masks(state, self.config, self.masked, self.compressed)
 
 
 def _of_optimizer(slots: list, optimizer: Optimizer) -> list:

@@ -19,12 +19,11 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from sparse_training.engine.selection import held_layers, plan_model
 from sparse_training.engine.sharding import is_sharded, local
 from sparse_training.kernels import zero_pruned_
 
 if TYPE_CHECKING:
-    from sparse_training.config import SparsityConfig
+    from sparse_training.engine.plan import SparsityPlan
     from sparse_training.engine.protocol import Slot
     from sparse_training.engine.slot_set import SlotSet
     from sparse_training.engine.updaters import ScheduledMasks
@@ -175,7 +174,7 @@ def after_step(updater: ScheduledMasks, slot_set: SlotSet, attached: Attached,
     attached.zero_pruned_weights()
 
 
-def optimizer_problem(model: nn.Module, config: SparsityConfig,
+def optimizer_problem(model: nn.Module, plan: SparsityPlan,
                       optimizers: list[Optimizer]) -> str | None:
     """Why ``optimizers`` do not train ``model``'s sparse tensors, or None.
 
@@ -197,9 +196,8 @@ def optimizer_problem(model: nn.Module, config: SparsityConfig,
             problems.append(f"optimizer {index} ({type(optimizer).__name__}) holds "
                             f"{len(foreign)} parameters that are not the model's (shapes "
                             f"{shown})")
-    tensors, plans = plan_model(model, config)
-    trained = [(p.name, t.param) for p, t in zip(plans, tensors, strict=True) if p.selected]
-    trained += [(f"{name}.{attr}", param) for name, layer in held_layers(model, tensors, plans)
+    trained = [(p.name, t.param) for p, t in plan.masked]
+    trained += [(f"{name}.{attr}", param) for name, layer in plan.held_layers(model)
                 for attr, param in layer.named_parameters(recurse=False)]
     missing = [name for name, param in trained if param.requires_grad and id(param) not in held]
     if missing:

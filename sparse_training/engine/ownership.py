@@ -18,35 +18,18 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
-from sparse_training.engine.selection import plan_model, replaced_name
-
 if TYPE_CHECKING:
-    from sparse_training.config import SparsityConfig
+    from sparse_training.engine.plan import SparsityPlan
 
-def held_tensors(model: nn.Module, config: SparsityConfig) -> dict[int, str]:
-    """The tensors of ``model`` an engine of ``config`` would hold, ``id(parameter) ->
-    name``, a compressed layer's by the name of the dense weight it replaced.
-
-    Raises:
-        ValueError: what selection raises for ``config`` on ``model``.
-    """
-    tensors, plans = plan_model(model, config)
-    return {id(t.param): replaced_name(p.name) if p.compressed else p.name
-            for p, t in zip(plans, tensors, strict=True) if p.selected or p.compressed}
-
-
-def shared_tensor(model: nn.Module, configs: Sequence[SparsityConfig]
-                  ) -> tuple[str, int, int] | None:
-    """The first tensor of ``model`` that two of ``configs`` would hold, as ``(name, i,
-    j)`` with ``i < j`` their positions, or None. A config whose selection raises is left
-    out (its own engine raises that)."""
+def shared_tensor(plans: Sequence[SparsityPlan | None]) -> tuple[str, int, int] | None:
+    """The first tensor that two of ``plans`` (of one model) would hold, as ``(name, i, j)``
+    with ``i < j`` their positions, or None. A None plan (its selection raised; its own
+    engine raises that) is left out."""
     first: dict[int, int] = {}
-    for index, config in enumerate(configs):
-        try:
-            held = held_tensors(model, config)
-        except ValueError:
+    for index, plan in enumerate(plans):
+        if plan is None:
             continue
-        for key, name in held.items():
+        for key, name in plan.held_tensors().items():
             if key in first:
                 return name, first[key], index
             first[key] = index

@@ -52,11 +52,10 @@ from sparse_training.engine.protocol import CompressedLayer
 from sparse_training.engine.structure import (
     Units,
     check_unit_rows,
-    find_units,
     not_a_member,
     tie_of,
 )
-from sparse_training.engine.tensors import WeightTensor, find_weight_tensors
+from sparse_training.engine.tensors import WeightTensor
 from sparse_training.pieces.distributions import DISTRIBUTIONS, Distribution, Uniform
 from sparse_training.pieces.masks import as_matrix, block_grid, kept_count, view_shape_problem
 from sparse_training.pieces.patterns import Pattern, parse_pattern
@@ -82,6 +81,8 @@ class TensorPlan:
         compressed: a compressed layer's tensor that rules 1-3 reach as they would the
             ``nn.Linear`` it replaced: the engine holds it (the layer keeps its own
             sparsity); one outside them is another selection's.
+        path_reason: why a selected tensor trains masked-dense rather than compressed
+            (set by ``compress``), else empty.
     """
 
     names: tuple[str, ...]
@@ -94,10 +95,17 @@ class TensorPlan:
     input_dim: int = 1
     tie: UnitTie | None = None
     compressed: bool = False
+    path_reason: str = ""
 
     @property
     def name(self) -> str:
         return self.names[0]
+
+    @property
+    def path(self) -> str:
+        """How the tensor trains: ``"masked-dense"`` (selected), ``"compressed"`` (a
+        compressed layer's, its engine holds it) or ``"dense"``."""
+        return "masked-dense" if self.selected else "compressed" if self.compressed else "dense"
 
     @property
     def numel(self) -> int:
@@ -352,8 +360,12 @@ def plan_tensors(
                 continue
             counted.append(len(rows))
             compressed.add(len(rows))
+            spec, target = _setting(_first_match(list(overrides), searched_names(tensor)),
+                                    overrides, pattern, sparsity, distribution)
             rows.append(replace(row(tensor, False, f"compressed: {tensor.kind} holds its own "
-                                                   f"sparsity"), compressed=True))
+                                                   f"sparsity"), compressed=True,
+                                pattern=parse_pattern(spec),
+                                sparsity=None if isinstance(target, str) else target))
         elif not any(isinstance(module, layer_types) for module, _ in tensor.owners):
             rows.append(row(tensor, False, f"type {tensor.kind} not in layer_types"))
         elif tensor.param.numel() == 0:
@@ -437,56 +449,3 @@ def plan_tensors(
                                  f"or use smaller blocks")
             rows[index] = row(tensors[index], False, problem)
     return rows
-
-
-def plan_model(model: nn.Module, config: SparsityConfig
-               ) -> tuple[list[WeightTensor], list[TensorPlan]]:
-    """The weight tensors of ``model`` and their plans under ``config``'s selection."""
-    tensors = find_weight_tensors(model)
-    patterns = [config.parsed_pattern, *(o.pattern for o in config.parsed_overrides.values()
-                                         if o.pattern is not None)]
-    units = {size: find_units(model, tensors, size)
-             for size in {p.unit_size for p in patterns if p.is_unit}}
-    return tensors, plan_tensors(
-        tensors, pattern=config.parsed_pattern, sparsity=config.sparsity,
-        layer_types=config.layer_types, allow=config.allow, deny=config.deny,
-        dense_ratio=config.dense_ratio, overrides=config.parsed_overrides,
-        distribution=config.parsed_distribution, units=units)
-
-
-def held_layers(model: nn.Module, tensors: Sequence[WeightTensor],
-                plans: Sequence[TensorPlan]) -> list[tuple[str, CompressedLayer]]:
-    """``(module name, layer)`` of each compressed layer of ``model`` whose trained tensor
-    ``plans`` hold (:attr:`TensorPlan.compressed`; ``tensors``, ``plans``: of
-    :func:`plan_model`)."""
-    held = {id(t.param) for p, t in zip(plans, tensors, strict=True) if p.compressed}
-    return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, CompressedLayer) and id(getattr(m, m.trained_weight)) in held]
-
-
-def format_table(plans: Sequence[TensorPlan]) -> str:
-    """The setup table: one line per weight tensor, selected or skipped, and why."""
-    lines = []
-    for p in plans:
-        if not p.selected:
-            target = density = "-"
-        elif p.sparsity is None:
-            target = density = "global"
-        else:
-            target, density = f"{p.sparsity:.4f}", f"{1 - p.sparsity:.4f}"
-        spec = "-" if p.pattern is None else p.pattern.spec if p.tie is None else (
-            f"{p.tie.kind} ({p.pattern.spec})")
-        lines.append((p.name, p.kind, "x".join(map(str, p.shape)), spec, target, density,
-                      p.reason))
-    return text_table(("tensor", "type", "shape", "pattern", "sparsity", "density", "decision"),
-                      lines)
-
-
-def text_table(header: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
-    """``lines`` of cells in columns aligned under ``header`` and a rule of dashes."""
-    lines = [tuple(header), *map(tuple, lines)]
-    widths = [max(len(line[c]) for line in lines) for c in range(len(header))]
-    text = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
-            for line in lines]
-    text.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(text)

@@ -195,16 +195,30 @@ def dense_state_dict(state_dict: Mapping[str, Tensor], model: nn.Module) -> dict
     return dense
 
 
+def fill_blocks(nonzero: Tensor, preferred: Tensor | None, nnz: int) -> Tensor:
+    """``nonzero`` with blocks added until it keeps ``nnz``: first the blocks of
+    ``preferred`` (the layer's current mask), then the others in row-major order. The added
+    blocks hold zeros, so the layer computes what the loaded weight does; a resume then
+    sets the checkpoint's own mask (RigL grows blocks at zero), moving zeros only."""
+    missing = nnz - int(nonzero.sum())
+    if missing <= 0:
+        return nonzero
+    free = (~nonzero).flatten().to(torch.int8)
+    rank = free if preferred is None else free * (1 + preferred.flatten().to(torch.int8))
+    added = torch.argsort(rank, descending=True, stable=True)[:missing]
+    return nonzero.flatten().index_fill(0, added, True).view_as(nonzero)
+
+
 def compact_from(layer: nn.Module, state_dict: dict, prefix: str) -> None:
     """Check a ``BlockSparseLinear``'s entries of ``state_dict`` (keys ``prefix + name``) and
     turn a dense ``weight`` into the compact ``values`` and ``block_mask``, in place.
 
     The block mask of a dense weight is the layer's current ``block_mask`` where it is set
-    and the weight is zero outside it, else the blocks that hold a nonzero if they are
-    exactly ``nnz``.
+    and the weight is zero outside it, else the blocks that hold a nonzero if they are at
+    most ``nnz`` (:func:`fill_blocks` adds zero blocks up to ``nnz``).
 
     Raises:
-        ValueError: naming the key: a weight of another shape, with nonzeros in other than
+        ValueError: naming the key: a weight of another shape, with nonzeros in more than
             ``nnz`` blocks, beside compact keys, or dense for sharded values; a
             ``block_mask`` of another shape, dtype or count, or without ``values``;
             ``values`` of another shape.
@@ -228,16 +242,17 @@ def compact_from(layer: nn.Module, state_dict: dict, prefix: str) -> None:
     nonzero = nonzero_blocks(weight.detach(), layer.block)
     mask = layer.block_mask.to(nonzero.device)
     if layer.mask_unset or (nonzero & ~mask).any():
-        if int(nonzero.sum()) != layer.nnz:
-            (r, c), kept = layer.block, int(nonzero.sum())
+        if (kept := int(nonzero.sum())) > layer.nnz:
+            (r, c) = layer.block
             where = ("the layer's block_mask unset (to_empty of a meta layer)"
                      if layer.mask_unset else "some outside the layer's block_mask")
             raise ValueError(
                 f"{prefix}weight has nonzeros in {kept} of its {nonzero.numel()} {r}x{c} "
                 f"blocks, {where}, and the layer keeps nnz = {layer.nnz}: load a weight "
-                f"that is zero outside {layer.nnz} blocks, or set the mask first "
-                f"(set_block_mask)")
-        mask = nonzero
+                f"that is zero outside {layer.nnz} blocks (resuming a checkpoint saved with "
+                f"other settings, pattern or sparsity, or by a dense run? resume with its "
+                f"settings, or compress its weights in a new fit)")
+        mask = fill_blocks(nonzero, None if layer.mask_unset else mask, layer.nnz)
     topology = BlockTopology.from_block_mask(mask, *shape, layer.block, nnz=layer.nnz)
     del state_dict[prefix + "weight"]
     state_dict[prefix + "values"] = dense_to_values(weight.detach(), topology)

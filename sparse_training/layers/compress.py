@@ -9,28 +9,26 @@ blocks. The kept blocks are exactly those the masked-dense engine would keep at 
 (the same mask function and seeded scores), so ``compress`` changes how a layer trains,
 not which blocks it keeps. Everything else stays masked-dense (the engine), and
 :func:`compress_selected` says, per tensor, which path it takes and why, in the swap
-table of :func:`~sparse_training.layers.swap.sparsify`.
+table of :func:`~sparse_training.layers.swap.sparsify` and in the plan it returns.
 
 ``compress="auto"`` compresses only where the compressed layers train faster than
 masked-dense on the device and compute dtype training uses (:func:`slower_reason`: blocks
 from 16M weights on CUDA in bf16/fp16, never 2:4); ``True`` compresses every eligible
-tensor. On resume the checkpoint decides: its compressed layers, with its masks.
+tensor. On resume the same layers are swapped again, with fresh masks; loading the
+checkpoint's dense weights then gives each layer its kept blocks (the blocks that hold a
+nonzero), and the callback's state its exact mask.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from sparse_training.engine.selection import (
-    TensorPlan,
-    held_layers,
-    plan_model,
-    replaced_name,
-    setting_of,
-)
+from sparse_training.engine.plan import SparsityPlan
+from sparse_training.engine.selection import TensorPlan, replaced_name
 from sparse_training.engine.sharding import is_sharded
 from sparse_training.engine.state import LayerForm, check_compressed
 from sparse_training.kernels.block_sparse import block_grid
@@ -140,93 +138,145 @@ def _keeps_every_block(plan: TensorPlan) -> str | None:
                           f"sparsity {target:g}")
 
 
-def compress_selected(model: nn.Module, config: SparsityConfig,
+def compress_selected(model: nn.Module, plan: SparsityPlan,
                       device: torch.device | None = None,
-                      compute_dtype: torch.dtype | None = None,
-                      saved: dict[str, Any] | None = None) -> list[SwapRow]:
-    """Swap the selected Linear weights that can train compressed, in place (module doc).
+                      compute_dtype: torch.dtype | None = None
+                      ) -> tuple[list[SwapRow], SparsityPlan]:
+    """Swap the selected Linear weights of ``plan`` that can train compressed, in place
+    (module doc), each with the mask masked-dense training keeps at step 0.
 
     Args:
+        plan: ``model``'s plan (:meth:`SparsityPlan.build`).
         device: where the layers will train, for ``compress="auto"`` (default: each
             weight's device now).
         compute_dtype: the dtype of their products (autocast's, or the weights'), for
             ``"auto"`` (default: each weight's dtype).
-        saved: on resume, the checkpoint's compressed masks (the engine state's
-            ``"compressed"``): exactly its layers are compressed, with its masks, whatever
-            ``"auto"`` would decide now. None: fresh masks, those masked-dense training
-            keeps at step 0.
 
     Returns:
-        One row per selected tensor's module: ``compressed``, or why it trains
-        masked-dense.
+        One row per selected tensor's module (``compressed``, or why it trains
+        masked-dense), and the plan of the model after the swap (the compressed rows
+        follow their layers; the others say why they stay masked-dense).
 
     Raises:
         ValueError: before anything is swapped: ``config.compress`` is True and nothing can
             be (or already is) compressed (the rows say why); a weight to compress on the
-            meta device; ``saved`` holds a layer that cannot be compressed now, or a mask
-            that does not fit its layer (:func:`~sparse_training.engine.state.check_compressed`).
+            meta device.
     """
+    config = plan.config
     problem = config.fixed_count_problem()
-    tensors, plans = plan_model(model, config)
     swap_problem = swap_checker(model)
-    entries = []  # (plan, reason to stay masked-dense or None, layer weight name, module)
-    selected = [(p, t) for p, t in zip(plans, tensors, strict=True) if p.selected]
-    for plan, tensor in selected:
+    entries = []  # (plan row, reason to stay masked-dense or None, module)
+    for index, (row, tensor) in enumerate(plan.masked):
         module, attr = tensor.owners[0]
-        module_name = plan.name.rpartition(".")[0]
-        layer_class = SemiStructuredLinear if plan.pattern.is_nm else BlockSparseLinear
         if problem is not None:
             reason = problem
         elif not isinstance(module, nn.Linear) or attr != "weight" or len(tensor.owners) > 1:
             reason = f"{type(module).__name__}.{attr} is not an nn.Linear weight"
-        elif (swap := swap_problem(module_name, module)) is not None:
+        elif (swap := swap_problem(row.name.rpartition(".")[0], module)) is not None:
             reason = swap
-        elif (unsupported := pattern_problem(plan.pattern)) is not None:
+        elif (unsupported := pattern_problem(row.pattern)) is not None:
             reason = unsupported
-        elif plan.pattern.is_nm and (shape := features_problem(*plan.shape[::-1])):
+        elif row.pattern.is_nm and (shape := features_problem(*row.shape[::-1])):
             reason = f"SemiStructuredLinear: {shape}"  # a 10-class head, say
-        elif saved is None and (kept_all := _keeps_every_block(plan)) is not None:
-            reason = kept_all  # (on resume the checkpoint decides)
-        elif config.compress == "auto" and saved is None:
-            reason = slower_reason(tuple(plan.shape), plan.pattern, 1 - plan.sparsity,
+        elif (kept_all := _keeps_every_block(row)) is not None:
+            reason = kept_all
+        elif config.compress == "auto":
+            reason = slower_reason(tuple(row.shape), row.pattern, 1 - row.sparsity,
                                    device or module.weight.device,
                                    compute_dtype or module.weight.dtype)
         else:
             reason = None
-        entries.append((plan, reason, f"{module_name}.{layer_class.trained_weight}", module))
-    skipped = {p.name.rpartition(".")[0]: p.reason for p in plans if not p.selected}
-    # layers of this selection already compressed take the checkpoint's masks in the engine
-    held = {f"{name}.{m.trained_weight}" for name, m in held_layers(model, tensors, plans)}
-    masks = None if saved is None else _saved_masks(
-        {k: v for k, v in saved.items() if k not in held} if isinstance(saved, dict) else saved,
-        entries, skipped)
-    if meta := [plan.name for plan, reason, _, module in entries
+        entries.append((index, row, reason, module))
+    if meta := [row.name for _, row, reason, module in entries
                 if reason is None and module.weight.is_meta]:
         raise ValueError(f"{meta} are on the meta device: compressing keeps the blocks their "
                          f"values choose; initialize the weights first (build the layers on "
                          f"their device, or to_empty and reset_parameters)")
-    rows, reasons = [], []  # reasons: (tensor, why it stays masked-dense)
-    for index, (plan, reason, key, module) in enumerate(entries):
-        if reason is None and masks is not None and key not in masks:
-            reason = "masked-dense in the checkpoint resumed"
-        module_name = key.rpartition(".")[0]
+    rows, reasons = [], {}  # reasons: tensor name -> why it stays masked-dense
+    for index, row, reason, module in entries:
+        module_name = row.name.rpartition(".")[0]
         if reason is not None:
-            reasons.append((plan.name, reason))
-            rows.append(SwapRow(module_name, plan.shape, plan.pattern.spec,
+            reasons[row.name] = reason
+            rows.append(SwapRow(module_name, row.shape, row.pattern.spec,
                                 f"masked-dense: {reason}"))
             continue
-        mask = _first_mask(module.weight, plan, index, config) if masks is None else masks[key]
-        layer = _compressed_layer(module, plan.pattern, mask.to(module.weight.device))
-        rows.append(SwapRow(module_name, plan.shape, plan.pattern.spec,
-                            "compressed" if masks is None else "compressed: the checkpoint's "
-                            "mask", layer.train(module.training)))
-    if config.compress is True and len(reasons) == len(rows) and not held:
-        lines = "\n".join(f"  {name}: {why}" for name, why in reasons) or "\n".join(
-            f"  {p.name}: not selected: {p.reason}" for p in plans)  # why none was selected
+        mask = _first_mask(module.weight, row, index, config).to(module.weight.device)
+        layer = _compressed_layer(module, row.pattern, mask)
+        rows.append(SwapRow(module_name, row.shape, row.pattern.spec, "compressed",
+                            layer.train(module.training)))
+    if config.compress is True and len(reasons) == len(rows) and not any(
+            p.compressed for p in plan.rows):
+        lines = "\n".join(f"  {name}: {why}" for name, why in reasons.items()) or "\n".join(
+            f"  {p.name}: not selected: {p.reason}" for p in plan.rows)  # why none was
         raise ValueError(f"compress=True but no selected tensor can train compressed; "
                          f"use compress='auto' or False. Per tensor:\n{lines}")
     swap_in(model, rows)
-    return rows
+    return rows, plan.with_rows([replace(p, path_reason=reasons.get(p.name, ""))
+                                 for p in plan.rows])
+
+
+def follow_checkpoint(model: nn.Module, plan: SparsityPlan, saved: Any,
+                      swapped: list[tuple[str, nn.Module]]) -> SparsityPlan:
+    """Make the layers this fit swapped (``swapped``: name and the Linear it replaced) the
+    ones a checkpoint trained compressed (``saved``: its state's ``"compressed"`` masks),
+    in place, before the optimizers are built: a layer the checkpoint trained masked-dense
+    goes back to its Linear with the loaded weights, a selected Linear it trained
+    compressed is swapped with the checkpoint's mask. ``compress="auto"`` decided for
+    this device; the checkpoint's decision wins, so the resumed run is the saved one.
+
+    Returns:
+        ``plan`` with the checkpoint's paths (``swapped`` is updated to match).
+
+    Raises:
+        ValueError: a saved layer that is not a selected Linear of this plan, or whose mask
+            does not fit it (pattern, shape, count); before anything changes.
+    """
+    if not isinstance(saved, dict):
+        return plan
+    mine = {f"{name}.{model.get_submodule(name).trained_weight}": name for name, _ in swapped}
+    rows = {p.name: (p, t) for p, t in plan.masked}
+    forms, why = {}, {}
+    held = {p.name for p in plan.rows if p.compressed}  # compressed before this fit
+    for key in saved:
+        if key in mine or key in held:
+            continue
+        row, tensor = rows.get(replaced_name(key), (None, None))
+        module = None if tensor is None else tensor.owners[0][0]
+        if row is None or not isinstance(module, nn.Linear) or pattern_problem(row.pattern):
+            skipped = next((p.reason for p in plan.rows if p.name == replaced_name(key)), None)
+            why[key] = (("no such layer" if skipped is None else f"not selected: {skipped}")
+                        if row is None else
+                        pattern_problem(row.pattern) or f"{row.kind} is not an nn.Linear")
+        else:
+            forms[key] = _layer_form(row)
+    if why:
+        raise ValueError("cannot resume: the checkpoint's compressed layers " + "; ".join(
+            f"{k} ({v})" for k, v in why.items()) + " cannot be compressed in this model "
+            "with these settings")
+    masks = check_compressed({k: saved[k] for k in forms}, forms, every=False)
+    for key, name in mine.items():
+        if key not in saved:  # masked-dense in the checkpoint
+            replace_module(model, name, model.get_submodule(name).to_dense())
+    compressed = {key.rpartition(".")[0] for key in saved}
+    swapped[:] = [(name, linear) for name, linear in swapped if name in compressed]
+    for key, mask in masks.items():
+        row, tensor = rows[replaced_name(key)]
+        name, linear = key.rpartition(".")[0], tensor.owners[0][0]
+        layer = _compressed_layer(linear, row.pattern, mask.to(linear.weight.device))
+        replace_module(model, name, layer.train(linear.training))
+        swapped.append((name, linear))
+    return plan.with_rows([replace(p, path_reason="") if replaced_name(p.name) in {
+        replaced_name(k) for k in saved} else p for p in plan.rows])
+
+
+def _layer_form(row: TensorPlan) -> LayerForm:
+    """What the saved mask of ``row``'s compressed layer must be."""
+    if row.pattern.is_nm:
+        return LayerForm(row.pattern.spec, tuple(row.shape))
+    block = (row.pattern.block_rows, row.pattern.block_cols)
+    grid = block_grid(*row.shape, block)
+    return LayerForm(f"block:{block[0]}x{block[1]}", grid,
+                     kept_count(grid[0] * grid[1], row.sparsity))
 
 
 def undo_swaps(model: nn.Module, swapped: list[tuple[str, nn.Module]]) -> None:
@@ -242,42 +292,6 @@ def undo_swaps(model: nn.Module, swapped: list[tuple[str, nn.Module]]) -> None:
         replace_module(model, name, original.to(device=weight.device, dtype=weight.dtype))
 
 
-def _saved_masks(saved: Any, entries: list[tuple[TensorPlan, str | None, str, nn.Module]],
-                 skipped: dict[str, str]) -> dict[str, torch.Tensor]:
-    """A checkpoint's compressed masks, checked against the layers that can compress now
-    (``entries`` of :func:`compress_selected`; ``skipped``: why each module's tensor that
-    is not selected is not, by module name).
-
-    Raises:
-        ValueError: a saved layer that cannot compress now (naming why), or a mask that
-            does not fit its layer.
-    """
-    forms, why = {}, {}
-    for plan, reason, key, _ in entries:
-        if reason is not None:
-            why[key] = reason
-        elif plan.pattern.is_nm:
-            forms[key] = LayerForm(plan.pattern.spec, tuple(plan.shape))
-        else:
-            block = (plan.pattern.block_rows, plan.pattern.block_cols)
-            grid = block_grid(*plan.shape, block)
-            forms[key] = LayerForm(f"block:{block[0]}x{block[1]}", grid,
-                                   kept_count(grid[0] * grid[1], plan.sparsity))
-    if isinstance(saved, dict) and (extra := [n for n in saved if n not in forms]):
-        raise ValueError("cannot resume: the checkpoint's compressed layers "
-                         + "; ".join(f"{n} ({_why_not(n, why, skipped)})" for n in extra)
-                         + " cannot be compressed in this model with these settings")
-    return check_compressed(saved, forms, every=False)
-
-
-def _why_not(name: str, why: dict[str, str], skipped: dict[str, str]) -> str:
-    """Why the layer weight ``name`` of a checkpoint cannot be compressed now."""
-    if name in why:
-        return why[name]
-    module = name.rpartition(".")[0]
-    return f"not selected: {skipped[module]}" if module in skipped else "no such layer"
-
-
 def _compressed_layer(linear: nn.Linear, pattern: Pattern, mask: torch.Tensor) -> nn.Module:
     """The compressed form of ``linear`` under ``mask``."""
     if pattern.is_nm:
@@ -286,18 +300,19 @@ def _compressed_layer(linear: nn.Linear, pattern: Pattern, mask: torch.Tensor) -
                                         mask=mask)
 
 
-def held_apart(model: nn.Module, swapped: set[str], config: SparsityConfig) -> str | None:
-    """Which compressed layers of ``config``'s selection ``model`` held before this fit's
-    swaps (not in ``swapped``: an earlier fit's, or ``sparsify``'s) keep another pattern
-    than ``config`` gives them (its overrides included), or another count of blocks than
-    its target keeps (where the target is the tensor's own: not under ERK or global, which
-    weigh the whole model); None if every one follows ``config``."""
+def held_apart(model: nn.Module, plan: SparsityPlan, swapped: set[str]) -> str | None:
+    """Which compressed layers of ``plan`` that ``model`` held before this fit's swaps
+    (not in ``swapped``: an earlier fit's, or ``sparsify``'s) keep another pattern than
+    the plan gives them (its overrides included), or another count of blocks than its
+    target keeps (where the target is the tensor's own: not under ERK or global, which
+    weigh the whole model); None if every one follows the plan."""
     apart = []
-    for name, layer in held_layers(model, *plan_model(model, config)):
+    settings = {id(t.param): p for p, t in zip(plan.rows, plan.tensors, strict=True)}
+    for name, layer in plan.held_layers(model):
         if name in swapped:
             continue
-        weight = f"{name}.{layer.trained_weight}" if name else layer.trained_weight
-        pattern, target = setting_of((weight, replaced_name(weight)), config)
+        row = settings[id(getattr(layer, layer.trained_weight))]
+        pattern, target = row.pattern, row.sparsity
         if isinstance(layer, BlockSparseLinear):
             blocks, (r, c) = layer.block_mask.numel(), layer.block
             own = f"block:{r}x{c}, {layer.nnz} of {blocks} blocks kept"

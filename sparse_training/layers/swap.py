@@ -40,8 +40,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from sparse_training.engine.ownership import check_not_in_training
+from sparse_training.engine.plan import text_table
 from sparse_training.engine.protocol import CompressedLayer
-from sparse_training.engine.selection import text_table
 from sparse_training.engine.sharding import local
 from sparse_training.engine.slots import MASK_SUFFIX
 from sparse_training.kernels.block_sparse import block_grid

@@ -15,7 +15,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 
 from sparse_training import BlockSparseLinear, SparsityCallback, SparsityConfig, SparsityEngine
-from sparse_training.engine.selection import plan_model
+from sparse_training.engine.plan import SparsityPlan
 
 STATIC_FIRST = dict(pattern="block:16x16", sparsity=0.5, compress=True, allow=[r"net\.0"])
 
@@ -50,7 +50,7 @@ def test_a_compressed_layer_outside_the_layer_types_or_denied_is_not_held():
     model.net[0] = BlockSparseLinear.from_dense(model.net[0], (16, 16), density=0.5)
     for settings in (dict(layer_types=(nn.Conv2d,), pattern="unstructured", sparsity=0.5),
                      dict(deny=[r"net\.0"], pattern="unstructured", sparsity=0.5)):
-        tensors, plans = plan_model(model, SparsityConfig(**settings))
+        plans = SparsityPlan.build(model, SparsityConfig(**settings)).rows
         assert not any(p.compressed for p in plans), settings
     held = SparsityEngine(model, SparsityConfig("unstructured", sparsity=0.5,
                                                 allow=[r"net\.0\.weight"]))

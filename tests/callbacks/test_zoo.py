@@ -13,6 +13,7 @@ from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 from torch.utils.data import DataLoader, TensorDataset
 
 from sparse_training import BlockSparseLinear, SparsityCallback, SparsityConfig, SparsityEngine
+from sparse_training.engine.plan import SparsityPlan
 from sparse_training.layers.compress import compress_selected
 
 VOCAB, CLASSES = 32, 4
@@ -321,7 +322,8 @@ def test_overhanging_blocks_compress_to_the_blocks_masked_dense_keeps():
     compressed.load_state_dict(masked.state_dict())
     engine = SparsityEngine(masked, SparsityConfig(**OVERHUNG))
     engine.prune()
-    rows = compress_selected(compressed, SparsityConfig(**OVERHUNG, compress=True))
+    rows, _ = compress_selected(compressed, SparsityPlan.build(
+        compressed, SparsityConfig(**OVERHUNG, compress=True)))
     assert [r.decision for r in rows] == ["compressed", "compressed"]
     for slot in engine.slots:
         layer = compressed.get_submodule(slot.name.removesuffix(".weight"))

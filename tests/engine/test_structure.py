@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from sparse_training import SparsityConfig, SparsityEngine
-from sparse_training.engine.selection import format_table, plan_model
+from sparse_training.engine.plan import SparsityPlan
 from sparse_training.engine.structure import find_units
 from sparse_training.engine.tensors import find_weight_tensors
 
@@ -199,16 +199,16 @@ def test_unit_patterns_refuse_what_would_split_a_block(settings, message):
 
 def test_the_setup_table_names_the_unit_and_a_non_member_says_why():
     model = family("bert")
-    _, plans = plan_model(model, SparsityConfig(pattern="head", sparsity=0.5))
-    table = format_table(plans)
+    plan = SparsityPlan.build(model, SparsityConfig(pattern="head", sparsity=0.5))
+    table, plans = plan.table(), plan.rows
     assert "head (block:16x64)" in table and "head (block:64x16)" in table
     reasons = {p.name: p.reason for p in plans}
     assert "not a query, key, value or output projection" in reasons[
         "bert.encoder.layer.0.intermediate.dense.weight"]
     with pytest.raises(ValueError, match="'bert.encoder.layer.0.intermediate.dense.weight' was "
                                          "asked for by name but pattern 'head' prunes whole"):
-        plan_model(model, SparsityConfig(pattern="head", sparsity=0.5,
-                                         allow=["intermediate"]))
+        SparsityPlan.build(model, SparsityConfig(pattern="head", sparsity=0.5,
+                                                 allow=["intermediate"]))
 
 
 def test_unit_masks_resume_into_a_fresh_engine():

@@ -17,6 +17,7 @@ from sparse_training import (
     make_permanent,
     sparsify,
 )
+from sparse_training.engine.plan import SparsityPlan
 from sparse_training.layers.compress import compress_selected, slower_reason
 from sparse_training.pieces.patterns import parse_pattern
 
@@ -187,12 +188,15 @@ def test_auto_at_setup_decides_for_the_strategys_device_and_the_precision(
 def test_compress_selected_decides_for_the_arguments_not_the_weights_device():
     config = SparsityConfig(pattern="block:128x128", sparsity=0.9, compress="auto")
     on_cpu = Big()
-    (row,) = compress_selected(on_cpu, config)  # the weights' device and dtype: cpu
+    (row,), _ = compress_selected(on_cpu, SparsityPlan.build(on_cpu, config))  # the weights' device and dtype: cpu
     assert row.layer is None and "on cpu" in row.decision
     on_gpu = Big()
-    (row,) = compress_selected(on_gpu, config, torch.device("cuda"), torch.bfloat16)
+    (row,), _ = compress_selected(on_gpu, SparsityPlan.build(on_gpu, config),
+                                  torch.device("cuda"), torch.bfloat16)
     assert row.decision == "compressed" and isinstance(on_gpu.net[0], BlockSparseLinear)
-    (row,) = compress_selected(Big(), config, torch.device("cuda"), torch.float32)
+    big = Big()
+    (row,), _ = compress_selected(big, SparsityPlan.build(big, config), torch.device("cuda"),
+                                  torch.float32)
     assert row.layer is None and "fp32 compute" in row.decision
 
 
@@ -201,8 +205,8 @@ def test_a_target_that_prunes_no_block_keeps_the_layer_masked_dense():
     nn.Linear (trained masked-dense, as sparsify leaves it), saying so; net.2 loses 2 of
     16 blocks and compresses."""
     model = BlockNet()
-    rows = {r.name: r for r in compress_selected(
-        model, SparsityConfig(pattern="block:16x16", sparsity=0.1, compress=True))}
+    config = SparsityConfig(pattern="block:16x16", sparsity=0.1, compress=True)
+    rows = {r.name: r for r in compress_selected(model, SparsityPlan.build(model, config))[0]}
     assert rows["net.0"].layer is None and type(model.net[0]) is nn.Linear
     assert rows["net.0"].decision == (
         "masked-dense: the 64x16 weight has 4 blocks of 16x16: sparsity 0.1 keeps 4 of 4 "
@@ -378,7 +382,8 @@ def test_compress_in_configure_model_is_needed_and_refuses_what_it_cannot_do():
         lazy = BlockNet()
     with pytest.raises(ValueError, match=r"\['net.0.weight', 'net.2.weight'\] are on the meta "
                                          r"device: .* initialize the weights first"):
-        compress_selected(lazy, SparsityConfig(**SETTINGS, compress=True))
+        compress_selected(lazy, SparsityPlan.build(lazy, SparsityConfig(**SETTINGS,
+                                                                        compress=True)))
     assert type(lazy.net[0]) is nn.Linear
     SparsityCallback(**SETTINGS, compress=False).compress(BlockNet())  # nothing to do
 

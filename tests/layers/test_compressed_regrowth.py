@@ -87,19 +87,20 @@ def test_compressed_regrowth_moves_the_blocks_masked_dense_regrowth_moves(regrow
     assert sparse.engine.sparsity == dropped / (16 * 64 + 64 * 64) == 0.75
 
 
-class MasksAtSetup(pl.Callback):
-    """The compressed layers' block masks right after SparsityCallback's setup (the swap),
-    before Lightning restores the checkpoint."""
+class MasksAtFitStart(pl.Callback):
+    """The compressed layers' block masks once SparsityCallback's ``on_fit_start`` (it runs
+    first) installed the restored state, before the first step."""
 
-    def setup(self, trainer, pl_module, stage):
+    def on_fit_start(self, trainer, pl_module):
         self.masks = [pl_module.net[i].block_mask.clone() for i in (0, 2)]
 
 
-@pytest.mark.parametrize("regrow", ["rigl", "set"])
-def test_a_compressed_regrowth_checkpoint_resumes_exactly(tmp_path, regrow):
+@pytest.mark.parametrize(("regrow", "resume_from"), [("rigl", "file"), ("set", "file"),
+                                                    ("rigl", "last")])
+def test_a_compressed_regrowth_checkpoint_resumes_exactly(tmp_path, regrow, resume_from):
     """Stopped mid-regrowth (blocks moved) and resumed from another initialization: the
-    swap at setup takes the checkpoint's block masks, its dense weights load exactly, and
-    the run is the uninterrupted one bit for bit."""
+    layers swapped at setup take the checkpoint's block masks (from its dense weights and
+    the callback's state), and the run is the uninterrupted one bit for bit."""
     settings = dict(REGROW, regrow=regrow, compress=True, regrow_end=20)  # steps: any run
     uninterrupted, _ = fit(settings, max_epochs=3)
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
@@ -107,11 +108,14 @@ def test_a_compressed_regrowth_checkpoint_resumes_exactly(tmp_path, regrow):
     pl.seed_everything(0, verbose=False)
     first = pattern_mask(BlockNet().net[2].weight, "block:16x16", 0.75)  # the step-0 blocks
     assert not torch.equal(expanded(stopped.net[2]), first)  # regrowth moved blocks
-    at_setup = MasksAtSetup()
-    resumed, sparse = fit(settings, max_epochs=3, ckpt_path=tmp_path / "last.ckpt",
-                          callbacks=[at_setup], init_seed=1)
+    at_start = MasksAtFitStart()
+    # "last": Lightning finds the checkpoint in its ModelCheckpoint's folder
+    ckpt_path, more = ((tmp_path / "last.ckpt", []) if resume_from == "file" else
+                       ("last", [ModelCheckpoint(dirpath=tmp_path, save_last=True)]))
+    resumed, sparse = fit(settings, max_epochs=3, ckpt_path=ckpt_path,
+                          callbacks=[at_start, *more], init_seed=1)
     assert all(torch.equal(mask, stopped.net[i].block_mask)
-               for mask, i in zip(at_setup.masks, (0, 2), strict=True))
+               for mask, i in zip(at_start.masks, (0, 2), strict=True))
     assert sparse.engine.updater.last_regrow == 18
     assert_same_training(uninterrupted, uninterrupted.trainer, resumed, resumed.trainer)
 
