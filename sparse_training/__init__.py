@@ -29,6 +29,7 @@ from typing import Any
 
 from sparse_training.config import SparsityConfig
 from sparse_training.engine import SparsityEngine
+from sparse_training.engine.plan import SparsityPlan
 from sparse_training.layers.block_sparse import BlockSparseLinear
 from sparse_training.layers.semi_structured import SemiStructuredLinear
 from sparse_training.layers.swap import densify, make_permanent, sparsify
@@ -44,6 +45,7 @@ from sparse_training.pieces.patterns import Pattern, parse_pattern
 
 __all__ = ["BlockSparseLinear", "DistillationCallback", "DistillationLoss", "Pattern",
            "SemiStructuredLinear", "SparsityCallback", "SparsityConfig", "SparsityEngine",
+           "SparsityPlan",
            "TeacherCache", "densify", "find_sites", "global_masks",
            "kept_magnitude", "make_permanent", "parse_pattern", "pattern_mask",
            "permute_channels", "search_permutation", "sparsify"]

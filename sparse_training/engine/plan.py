@@ -84,14 +84,17 @@ class SparsityPlan:
             tensor = by_name.get(row.name)
             if tensor is None or len(tensor.names) != len(old.names):
                 return None
-            now_compressed = any(isinstance(m, CompressedLayer) for m, _ in tensor.owners)
-            if now_compressed and not row.compressed:
-                if not row.selected:
-                    return None  # a layer compressed by someone else since
+            now_compressed, was_compressed = (
+                any(isinstance(m, CompressedLayer) for m, _ in t.owners) for t in (tensor, old))
+            if now_compressed and not was_compressed:
+                # swapped since: this plan's (selected) or another selection's
+                reason = ("compressed: swapped at setup" if row.selected else
+                          f"compressed, another selection's: {row.reason}")
                 row = replace(row, names=tensor.names, kind=tensor.kind,
                               shape=tuple(tensor.param.shape), selected=False,
-                              compressed=True, reason="compressed: swapped at setup")
-            elif not now_compressed and (row.compressed or tensor.param.shape != row.shape):
+                              compressed=row.selected, reason=reason, path_reason="")
+            elif now_compressed != was_compressed or tensor.names != row.names or (
+                    not now_compressed and tensor.param.shape != row.shape):
                 return None
             rows.append(row)
             bound.append(tensor)
