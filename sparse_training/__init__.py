@@ -42,13 +42,18 @@ from sparse_training.permutations import (
 from sparse_training.pieces.distillation import DistillationLoss, TeacherCache
 from sparse_training.pieces.masks import global_masks, pattern_mask
 from sparse_training.pieces.patterns import Pattern, parse_pattern
+from sparse_training.pieces.regrowth import SET, SRSTE, RigL
+from sparse_training.pieces.schedules import GMP, Constant, OneShot, register_schedule
+from sparse_training.pieces.second_order import SecondOrderScore
+from sparse_training.pieces.training_scores import MovementScore, SoftMovementScore
 
-__all__ = ["BlockSparseLinear", "DistillationCallback", "DistillationLoss", "Pattern",
-           "SemiStructuredLinear", "SparsityCallback", "SparsityConfig", "SparsityEngine",
-           "SparsityPlan",
-           "TeacherCache", "densify", "find_sites", "global_masks",
-           "kept_magnitude", "make_permanent", "parse_pattern", "pattern_mask",
-           "permute_channels", "search_permutation", "sparsify"]
+__all__ = ["GMP", "SET", "SRSTE", "BlockSparseLinear", "Constant", "DistillationCallback",
+           "DistillationLoss", "MovementScore", "OneShot", "Pattern", "RigL",
+           "SecondOrderScore", "SemiStructuredLinear", "SoftMovementScore", "SparsityCallback",
+           "SparsityConfig", "SparsityEngine", "SparsityPlan", "TeacherCache", "densify",
+           "find_sites", "global_masks", "kept_magnitude", "make_permanent", "parse_pattern",
+           "pattern_mask", "permute_channels", "register_schedule", "search_permutation",
+           "sparsify"]
 __version__ = "0.1.0"
 
 

@@ -18,6 +18,14 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
+from sparse_training.callbacks.fit_checks import (
+    compute_dtype,
+    counts,
+    fit_problem,
+    placeholder,
+    schedule_warnings,
+    unused_warning,
+)
 from sparse_training.callbacks.resume import own_state, unreadable_checkpoint
 from sparse_training.config import (
     DEFAULT_LAYER_TYPES,
@@ -27,7 +35,7 @@ from sparse_training.config import (
 )
 from sparse_training.engine import SparsityEngine
 from sparse_training.engine.distributed import keep_masks_out_of_buffer_broadcast
-from sparse_training.engine.optimizer_hooks import fused_problem, optimizer_problem
+from sparse_training.engine.optimizer_hooks import optimizer_problem
 from sparse_training.engine.ownership import shared_tensor
 from sparse_training.engine.plan import SparsityPlan
 from sparse_training.engine.protocol import CompressedLayer
@@ -46,20 +54,10 @@ from sparse_training.pieces.regrowth import (
     DEFAULT_ALPHA,
     DEFAULT_REGROW_END,
     DEFAULT_SR_STE_DECAY,
+    SRSTE,
+    RegrowthRule,
 )
-from sparse_training.pieces.schedules import Gradual, Step
-
-MIN_GRADUAL_UPDATES = 3  # fewer and a gradual schedule is a few jumps: warn
-# the dtype of the layers' products under each Lightning precision (autocast's for mixed)
-PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,
-                    "16-mixed": torch.float16, "16-true": torch.float16,
-                    "32-true": torch.float32, "64-true": torch.float64}
-
-
-def compute_dtype(precision: str) -> torch.dtype | None:
-    """The dtype of the products under a Lightning ``precision`` (``trainer.precision``);
-    None for others (transformer-engine, bitsandbytes): the weights' dtype then."""
-    return PRECISION_DTYPES.get(str(precision))
+from sparse_training.pieces.schedules import Schedule, Step
 
 
 class SparsityCallback(Callback):
@@ -68,9 +66,9 @@ class SparsityCallback(Callback):
     Takes the settings of :class:`~sparse_training.SparsityConfig` as keyword arguments
     (documented there: ``help(SparsityConfig)``). At the start of every ``fit`` (after
     ``configure_model``, so layers built there count) the weight tensors are selected, a
-    mask buffer is registered beside each selected one and the setup table is logged with
-    the resolved mask-update steps. Masks are updated at the start of the optimizer steps the schedule names;
-    gradients are masked in ``on_before_optimizer_step`` (after AMP unscaling, before
+    mask buffer is registered beside each selected one and the plan's table is logged with
+    the resolved mask-update steps. Masks are updated at the start of the optimizer steps
+    the schedule names; gradients are masked in ``on_before_optimizer_step`` (after AMP unscaling, before
     gradient clipping), where regrowth also reads the dense gradients; pruned weights are
     zeroed after every optimizer step that ran. Under ``ModelParallelStrategy`` (FSDP2,
     ``fully_shard`` in ``configure_model``) the masks are those of the whole tensors and
@@ -99,13 +97,14 @@ class SparsityCallback(Callback):
     """
 
     def __init__(self, pattern: str = "2:4", sparsity: float | None = None,
-                 schedule: str = "oneshot", start: Step = 0, end: Step | None = None,
+                 schedule: str | Schedule = "oneshot", start: Step = 0,
+                 end: Step | None = None,
                  frequency: int = 100, allow: Sequence[str] | None = None,
                  deny: Sequence[str] | None = None, dense_ratio: float = 0.0,
                  overrides: Mapping[str, Mapping[str, str | float]] | None = None,
                  distribution: str = "uniform", layer_types: LayerTypes = DEFAULT_LAYER_TYPES,
                  log_layers: bool = False, score: ScoreSetting = "magnitude",
-                 regrow: str | None = None,
+                 regrow: str | RegrowthRule | SRSTE | None = None,
                  regrow_fraction: float = DEFAULT_ALPHA, regrow_end: Step = DEFAULT_REGROW_END,
                  sr_ste_decay: float = DEFAULT_SR_STE_DECAY, seed: int = 0,
                  check_masks: bool = True, fused: bool | str = "auto",
@@ -252,10 +251,10 @@ class SparsityCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if isinstance(trainer.strategy, FSDPStrategy):
             raise ValueError(f"SparsityCallback cannot mask under FSDPStrategy: {FSDP1_PROBLEM}")
-        optimizers = [o for o in trainer.optimizers if not _placeholder(o)]
-        swapped, self._swapped = self._swapped, []
+        optimizers = [o for o in trainer.optimizers if not placeholder(o)]
         restored, self._restored = self._restored, None  # this fit's, whatever follows
         self._compressing = None
+        # any error from here on: on_exception gives the layers swapped at setup back
         try:
             plan = self._plan_for(pl_module)
             # layers built in configure_model count in the overlap
@@ -264,7 +263,6 @@ class SparsityCallback(Callback):
         except ValueError as error:
             problem = str(error)
         if problem:
-            undo_swaps(pl_module, swapped)
             raise ValueError(f"SparsityCallback: {problem}")
         if self.config.compress is True and not any(
                 isinstance(m, CompressedLayer) for m in pl_module.modules()):
@@ -274,22 +272,17 @@ class SparsityCallback(Callback):
                              "fully_shard (or use compress='auto' or False)")
         total = trainer.estimated_stepping_batches  # -1: no training batches (validation only)
         total = None if math.isinf(total) else max(int(total), 0)
-        if problem := self._fit_problem(plan, optimizers, total, restored):
-            undo_swaps(pl_module, swapped)
+        if problem := fit_problem(self.config, plan, optimizers, total, restored):
             raise ValueError(f"SparsityCallback: {problem}")
         engine = self.engine
         if engine is None or not engine.bound_to(pl_module):
-            if restored is None and (apart := held_apart(pl_module, plan,
-                                                         {n for n, _ in swapped})):
+            swapped = {name for name, _ in self._swapped}
+            if restored is None and (apart := held_apart(pl_module, plan, swapped)):
                 rank_zero_warn(f"SparsityCallback: {apart}")
             if engine is not None:
                 engine.detach()
-            try:
-                engine = SparsityEngine(pl_module, self.config, state=restored, plan=plan)
-            except ValueError:
-                undo_swaps(pl_module, swapped)
-                raise
-            self.engine = engine
+            self.engine = engine = SparsityEngine(pl_module, self.config, state=restored,
+                                                  plan=plan)
         else:
             engine.claim()  # another callback may have taken the tensors since
             if restored is not None:
@@ -298,6 +291,7 @@ class SparsityCallback(Callback):
                 engine.restart()
                 rank_zero_info("SparsityCallback: a new fit runs the schedule again from its "
                                "start, beginning with the current masks")
+        self._swapped = []  # trained from now on: an error later keeps the layers
         if not engine.slots:
             raise ValueError("SparsityCallback selected no weight tensor (setup table below)\n"
                              + engine.plan.table())
@@ -305,8 +299,9 @@ class SparsityCallback(Callback):
             rank_zero_warn("SparsityCallback: the checkpoint holds no SparsityCallback state; "
                            "the schedule starts at the resumed step")
         engine.start(total)
-        self._warn_about_schedule(total)
-        rank_zero_info(f"SparsityCallback: {_counts(engine)} of {len(engine.plans)} weight "
+        for warning in schedule_warnings(self.config, engine.updater, total):
+            rank_zero_warn(f"SparsityCallback: {warning}")
+        rank_zero_info(f"SparsityCallback: {counts(engine)} of {len(engine.plans)} weight "
                        f"tensors; {engine.updater.describe(total)}\n"
                        + engine.plan.table())
         self._unused_checked = False
@@ -318,50 +313,6 @@ class SparsityCallback(Callback):
         keep_masks_out_of_buffer_broadcast(trainer.strategy.model, engine.slots)
         self._fitting = True
 
-    def _fit_problem(self, plan: SparsityPlan, optimizers: list,
-                     total: int | None, restored: dict | None) -> str | None:
-        """What this fit's optimizers and length refuse before any mask is made: a fused
-        step that cannot serve an optimizer of the sparse weights, a schedule that does not
-        fit ``total`` steps (a restored schedule keeps its checkpoint's steps)."""
-        config = self.config
-        if config.fused is True:
-            sparse = {id(t.param) for _, t in plan.masked}
-            dense_state = config.parsed_refinement is not None
-            for optimizer in optimizers:
-                held = (p for group in optimizer.param_groups for p in group["params"])
-                if any(id(p) in sparse for p in held) and (
-                        reason := fused_problem(dense_state, optimizer)):
-                    return f"fused=True {reason}"
-        if restored is None:
-            try:
-                config.parsed_schedule.resolve(total)
-                if config.parsed_regrowth is not None:
-                    config.parsed_regrowth.resolve(total)
-            except ValueError as error:
-                steps = "" if total is None else f" (over the {total} steps of this fit)"
-                return f"{error}{steps}"
-        return None
-
-    def _warn_about_schedule(self, total: int | None) -> None:
-        updater = self._engine().updater
-        schedule = updater.schedule
-        regrowth = getattr(updater, "regrowth", None)  # resolved to steps by the updater
-        if (regrowth is not None and isinstance(regrowth.end, int)
-                and regrowth.end <= schedule.start):
-            rank_zero_warn(f"SparsityCallback: regrow={self.config.regrow!r} drops and grows "
-                           f"from step {schedule.start} until step {regrowth.end} (regrow_end="
-                           f"{self.config.regrow_end!r}), so never; give a later regrow_end")
-        updates = schedule.updates()
-        if total is not None and updates[-1] >= total:
-            rank_zero_warn(f"SparsityCallback: the schedule's last update (step {updates[-1]}) "
-                           f"comes after the last training step ({total - 1}); the final "
-                           f"sparsity will not be reached")
-        elif isinstance(schedule, Gradual) and len(updates) < MIN_GRADUAL_UPDATES:
-            rank_zero_warn(f"SparsityCallback: only {len(updates)} mask updates fit between "
-                           f"start={schedule.start} and end={schedule.end} at frequency="
-                           f"{schedule.frequency}: the {schedule.name!r} schedule is a jump; "
-                           f"lower frequency for a gradual ramp")
-
     # -- steps ----------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                              batch: Any, batch_idx: int) -> None:
@@ -372,13 +323,8 @@ class SparsityCallback(Callback):
         engine = self._engine()
         if not self._unused_checked:
             self._unused_checked = True
-            unused = [s.name for s in engine._slots_of(optimizer)
-                      if not s.compressed and s.param.grad is None]
-            if unused:
-                rank_zero_warn(f"SparsityCallback: {len(unused)} selected tensors got no "
-                               f"gradient in the first step (unused by the loss, like a "
-                               f"pooler?): {unused}; deny them to keep them dense and out of "
-                               f"the sparsity figures")
+            if warning := unused_warning(engine, optimizer):
+                rank_zero_warn(f"SparsityCallback: {warning}")
         engine.before_optimizer_step(optimizer, trainer.global_step,
                                      clipping=trainer.gradient_clip_val is not None)
 
@@ -407,7 +353,7 @@ class SparsityCallback(Callback):
         engine = self._engine()
         weights = sum(s.numel for s in engine.slots)
         rank_zero_info(f"SparsityCallback: {engine.sparsity:.2%} of {weights:,} weights in "
-                       f"{_counts(engine)} tensors are zero (target now {engine.target:.2%}, "
+                       f"{counts(engine)} tensors are zero (target now {engine.target:.2%}, "
                        f"final {engine.final_sparsity:.2%}); last mask update at step "
                        f"{engine.updater.last_update}")
 
@@ -466,15 +412,3 @@ class SparsityCallback(Callback):
             self._engine().load_state_dict(state_dict)
         else:  # the usual order: installed at on_fit_start, once the model is final
             self._restored = dict(state_dict)
-
-
-def _placeholder(optimizer: Optimizer) -> bool:
-    """Whether ``optimizer`` is Lightning's stand-in for ``configure_optimizers`` returning
-    None: it holds plain tensors, no ``nn.Parameter``."""
-    return not any(isinstance(p, nn.Parameter) for group in optimizer.param_groups
-                   for p in group["params"])
-
-
-def _counts(engine: SparsityEngine) -> str:
-    """``"4 masked-dense and 13 compressed"``: the tensors the engine keeps sparse."""
-    return f"{len(engine.masked)} masked-dense and {len(engine.compressed)} compressed"

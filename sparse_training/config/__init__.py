@@ -9,8 +9,6 @@ touches a model; every message names the bad value and the valid forms.
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -18,11 +16,11 @@ from typing import Any
 
 from torch import nn
 
+from sparse_training.config.checks import SettingChecks
 from sparse_training.config.values import (
     LayerOverride,
     check_choice,
     check_target,
-    is_int,
     is_real,
     layer_type,
     parse_overrides,
@@ -36,12 +34,18 @@ from sparse_training.pieces.regrowth import (
     DEFAULT_ALPHA,
     DEFAULT_REGROW_END,
     DEFAULT_SR_STE_DECAY,
+    SRSTE,
     Regrowth,
+    RegrowthRule,
     SparseRefinement,
 )
-from sparse_training.pieces.schedules import Gradual, Schedule, Step, check_step, parse_schedule
+from sparse_training.pieces.schedules import (
+    Schedule,
+    Step,
+    check_step,
+    parse_schedule,
+)
 from sparse_training.pieces.score_registry import (
-    TRAINING_SCORES,
     parse_training_score,
     score_setting,
 )
@@ -49,29 +53,25 @@ from sparse_training.pieces.scores import GradientScore, MagnitudeScore, RandomS
 from sparse_training.pieces.training_scores import TrainingScore
 
 COMPRESS = ("auto", True, False)
-SCORES = ("magnitude", "random", *TRAINING_SCORES)
 ScoreSetting = str | Mapping[str, Any] | TrainingScore
-REGROW = ("rigl", "set", "sr-ste")
 FUSED = ("auto", True, False)
 LayerTypes = type[nn.Module] | str | Sequence[type[nn.Module] | str]
 DEFAULT_LAYER_TYPES: tuple[type[nn.Module], ...] = (
     nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention, nn.RNNBase)
 
 
-# a warning of __post_init__ points at the line that built the config: this method, then
-# __post_init__, the dataclass's __init__, and its caller
-CALLER_LEVEL = 4
-
-
 @dataclass(frozen=True)
-class SparsityConfig:
+class SparsityConfig(SettingChecks):
     """Every setting of a sparse run, validated at construction.
 
     Args:
         pattern: see :mod:`sparse_training.pieces.patterns` ("2:4", "unstructured", "block:4x4",
             ...). Quote it in YAML: an unquoted 2:4 is read as the base-60 number 124.
         sparsity: target fraction of zeros per selected tensor; implied by N:M when None.
-        schedule: "oneshot" | "gmp" | "linear" | "constant" (:mod:`sparse_training.pieces.schedules`).
+        schedule: "oneshot" | "gmp" | "linear" | "constant", or a schedule piece carrying
+            its options (``GMP(start=0.1, end=0.8, frequency=50)``; a ``Schedule``
+            subclass of your own, :func:`~sparse_training.pieces.schedules.register_schedule`)
+            (:mod:`sparse_training.pieces.schedules`).
         start: first mask update, in optimizer steps (int) or as a fraction of training
             (float). 0 prunes at the first step; ASP's recipe (train dense, prune, fine-tune)
             prunes a trained model: load trained weights, or start later.
@@ -96,7 +96,9 @@ class SparsityConfig:
             score needs training steps before it ranks: its first update must come after
             step 0 (a gradual schedule, or ``start`` > 0), except under regrowth, whose
             first mask at step 0 keeps the largest |w|.
-        regrow: None | "rigl" | "set" | "sr-ste" (:mod:`sparse_training.pieces.regrowth`).
+        regrow: None | "rigl" | "set" | "sr-ste", or a piece carrying its options:
+            ``RigL(fraction=0.5, end=0.8)``, ``SET(...)``, ``SRSTE(decay=1e-4)``
+            (:mod:`sparse_training.pieces.regrowth`).
         regrow_fraction: alpha, the share of active weights swapped at the first update.
         regrow_end: no more regrowth from this step (int) or fraction (float) on.
         sr_ste_decay: lambda of SR-STE's decay of the pruned weights.
@@ -118,7 +120,7 @@ class SparsityConfig:
 
     pattern: str = "2:4"
     sparsity: float | None = None
-    schedule: str = "oneshot"
+    schedule: str | Schedule = "oneshot"
     start: Step = 0
     end: Step | None = None
     frequency: int = 100
@@ -130,7 +132,7 @@ class SparsityConfig:
     layer_types: LayerTypes = DEFAULT_LAYER_TYPES
     log_layers: bool = False
     score: ScoreSetting = "magnitude"
-    regrow: str | None = None
+    regrow: str | RegrowthRule | SRSTE | None = None
     regrow_fraction: float = DEFAULT_ALPHA
     regrow_end: Step = DEFAULT_REGROW_END
     sr_ste_decay: float = DEFAULT_SR_STE_DECAY
@@ -148,6 +150,7 @@ class SparsityConfig:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen dataclass: normalized fields are set once, here
+        self._take_pieces()
         pattern = parse_pattern(self.pattern)
         if self.sparsity is not None:
             set_(self, "sparsity", check_sparsity(self.sparsity))
@@ -219,117 +222,6 @@ class SparsityConfig:
         if self.distribution == "global":
             return "distribution='global' sets per-tensor counts at the update, not at setup"
         return None
-
-    def _check_overrides(self, pattern: Pattern) -> None:
-        """Each override must leave its tensors a definite target: a sparsity for a
-        non-N:M pattern, and none that contradicts an N:M pattern (0 keeps them dense)."""
-        for regex, override in self.parsed_overrides.items():
-            layer_pattern = override.pattern or pattern
-            if override.sparsity == 0.0:
-                continue
-            if self.regrow is not None and layer_pattern.transposable:
-                raise ValueError(f"overrides[{regex!r}]: regrow={self.regrow!r} does not support "
-                                 f"transposable patterns ({layer_pattern.spec!r})")
-            if self.regrow == "sr-ste" and not layer_pattern.is_nm:
-                raise ValueError(f"overrides[{regex!r}]: regrow='sr-ste' trains N:M masks; got "
-                                 f"pattern {layer_pattern.spec!r}")
-            if not layer_pattern.is_nm and override.sparsity is None and self.sparsity is None:
-                raise ValueError(f"overrides[{regex!r}]: pattern {layer_pattern.spec!r} needs "
-                                 f"a sparsity (the model-wide pattern {pattern.spec!r} gives "
-                                 f"none); add 'sparsity' to the override")
-            check_target(layer_pattern, override.sparsity, f"overrides[{regex!r}]")
-
-    def _check_regrowth(self, pattern: Pattern) -> None:
-        if not is_int(self.seed):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
-        self._check_score()
-        if self.score == "random" and self.schedule not in ("oneshot", "constant"):
-            raise ValueError(f"score='random' draws one random mask; it needs schedule "
-                             f"'oneshot' or 'constant', got {self.schedule!r} (a gradual "
-                             f"schedule would prune trained weights at random)")
-        check_choice(self.regrow, "regrow", (None, *REGROW))
-        if self.regrow is None:
-            return
-        if pattern.transposable:
-            raise ValueError(f"regrow={self.regrow!r} does not support transposable patterns "
-                             f"({pattern.spec!r}); use the plain N:M pattern")
-        if self.regrow == "sr-ste" and not pattern.is_nm:
-            raise ValueError(f"regrow='sr-ste' trains N:M masks; got pattern {pattern.spec!r}")
-        if not is_real(self.regrow_fraction) or not 0.0 < self.regrow_fraction <= 1.0:
-            raise ValueError(f"regrow_fraction must be a number in (0, 1], got "
-                             f"{self.regrow_fraction!r}")
-        end, start = check_step(self.regrow_end, "regrow_end"), check_step(self.start, "start")
-        if self.regrow != "sr-ste" and (end == 0 or (type(end) is type(start)
-                                                     and end <= start)):
-            raise ValueError(f"regrow_end={end!r} is not after start={start!r}: regrow="
-                             f"{self.regrow!r} would never drop and grow; "
-                             f"give a later step (int) or fraction of training (float; default "
-                             f"{DEFAULT_REGROW_END})")
-        if (not is_real(self.sr_ste_decay) or not math.isfinite(self.sr_ste_decay)
-                or self.sr_ste_decay < 0):
-            raise ValueError(f"sr_ste_decay must be a finite number >= 0, got "
-                             f"{self.sr_ste_decay!r}")
-
-    def _check_units(self, pattern: Pattern) -> None:
-        """Unit patterns (heads, neurons) tie several tensors to one choice of units: one
-        target per block, units that stay put."""
-        for where, unit in [("pattern", pattern), *(
-                (f"overrides[{regex!r}]", o.pattern)
-                for regex, o in self.parsed_overrides.items())]:
-            if unit is None or not unit.is_unit:
-                continue
-            if self.distribution != "uniform":
-                raise ValueError(f"{where} {unit.spec!r} prunes the same share of units in "
-                                 f"every block; distribution {self.distribution!r} would give "
-                                 f"the tensors of one block different targets: use 'uniform'")
-            if self.regrow is not None:
-                raise ValueError(f"{where} {unit.spec!r}: regrow={self.regrow!r} moves "
-                                 f"entries of single tensors, not whole units; leave regrow "
-                                 f"None")
-
-    def _check_score(self) -> None:
-        """A score that names one, and a training score that has steps to learn from."""
-        try:
-            training = parse_training_score(self.score)
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"score {self.score!r}: {error}") from None
-        if training is None:
-            if not isinstance(self.score, str) or self.score not in SCORES:
-                raise ValueError(f"unknown score {self.score!r}; valid: "
-                                 f"{', '.join(map(repr, SCORES))}, a mapping {{'name': ..., "
-                                 f"options}} or a training score piece")
-            return
-        if self.regrow == "sr-ste":
-            raise ValueError(f"score {training.name!r} with regrow='sr-ste': SR-STE re-derives "
-                             f"its N:M masks from |w| at every step; use score='magnitude'")
-        start = check_step(self.start, "start")
-        if self.schedule in ("oneshot", "constant") and start == 0 and self.regrow is None:
-            raise ValueError(f"score {training.name!r} ranks what training observed, but "
-                             f"schedule={self.schedule!r} at start=0 makes its only mask "
-                             f"before the first step: start later (e.g. start=0.1), use a "
-                             f"gradual schedule ('gmp'), or score='magnitude'")
-
-    def _warn_about_unread_options(self) -> None:
-        """Settings that the chosen ``regrow`` and schedule never read are said, not dropped
-        silently: RigL and SET read ``regrow_fraction`` and ``regrow_end``, SR-STE
-        ``sr_ste_decay``; ``frequency`` spaces the updates of gradual schedules and of
-        regrowth."""
-        reads = {None: (), "rigl": ("regrow_fraction", "regrow_end"),
-                 "set": ("regrow_fraction", "regrow_end"), "sr-ste": ("sr_ste_decay",)}
-        defaults = {name: type(self).__dataclass_fields__[name].default
-                    for name in ("regrow_fraction", "regrow_end", "sr_ste_decay", "frequency")}
-        unread = [name for name in ("regrow_fraction", "regrow_end", "sr_ste_decay")
-                  if name not in reads[self.regrow] and getattr(self, name) != defaults[name]]
-        # SR-STE reads frequency too: how often the ranks compare their masks
-        if (self.regrow is None and not isinstance(self.parsed_schedule, Gradual)
-                and self.frequency != defaults["frequency"]):
-            unread.append("frequency")
-        if unread:
-            shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in unread)
-            warnings.warn(f"SparsityConfig: {shown} not read with regrow={self.regrow!r} and "
-                          f"schedule={self.schedule!r} (regrow_fraction and regrow_end: RigL "
-                          f"and SET; sr_ste_decay: SR-STE; frequency: gradual schedules and "
-                          f"regrowth); leave them out", UserWarning, stacklevel=CALLER_LEVEL)
 
     # -- the settings as data ----------------------------------------------------------------
     @classmethod

@@ -264,7 +264,8 @@ class SparsityEngine(SlotSet):
         return self.overall(self.updater.target)
 
     # -- optimizers -------------------------------------------------------------------------
-    def _slots_of(self, optimizer: Optimizer) -> list[Slot]:
+    def slots_of(self, optimizer: Optimizer) -> list[Slot]:
+        """The slots whose parameter ``optimizer`` updates."""
         if optimizer in self._attached:
             return self._attached[optimizer].slots
         return _of_optimizer(self.slots, optimizer)
@@ -290,7 +291,7 @@ class SparsityEngine(SlotSet):
             raise RuntimeError("this SparsityEngine's masks or compressed layers are no longer "
                                "in its model (make_permanent, densify): build a new "
                                "SparsityEngine for the model")
-        attached = Attached(self._slots_of(optimizer), len(optimizer.param_groups))
+        attached = Attached(self.slots_of(optimizer), len(optimizer.param_groups))
         fused = use_fused(self.config.fused, self.updater.dense_state, optimizer,
                           attached.enforced)  # raises before any change
         if not self._attached:

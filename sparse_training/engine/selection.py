@@ -47,8 +47,14 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from sparse_training.config import DEFAULT_LAYER_TYPES, LayerOverride, SparsityConfig
+from sparse_training.config import DEFAULT_LAYER_TYPES, LayerOverride
 from sparse_training.engine.protocol import CompressedLayer
+from sparse_training.engine.shape_rules import (
+    empty_problem,
+    head_problem,
+    layout_problem,
+    shape_problem,
+)
 from sparse_training.engine.structure import (
     Units,
     check_unit_rows,
@@ -57,7 +63,7 @@ from sparse_training.engine.structure import (
 )
 from sparse_training.engine.tensors import WeightTensor
 from sparse_training.pieces.distributions import DISTRIBUTIONS, Distribution, Uniform
-from sparse_training.pieces.masks import as_matrix, block_grid, kept_count, view_shape_problem
+from sparse_training.pieces.masks import as_matrix, block_grid
 from sparse_training.pieces.patterns import Pattern, parse_pattern
 from sparse_training.pieces.units import UnitTie
 
@@ -147,16 +153,6 @@ def replaced_name(name: str) -> str:
     return ".".join(filter(None, (name.rpartition(".")[0], "weight")))
 
 
-def setting_of(names: Sequence[str], config: SparsityConfig) -> tuple[Pattern, float | None]:
-    """The pattern and final target ``config`` gives a tensor of these names: the first
-    override matching one of them, else the model-wide setting; the target None where the
-    distribution decides it (ERK, global)."""
-    overrides = config.parsed_overrides
-    spec, target = _setting(_first_match(list(overrides), names), overrides,
-                            config.parsed_pattern, config.sparsity, config.parsed_distribution)
-    return parse_pattern(spec), None if isinstance(target, str) else target
-
-
 def _first_match(regexes: Sequence[str], names: Sequence[str]) -> str | None:
     return next((r for r in regexes if any(re.search(r, n) for n in names)), None)
 
@@ -171,53 +167,6 @@ def _check_every_regex_matches(kind: str, regexes: Sequence[str], names: list[st
 
 def _final_sparsity(pattern: Pattern, sparsity: float | None) -> float | None:
     return pattern.nm_sparsity if pattern.is_nm else sparsity
-
-
-def _shape_problem(tensor: WeightTensor, pattern: Pattern) -> str | None:
-    return view_shape_problem(pattern, tensor.param, tensor.input_dim)
-
-
-def _head_problem(tensor: WeightTensor, pattern: Pattern) -> str | None:
-    """Why an unnamed tensor looks like a task head too small for the pattern, or None."""
-    if pattern.is_nm:
-        outputs = tensor.param.shape[1 - tensor.input_dim]
-        if outputs < pattern.m:
-            return (f"{outputs} outputs < M = {pattern.m}: a task head? name it in allow or "
-                    f"overrides to prune it")
-        return None
-    rows = as_matrix(tensor.param, tensor.input_dim).shape[0]
-    if rows < pattern.block_rows:
-        return (f"{rows} rows < the block's {pattern.block_rows}: a task head? name it in "
-                f"allow or overrides to prune it")
-    return None
-
-
-def _empty_problem(plan: TensorPlan) -> str | None:
-    """Why a selected tensor's final target keeps none of its blocks, or None."""
-    pattern, target = plan.pattern, plan.sparsity
-    if pattern.is_nm or target is None:
-        return None
-    blocks = plan.block_count if plan.tie is None else plan.tie.units
-    if kept_count(blocks, target) > 0:
-        return None
-    unit = (f"{plan.tie.kind}s" if plan.tie is not None else "weights"
-            if pattern.block_rows * pattern.block_cols == 1 else "blocks")
-    return (f"pattern {pattern.spec!r} at sparsity {target:g} keeps none of its {blocks} "
-            f"{unit} (round({target:g} x {blocks}) = {blocks} pruned): the tensor would be "
-            f"all zeros")
-
-
-def _layout_problem(tensor: WeightTensor, pattern: Pattern) -> str | None:
-    """Why a tensor tied across layouts cannot take a structured pattern, or None."""
-    if len(set(tensor.input_dims)) == 1 or (
-            not pattern.is_nm and pattern.block_rows * pattern.block_cols == 1):
-        return None
-    owners = ", ".join(f"{name!r} ({type(module).__name__}, input dim {dim})" for name,
-                       (module, _), dim in zip(tensor.names, tensor.owners, tensor.input_dims,
-                                               strict=True))
-    return (f"tensor {tensor.name!r} is tied across layouts: {owners}; pattern "
-            f"{pattern.spec!r} groups along one input dimension: use 'unstructured' for it "
-            f"(an override), untie the weights, or deny the tensor")
 
 
 def _setting(regex: str | None, overrides: Mapping[str, LayerOverride], pattern: Pattern,
@@ -414,16 +363,16 @@ def plan_tensors(
                     f"selected ({tie.kind} of {tie.group})",
                     tie.block_pattern(as_matrix(tensor.param, tensor.input_dim).shape),
                     target, tie))
-        elif problem := _layout_problem(tensor, layer_pattern):
+        elif problem := layout_problem(tensor, layer_pattern):
             raise ValueError(problem)
-        elif (problem := _shape_problem(tensor, layer_pattern)) and index in named:
+        elif (problem := shape_problem(tensor, layer_pattern)) and index in named:
             raise ValueError(f"tensor {tensor.name!r} (shape {tuple(tensor.param.shape)}) was "
                              f"asked for by name but cannot take pattern "
                              f"{layer_pattern.spec!r}: {problem}")
         elif problem:
             rows[index] = row(tensor, False, f"shape cannot take {layer_pattern.spec!r}: "
                                              f"{problem}")
-        elif index not in named and (problem := _head_problem(tensor, layer_pattern)):
+        elif index not in named and (problem := head_problem(tensor, layer_pattern)):
             rows[index] = row(tensor, False, problem)
         elif override_regex is not None:
             target = sparsity if override.sparsity is None else override.sparsity
@@ -442,7 +391,10 @@ def plan_tensors(
             rows[index] = replace(rows[index], sparsity=target, reason=rows[index].reason.replace(
                 "selected", f"selected ({distribution.name})", 1))
     for index in eligible:
-        if rows[index].selected and (problem := _empty_problem(rows[index])):
+        plan = rows[index]
+        if plan.selected and (problem := empty_problem(
+                plan.pattern, plan.sparsity, plan.block_count if plan.tie is None else
+                plan.tie.units, None if plan.tie is None else plan.tie.kind)):
             if index in named:
                 raise ValueError(f"tensor {rows[index].name!r} (shape {rows[index].shape}) "
                                  f"was asked for by name but {problem}; lower its sparsity "

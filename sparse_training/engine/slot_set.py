@@ -136,14 +136,6 @@ class SlotSet:
         for gradient in recorded:
             gradient.div_(scale)
 
-    def zero_pruned_gradients(self, slots: Iterable[Slot]) -> None:
-        """Zero the gradients of the pruned weights of the enforced ``slots``, one
-        multi-tensor pass."""
-        pairs = [(local(s.param.grad), s.mask) for s in slots
-                 if s.enforced and s.param.grad is not None]
-        if pairs:
-            zero_pruned_(*zip(*pairs, strict=True))
-
     def zero_pruned_weights(self, slots: Iterable[Slot]) -> None:
         """Zero the pruned weights of the enforced ``slots``, one multi-tensor pass."""
         slots = [s for s in slots if s.enforced]

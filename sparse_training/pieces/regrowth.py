@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -89,6 +90,53 @@ class SparseRefinement:
 
     def __call__(self, grad: Tensor, dense_weight: Tensor, mask: Tensor) -> None:
         grad.add_(torch.where(mask, 0.0, dense_weight), alpha=self.decay)
+
+
+@dataclass(frozen=True)
+class RegrowthRule:
+    """A regrowth setting as a piece: ``regrow=RigL(fraction=0.5, end=0.8)`` is
+    ``regrow="rigl", regrow_fraction=0.5, regrow_end=0.8``.
+
+    Attributes:
+        fraction: alpha, the share of active blocks swapped at the first update.
+        end: no swaps from this step (int) or fraction of training (float) on.
+    """
+
+    name: ClassVar[str]
+    fraction: float = DEFAULT_ALPHA
+    end: Step = DEFAULT_REGROW_END
+
+    def settings(self) -> dict[str, Any]:
+        """The flat settings this piece stands for."""
+        return {"regrow": self.name, "regrow_fraction": self.fraction, "regrow_end": self.end}
+
+
+@dataclass(frozen=True)
+class RigL(RegrowthRule):
+    """Drop the smallest |w|, grow the largest |gradient| (Evci et al. 2020)."""
+
+    name: ClassVar[str] = "rigl"
+
+
+@dataclass(frozen=True)
+class SET(RegrowthRule):
+    """Drop the smallest |w|, grow at random (Mocanu et al. 2018)."""
+
+    name: ClassVar[str] = "set"
+
+
+@dataclass(frozen=True)
+class SRSTE:
+    """SR-STE as a piece: ``regrow=SRSTE(decay=1e-4)`` is ``regrow="sr-ste",
+    sr_ste_decay=1e-4`` (Zhou et al. 2021: N:M masks from |w| at every step, the pruned
+    weights decayed by ``decay``)."""
+
+    name: ClassVar[str] = "sr-ste"
+    decay: float = DEFAULT_SR_STE_DECAY
+
+    def settings(self) -> dict[str, Any]:
+        """The flat settings this piece stands for."""
+        return {"regrow": self.name, "sr_ste_decay": self.decay}
 
 
 def drop_and_grow(masks: Sequence[Tensor], weights: Sequence[Tensor],

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 DEFAULT_GRADUAL_END = 0.75  # leave the last quarter of training to fine-tune at the final mask
 
@@ -224,6 +224,32 @@ class Linear(Gradual):
 
 SCHEDULES: dict[str, type[Schedule]] = {
     cls.name: cls for cls in (OneShot, GMP, Linear, Constant)}
+
+
+def register_schedule(cls: type[Schedule]) -> type[Schedule]:
+    """Make a :class:`Schedule` subclass a setting by its ``name`` (``schedule="cosine"``)
+    and readable back from checkpoints; usable as a class decorator. A schedule given as a
+    piece (``schedule=Cosine(start=...)``) is registered when the config takes it.
+
+    Raises:
+        ValueError: not a Schedule subclass with a string ``name``, or the name of another
+            registered class.
+    """
+    name = getattr(cls, "name", None)
+    if not (isinstance(cls, type) and issubclass(cls, Schedule) and isinstance(name, str)):
+        raise ValueError(f"register_schedule takes a Schedule subclass with a string class "
+                         f"attribute 'name', got {cls!r}")
+    if SCHEDULES.setdefault(name, cls) is not cls:
+        raise ValueError(f"schedule name {name!r} is {SCHEDULES[name].__qualname__}'s; give "
+                         f"{cls.__qualname__} another name")
+    return cls
+
+
+def schedule_settings(schedule: Schedule) -> dict[str, Any]:
+    """The flat settings a schedule piece stands for (its class registered by name)."""
+    register_schedule(type(schedule))
+    return {"schedule": schedule.name, "start": schedule.start, "end": schedule.end,
+            "frequency": schedule.frequency}
 
 
 def parse_schedule(name: str, start: Step = 0, end: Step | None = None,

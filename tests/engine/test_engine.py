@@ -121,8 +121,8 @@ def test_only_the_optimizers_own_tensors_are_touched():
     second = torch.optim.SGD(model[2].parameters(), lr=0.1)
     engine.attach(first)
     engine.attach(second)
-    assert [slot.name for slot in engine._slots_of(first)] == ["0.weight"]
-    assert [slot.name for slot in engine._slots_of(second)] == ["2.weight"]
+    assert [slot.name for slot in engine.slots_of(first)] == ["0.weight"]
+    assert [slot.name for slot in engine.slots_of(second)] == ["2.weight"]
     engine.detach()
     assert engine._attached == {}
 

@@ -1,0 +1,102 @@
+"""What a fit's start checks and says beside the callback's hooks: the fit's problems (a
+fused step that cannot serve, a schedule that does not fit the run), the schedule's
+warnings, the products' dtype under a precision, and the one-line counts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from sparse_training.engine.optimizer_hooks import fused_problem
+from sparse_training.pieces.schedules import Gradual
+
+if TYPE_CHECKING:
+    from sparse_training.config import SparsityConfig
+    from sparse_training.engine import SparsityEngine
+    from sparse_training.engine.plan import SparsityPlan
+
+MIN_GRADUAL_UPDATES = 3  # fewer and a gradual schedule is a few jumps: warn
+# the dtype of the layers' products under each Lightning precision (autocast's for mixed)
+PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,
+                    "16-mixed": torch.float16, "16-true": torch.float16,
+                    "32-true": torch.float32, "64-true": torch.float64}
+
+
+def compute_dtype(precision: str) -> torch.dtype | None:
+    """The dtype of the products under a Lightning ``precision`` (``trainer.precision``);
+    None for others (transformer-engine, bitsandbytes): the weights' dtype then."""
+    return PRECISION_DTYPES.get(str(precision))
+
+
+def fit_problem(config: SparsityConfig, plan: SparsityPlan, optimizers: list[Optimizer],
+                total: int | None, restored: dict[str, Any] | None) -> str | None:
+    """What this fit's optimizers and length refuse before any mask is made: a fused
+    step that cannot serve an optimizer of the sparse weights, a schedule that does not
+    fit ``total`` steps (a restored schedule keeps its checkpoint's steps)."""
+    if config.fused is True:
+        sparse = {id(t.param) for _, t in plan.masked}
+        dense_state = config.parsed_refinement is not None
+        for optimizer in optimizers:
+            held = (p for group in optimizer.param_groups for p in group["params"])
+            if any(id(p) in sparse for p in held) and (
+                    reason := fused_problem(dense_state, optimizer)):
+                return f"fused=True {reason}"
+    if restored is None:
+        try:
+            config.parsed_schedule.resolve(total)
+            if config.parsed_regrowth is not None:
+                config.parsed_regrowth.resolve(total)
+        except ValueError as error:
+            steps = "" if total is None else f" (over the {total} steps of this fit)"
+            return f"{error}{steps}"
+    return None
+
+
+def schedule_warnings(config: SparsityConfig, updater: Any, total: int | None
+                      ) -> Iterator[str]:
+    """What a fit of ``total`` steps should hear about the resolved schedule: regrowth
+    that never runs, a last update after the last step, a gradual ramp of too few
+    updates."""
+    schedule = updater.schedule
+    regrowth = getattr(updater, "regrowth", None)  # resolved to steps by the updater
+    if (regrowth is not None and isinstance(regrowth.end, int)
+            and regrowth.end <= schedule.start):
+        yield (f"regrow={config.regrow!r} drops and grows from step {schedule.start} until "
+               f"step {regrowth.end} (regrow_end={config.regrow_end!r}), so never; give a "
+               f"later regrow_end")
+    updates = schedule.updates()
+    if total is not None and updates[-1] >= total:
+        yield (f"the schedule's last update (step {updates[-1]}) comes after the last "
+               f"training step ({total - 1}); the final sparsity will not be reached")
+    elif isinstance(schedule, Gradual) and len(updates) < MIN_GRADUAL_UPDATES:
+        yield (f"only {len(updates)} mask updates fit between start={schedule.start} and "
+               f"end={schedule.end} at frequency={schedule.frequency}: the "
+               f"{schedule.name!r} schedule is a jump; lower frequency for a gradual ramp")
+
+
+def placeholder(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` is Lightning's stand-in for ``configure_optimizers`` returning
+    None: it holds plain tensors, no ``nn.Parameter``."""
+    return not any(isinstance(p, nn.Parameter) for group in optimizer.param_groups
+                   for p in group["params"])
+
+
+def counts(engine: SparsityEngine) -> str:
+    """``"4 masked-dense and 13 compressed"``: the tensors the engine keeps sparse."""
+    return f"{len(engine.masked)} masked-dense and {len(engine.compressed)} compressed"
+
+
+def unused_warning(engine: SparsityEngine, optimizer: Optimizer) -> str | None:
+    """After the first backward: the selected tensors of ``optimizer`` that got no gradient
+    (unused by the loss, like a pooler), or None."""
+    unused = [s.name for s in engine.slots_of(optimizer)
+              if not s.compressed and s.param.grad is None]
+    if not unused:
+        return None
+    return (f"{len(unused)} selected tensors got no gradient in the first step (unused by the "
+            f"loss, like a pooler?): {unused}; deny them to keep them dense and out of the "
+            f"sparsity figures")

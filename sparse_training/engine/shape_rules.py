@@ -1,0 +1,56 @@
+"""Why a selected tensor cannot take its pattern: its 2-D view's shape, a task head too
+small for the pattern, a target that keeps no block, a tie across layouts (rule 7 of
+:mod:`sparse_training.engine.selection`)."""
+
+from __future__ import annotations
+
+from sparse_training.engine.tensors import WeightTensor
+from sparse_training.pieces.masks import as_matrix, kept_count, view_shape_problem
+from sparse_training.pieces.patterns import Pattern
+
+
+def shape_problem(tensor: WeightTensor, pattern: Pattern) -> str | None:
+    return view_shape_problem(pattern, tensor.param, tensor.input_dim)
+
+
+def head_problem(tensor: WeightTensor, pattern: Pattern) -> str | None:
+    """Why an unnamed tensor looks like a task head too small for the pattern, or None."""
+    if pattern.is_nm:
+        outputs = tensor.param.shape[1 - tensor.input_dim]
+        if outputs < pattern.m:
+            return (f"{outputs} outputs < M = {pattern.m}: a task head? name it in allow or "
+                    f"overrides to prune it")
+        return None
+    rows = as_matrix(tensor.param, tensor.input_dim).shape[0]
+    if rows < pattern.block_rows:
+        return (f"{rows} rows < the block's {pattern.block_rows}: a task head? name it in "
+                f"allow or overrides to prune it")
+    return None
+
+
+def empty_problem(pattern: Pattern, target: float | None, blocks: int,
+                  unit_kind: str | None = None) -> str | None:
+    """Why a selected tensor's final ``target`` keeps none of its ``blocks`` (its units of
+    ``unit_kind``, heads or neurons, where given), or None."""
+    if pattern.is_nm or target is None:
+        return None
+    if kept_count(blocks, target) > 0:
+        return None
+    unit = (f"{unit_kind}s" if unit_kind is not None else "weights"
+            if pattern.block_rows * pattern.block_cols == 1 else "blocks")
+    return (f"pattern {pattern.spec!r} at sparsity {target:g} keeps none of its {blocks} "
+            f"{unit} (round({target:g} x {blocks}) = {blocks} pruned): the tensor would be "
+            f"all zeros")
+
+
+def layout_problem(tensor: WeightTensor, pattern: Pattern) -> str | None:
+    """Why a tensor tied across layouts cannot take a structured pattern, or None."""
+    if len(set(tensor.input_dims)) == 1 or (
+            not pattern.is_nm and pattern.block_rows * pattern.block_cols == 1):
+        return None
+    owners = ", ".join(f"{name!r} ({type(module).__name__}, input dim {dim})" for name,
+                       (module, _), dim in zip(tensor.names, tensor.owners, tensor.input_dims,
+                                               strict=True))
+    return (f"tensor {tensor.name!r} is tied across layouts: {owners}; pattern "
+            f"{pattern.spec!r} groups along one input dimension: use 'unstructured' for it "
+            f"(an override), untie the weights, or deny the tensor")
