@@ -203,9 +203,11 @@ def environment(device: str | None = None) -> dict:
     CUDA, and triton, lightning and transformers where installed."""
     env = {"device": device_name(device), "cpu": cpu_name(), "python": platform.python_version(),
            "torch": torch.__version__, "cuda": torch.version.cuda}
-    for package in ("triton", "lightning", "transformers"):
-        with contextlib.suppress(ImportError):
-            env[package] = __import__(package).__version__
+    for key, package in (("triton", "triton"), ("lightning", "lightning"),
+                         ("lightning", "pytorch_lightning"), ("transformers", "transformers")):
+        if key not in env:
+            with contextlib.suppress(ImportError):
+                env[key] = __import__(package).__version__
     return env
 
 
