@@ -1,4 +1,4 @@
-"""Per-step cost of SparsityCallback at BERT scale, paired with the dense step (issue 8).
+"""Per-step cost of SparsityCallback at BERT scale, paired with the dense step.
 
     python3 benchmarks/bert_step.py                  # on the GPU: the table of docs/performance.md
     TRITON_INTERPRET=1 python3 benchmarks/bert_step.py --tiny --pairs 2 --block 4 --warmup 2
