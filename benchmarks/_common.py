@@ -1,5 +1,7 @@
-"""Shared helpers of the GPU benchmarks: environment and CPU name, copy bandwidth, BERT-large
-shapes, and stand-ins for the Triton kernels in host-time runs."""
+"""The benchmarks' shared harness: timing (:func:`bench_ms`, :func:`gpu_ms`, :func:`host_ms`,
+:func:`wall_ms`, profiler busy time), where and with what a result was measured
+(:func:`environment`), the JSON every script writes (:func:`write_json`), argument types,
+copy bandwidth, BERT-large shapes, and stand-ins for the Triton kernels in host-time runs."""
 
 from __future__ import annotations
 
@@ -8,7 +10,10 @@ import contextlib
 import json
 import os
 import platform
+import re
+import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -113,6 +118,18 @@ def host_ms(fn, calls: int = 20) -> float:
     return elapsed / calls * 1e3
 
 
+def wall_ms(fn, reps: int = 10) -> float:
+    """Median wall-clock milliseconds of ``reps`` calls of ``fn`` after one untimed call
+    (CPU work, or work too slow for :func:`bench_ms`)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return 1e3 * statistics.median(times)
+
+
 def device_activity(events) -> list:
     """The profiler events that are device work (kernels, copies, memsets): user
     annotations and ``Optimizer.*`` ranges, which span idle time too, left out."""
@@ -170,17 +187,33 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / ms / 1e6
 
 
-def environment() -> dict:
-    """GPU name, versions: stored with every result."""
-    import triton
+def device_name(device: str | None = None) -> str:
+    """The GPU's name for ``device`` "cuda" (None: when a CUDA GPU is visible), "cpu" for
+    "cpu"; any other string is taken as the name already."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" or device.startswith("cuda:"):
+        return torch.cuda.get_device_name(device)
+    return device
 
-    return {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-    }
+
+def environment(device: str | None = None) -> dict:
+    """Where and with what a result was measured, stored with every result: the device
+    (:func:`device_name`), the host CPU (host-bound steps depend on it), Python, torch and
+    CUDA, and triton, lightning and transformers where installed."""
+    env = {"device": device_name(device), "cpu": cpu_name(), "python": platform.python_version(),
+           "torch": torch.__version__, "cuda": torch.version.cuda}
+    for key, package in (("triton", "triton"), ("lightning", "lightning"),
+                         ("lightning", "pytorch_lightning"), ("transformers", "transformers")):
+        if key not in env:
+            with contextlib.suppress(ImportError):
+                env[key] = __import__(package).__version__
+    return env
+
+
+def file_tag(name: str) -> str:
+    """``name`` (a GPU's or CPU's) made fit for a file name."""
+    return re.sub(r"[^\w.-]+", "_", name).strip("_")
 
 
 def cpu_name() -> str:
@@ -203,13 +236,21 @@ def bert_large_shapes() -> list[tuple[int, ...]]:
     return shapes + [(h, h), (h,)]
 
 
-def write_json(name: str, payload: dict) -> str:
-    """Write ``payload`` to ``$OUT/<name>`` (or ``benchmarks/results/``)."""
-    out = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, name)
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=2)
+def results_dir(out: str | os.PathLike | None = None) -> Path:
+    """Where results go: ``out``, else ``$OUT``, else ``benchmarks/results/``."""
+    return Path(out or os.environ.get("OUT") or Path(__file__).parent / "results")
+
+
+def write_json(name: str, payload: dict, out: str | os.PathLike | None = None,
+               device: str | None = None) -> Path:
+    """Write ``payload`` as ``<out>/<name>`` (:func:`results_dir`), with the
+    :func:`environment` of ``device`` first where the payload has none."""
+    folder = results_dir(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    if "environment" not in payload:
+        payload = {"environment": environment(device), **payload}
+    path = folder / name
+    path.write_text(json.dumps(payload, indent=1))
     return path
 
 

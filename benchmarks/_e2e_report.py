@@ -38,12 +38,6 @@ def add_limits(rows: list[dict]) -> None:
             r["of_floor_limit"] = speedup / r["floor_limit"] if r["floor_limit"] else None
 
 
-def torch_device_name() -> str:
-    import torch
-
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-
-
 def cell(value, form: str) -> str:
     """``value`` formatted by ``form``; "-" where a row lacks it (None, or a run saved before
     the script measured it)."""

@@ -1,4 +1,4 @@
-"""Per-step cost of SparsityCallback at BERT scale, paired with the dense step (issue 8).
+"""Per-step cost of SparsityCallback at BERT scale, paired with the dense step.
 
     python3 benchmarks/bert_step.py                  # on the GPU: the table of docs/performance.md
     TRITON_INTERPRET=1 python3 benchmarks/bert_step.py --tiny --pairs 2 --block 4 --warmup 2
@@ -39,7 +39,6 @@ import argparse
 import functools
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -48,7 +47,7 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from _common import at_least, busy_ms
+from _common import at_least, busy_ms, device_name, file_tag, write_json
 from pytorch_lightning.callbacks import Callback
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import BertConfig, BertForQuestionAnswering
@@ -347,7 +346,7 @@ def main() -> None:
 
 
 def report(args: argparse.Namespace, rows: list[dict]) -> None:
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.machine()
+    device = device_name()
     lines = [f"BERT-base QA step, batch {args.batch}x{args.seq}, bf16-mixed, AdamW, on {device},"
              f" torch {torch.__version__}; {args.pairs} off/on pairs of {args.block}-step blocks "
              f"per variant", "",
@@ -366,21 +365,10 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
                      f"| {r['callback_host_ms_per_step']:.2f} | {passes} | {busy} |")
     table = "\n".join(lines)
     print(table)
-    environment = {"device": device, "torch": torch.__version__, "lightning": pl.__version__,
-                   "python": platform.python_version()}
-    try:
-        import transformers
-        import triton
-
-        environment.update(triton=triton.__version__, transformers=transformers.__version__)
-    except ImportError:
-        pass
-    args.out.mkdir(parents=True, exist_ok=True)
-    tag = "tiny" if args.tiny else device.replace(" ", "_")
-    path = args.out / f"bert_step_{tag}.json"
-    path.write_text(json.dumps({**environment, "args": {k: str(v) for k, v in
-                                                        vars(args).items()},
-                                "rows": rows, "table": table}, indent=2))
+    tag = "tiny" if args.tiny else file_tag(device)
+    path = write_json(f"bert_step_{tag}.json", {
+        "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "table": table},
+        out=args.out)
     print(f"wrote {path}")
 
 

@@ -17,7 +17,7 @@ Three tables, one run, bf16 (``python3 benchmarks/block_sparse_layer.py``):
 from __future__ import annotations
 
 import torch
-from _common import bench_ms, environment, linear_and_inputs, write_json
+from _common import bench_ms, device_name, environment, file_tag, linear_and_inputs, write_json
 from block_sparse_ops import torch_bsr_ms
 from torch import nn
 
@@ -126,7 +126,7 @@ def memory_rows() -> list[dict]:
 
 def main() -> None:
     """The three tables; the JSON is rewritten after each, so a run cut short keeps them."""
-    name = f"block_sparse_layer_{torch.cuda.get_device_name().replace(' ', '_')}.json"
+    name = f"block_sparse_layer_{file_tag(device_name())}.json"
     result = {"environment": environment()}
     for table, rows in (("memory", memory_rows), ("mlp", mlp_rows), ("layer", layer_rows)):
         result[table] = rows()

@@ -17,7 +17,15 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _common import bench_ms, copy_bandwidth_gbs, environment, gpu_ms, write_json
+from _common import (
+    bench_ms,
+    copy_bandwidth_gbs,
+    device_name,
+    environment,
+    file_tag,
+    gpu_ms,
+    write_json,
+)
 from torch.sparse._triton_ops import sampled_addmm
 
 from sparse_training.kernels.block_sparse import (
@@ -149,7 +157,7 @@ def main() -> None:
                     print(f"{name:28s} {tokens:6d} {block[0]:4d} {density:5.2f} | "
                           + " | ".join(cells) + f" err {max(r['relative_error'].values()):.1e}",
                           flush=True)
-                    write_json(f"block_sparse_ops_{torch.cuda.get_device_name().replace(' ', '_')}"
+                    write_json(f"block_sparse_ops_{file_tag(device_name())}"
                                f"_tma_{args.tma}.json", {"environment": environment(), "dense_peak_tflops": peak,
                                 "copy_gbs": bandwidth, "rows": rows})
 

@@ -13,15 +13,13 @@ torch version. Steps are timed with a synchronizing host clock around each batch
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import statistics
 import time
 from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from _common import at_least, cpu_name
+from _common import at_least, cpu_name, file_tag, write_json
 from pytorch_lightning.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -102,7 +100,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=at_least(1), default=200)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--out", type=Path, help="default: $OUT, else benchmarks/results")
     args = parser.parse_args()
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else cpu_name()
     rows = [time_steps(m, v, args.device, args.steps) for m in MODELS for v in VARIANTS]
@@ -116,11 +114,9 @@ def main() -> None:
                      f"{row['ratio_vs_dense']:.3f}x | {row['first_step_ms']:.1f} |")
     table = "\n".join(lines)
     print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    tag = re.sub(r"[^\w.-]+", "_", device_name)  # a CPU's name holds commas and parentheses
-    (args.out / f"callback_overhead_{tag}.json").write_text(json.dumps(
-        {"device": device_name, "torch": torch.__version__, "rows": rows, "table": table},
-        indent=2))
+    print("wrote", write_json(f"callback_overhead_{file_tag(device_name)}.json",
+                              {"args": vars(args) | {"out": str(args.out)}, "rows": rows,
+                               "table": table}, out=args.out, device=args.device))
 
 
 if __name__ == "__main__":

@@ -52,14 +52,13 @@ import logging
 import os
 import pstats
 import statistics
-import sys
 import time
 import warnings
 
 os.environ["TRITON_INTERPRET"] = "0"  # products stubbed or referenced, never interpreted
 
 import torch  # noqa: E402
-from _common import at_least, cpu_name, stubbed_products, write_json  # noqa: E402
+from _common import at_least, stubbed_products, write_json  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 VARIANTS = ("dense", "masked-dense", "compressed")
@@ -401,10 +400,8 @@ def main(argv: list[str] | None = None) -> None:
     report(rows, args.top)
     print("\nlayer forward + backward, host us: " + ", ".join(
         f"{name} {us:.1f}" for name, us in layers.items()))
-    device = torch.cuda.get_device_name() if args.device == "cuda" else cpu_name()
     path = write_json(f"compressed_host_{args.device}{args.tag}.json", {
-        "device": device, "torch": torch.__version__, "python": sys.version.split()[0],
-        "args": vars(args), "rows": rows, "layer_host_us": layers})
+        "args": vars(args), "rows": rows, "layer_host_us": layers}, device=args.device)
     print(f"\n{path}")
 
 

@@ -31,9 +31,7 @@ NVSHMEM_DISABLE_NVLS=1 must stay set (set to those values where missing). JSON u
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -47,8 +45,11 @@ from _common import (
     at_least,
     communication_ms,
     device_activity,
+    device_name,
+    file_tag,
     print_row,
     printed_rows,
+    write_json,
 )
 from bert_step import DENY, QuestionAnswering, RepeatedBatch, make_batch
 from pytorch_lightning.callbacks import Callback
@@ -186,7 +187,7 @@ def cell(value: float | None, spec: str) -> str:
 def report(args: argparse.Namespace, rows: list[dict]) -> None:
     """Print the table; write it and the rows as JSON."""
     gpu = args.accelerator == "gpu"
-    device = torch.cuda.get_device_name() if gpu else f"CPU ({platform.machine()})"
+    device = device_name("cuda" if gpu else "cpu")
     at = {(r["variant"], r["devices"]): r for r in rows}
     lines = [f"{'tiny BERT' if args.tiny else 'BERT-base'} QA step on {device}, Lightning DDP "
              f"({'NCCL' if gpu else 'gloo'}); weak scaling: batch {args.batch}x{args.seq} per "
@@ -226,16 +227,10 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
                          f"{routes['shapes']} |")
     table = "\n".join(lines)
     print(table)
-    environment = {"device": device, "torch": torch.__version__, "lightning": pl.__version__,
-                   "cuda": torch.version.cuda, "python": platform.python_version()}
-    for package in ("transformers", "triton"):
-        environment[package] = __import__(package).__version__
-    args.out.mkdir(parents=True, exist_ok=True)
-    tag = device.replace(" ", "_") if gpu else "cpu_tiny"
-    path = args.out / f"distributed_scaling_{tag}.json"
-    path.write_text(json.dumps({**environment, "args": {k: str(v) for k, v in vars(args).items()
-                                                        if k not in ("child", "devices")},
-                                "rows": rows, "table": table}, indent=2))
+    tag = file_tag(device) if gpu else "cpu_tiny"
+    path = write_json(f"distributed_scaling_{tag}.json", {
+        "args": {k: str(v) for k, v in vars(args).items() if k not in ("child", "devices")},
+        "rows": rows, "table": table}, out=args.out, device=device if gpu else "cpu")
     print(f"wrote {path}")
 
 

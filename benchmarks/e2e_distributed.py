@@ -44,10 +44,8 @@ after every row, so a run cut short keeps the finished rows. Columns:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -57,7 +55,15 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from _common import NO_MULTICAST, at_least, communication_ms, print_row, printed_rows
+from _common import (
+    NO_MULTICAST,
+    at_least,
+    communication_ms,
+    device_name,
+    print_row,
+    printed_rows,
+    write_json,
+)
 from e2e_step import BLOCK, LLAMA_SHAPES, build, settings_of, step_times, user_adamw
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.strategies import ModelParallelStrategy
@@ -100,7 +106,7 @@ def run_child(args: argparse.Namespace) -> dict | None:
     ms = statistics.median(timer.ms[:args.steps])
     tokens = math.prod(LLAMA_SHAPES[model_name][1])
     return {"variant": args.child, "gpus": args.devices, "ms": ms,
-            "device": torch.cuda.get_device_name() if gpu else f"CPU ({platform.machine()})",
+            "device": device_name("cuda" if gpu else "cpu"),
             "tokens_per_s_per_gpu": tokens * 1e3 / ms, "step_ms": timer.ms[:args.steps],
             **probe.row,
             "compressed_layers": sum(isinstance(m, BlockSparseLinear) for m in module.modules()),
@@ -270,15 +276,6 @@ def table(rows: list[dict], block: int) -> str:
     return "\n".join(lines)
 
 
-def environment(args: argparse.Namespace) -> dict:
-    """Versions and settings (the device's name is in each row: this process keeps off the
-    GPUs)."""
-    import transformers
-
-    return {"torch": torch.__version__, "lightning": pl.__version__,
-            "transformers": transformers.__version__, "cuda": torch.version.cuda,
-            "python": platform.python_version(),
-            "args": {k: v for k, v in vars(args).items() if k not in ("child", "devices", "out")}}
 
 
 def parse_args() -> argparse.Namespace:
@@ -324,7 +321,7 @@ def main() -> None:
     counts = [n for n in args.gpus if n <= visible]
     if skipped := [n for n in args.gpus if n > visible]:
         print(f"skipped GPU counts {skipped}: {visible} visible", flush=True)
-    info = environment(args)
+    settings = {k: v for k, v in vars(args).items() if k not in ("child", "devices", "out")}
     tag = (args.model if args.accelerator == "gpu" else f"{args.model}_cpu") + (
         "_ckpt" if args.checkpointing else "")
     path = args.out / f"e2e_distributed_{tag}{args.tag}.json"
@@ -341,11 +338,13 @@ def main() -> None:
             shown = {k: summary(v) if k == "error" else v for k, v in row.items()}
             print_row(shown)
             derived(rows)
-            path.write_text(json.dumps({**info, "rows": rows, "table": table(rows, block)}, indent=1))
-    device = next((r["device"] for r in rows if "device" in r), "no device: every run failed")
+            # the device's name comes from the ranks' rows: this process keeps off the GPUs
+            device = next((r["device"] for r in rows if "device" in r), "no device: every run failed")
+            write_json(path.name, {"args": settings, "rows": rows, "table": table(rows, block)},
+                       out=args.out, device=device)
     recompute = ", activation checkpointing" if args.checkpointing else ""
     print(f"\n{args.model} ({args.layers} layers) under FSDP2 on {device}, "
-          f"bf16-mixed, gathers in {args.gather_dtype}{recompute}; torch {info['torch']}\n")
+          f"bf16-mixed, gathers in {args.gather_dtype}{recompute}; torch {torch.__version__}\n")
     print(table(rows, block))
     print(f"wrote {path}")
     if failed := [f"{r['variant']!r} on {r['gpus']}" for r in rows if "error" in r]:

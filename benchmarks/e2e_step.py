@@ -65,8 +65,8 @@ import time
 import traceback
 from pathlib import Path
 
-from _common import at_least
-from _e2e_report import PROFILED_STEPS, add_limits, report, torch_device_name
+from _common import at_least, device_name, write_json
+from _e2e_report import PROFILED_STEPS, add_limits, report
 from _step_callbacks import python_profiler, step_profiler, step_times
 from _step_profile import compile_census, linear_shapes, shrinkable_ms
 
@@ -264,11 +264,15 @@ def main() -> None:
         for path in args.report:
             try:
                 payload = json.loads(Path(path).read_text())
-                saved = argparse.Namespace(**{k: payload[k] for k in ("model", "layers")})
-                rows, device = payload["rows"], f"{payload['device']}, torch {payload['torch']}"
+                # one run as the script writes it, or benchmarks/results/'s runs of it
+                runs = [(run.get("command"), *saved_run(run))
+                        for run in payload.get("runs", [payload])]
             except (OSError, ValueError, KeyError, TypeError) as error:
                 parser.error(f"--report {path}: not a JSON file e2e_step saved ({error!r})")
-            report(saved, rows, device)
+            for command, saved, rows, device in runs:
+                if command:
+                    print(f"\n$ {command}")
+                report(saved, rows, device)
         return
     if args.child:
         try:
@@ -303,24 +307,28 @@ def main() -> None:
         path = save(args, rows, out)
         print(f"{variant}: {row.get('ms') or row.get('error')}", flush=True)
     result.unlink(missing_ok=True)
-    report(args, rows, torch_device_name())
+    report(args, rows, device_name())
     print(f"wrote {path}")
     if failed := [r["variant"] for r in rows if "error" in r or not r.get("ms")]:
         sys.exit(f"e2e_step: {len(failed)} of {len(rows)} variants failed: {failed}")
 
 
+def saved_run(payload: dict) -> tuple[argparse.Namespace, list[dict], str]:
+    """The settings, rows and "device, torch version" of one saved run (its metadata in
+    ``environment``, or at the top level as older runs kept it)."""
+    env = payload.get("environment", payload)
+    saved = argparse.Namespace(**{k: payload[k] for k in ("model", "layers")})
+    return saved, payload["rows"], f"{env['device']}, torch {env['torch']}"
+
+
 def save(args: argparse.Namespace, rows: list[dict], out: Path) -> Path:
     """The rows so far as ``e2e_step_<model><tag>.json`` in ``out`` (written after every
     run, so a sweep cut short by a time limit keeps the rows it finished)."""
-    import torch
-
     add_limits(rows)
     payload = {"model": args.model, "layers": args.layers, "steps": args.steps,
-               "warmup": args.warmup, "torch": torch.__version__,
-               "device": torch_device_name(), "rows": rows}
-    path = out / f"e2e_step_{args.model}{args.tag}.json"
-    path.write_text(json.dumps(payload, indent=1))
-    return path
+               "warmup": args.warmup, "rows": rows}
+    return write_json(f"e2e_step_{args.model}{args.tag}.json", payload, out=out,
+                      device=device_name())
 
 
 if __name__ == "__main__":

@@ -141,7 +141,7 @@ def main() -> None:
         {"environment": env, "copy_bandwidth_GBs": bw, "numel": numel, "tensors": len(weights), "checks": checks, "ms": t, "host_ms_per_call": host, "nm_best_config": str(nmk._nm_topk_kernel.best_config)},
     )  # fmt: skip
     print(
-        f"\n{env['gpu']}, torch {env['torch']}, triton {env['triton']}; copy bandwidth {bw:.0f} GB/s"
+        f"\n{env['device']}, torch {env['torch']}, triton {env['triton']}; copy bandwidth {bw:.0f} GB/s"
     )
     print(f"{len(weights)} BERT-large weight matrices, {numel / 1e6:.0f}M weights; checks {checks}")
     print("| computation | variant | ms | / floor |")
@@ -187,7 +187,7 @@ def host_cpu(calls: int = 200, repeats: int = 7) -> None:
         "empty_us": best_us(lambda: torch.empty(plan.total, dtype=torch.uint8)),
     }
     cpu = cpu_name()
-    path = write_json("mask_host_cpu.json", {"cpu": cpu, "torch": torch.__version__, **row})
+    path = write_json("mask_host_cpu.json", row, device="cpu")
     print(f"nm_topk_masks over {len(scores)} BERT-large shapes, launch stubbed ({cpu}):")
     for key, value in row.items():
         print(f"  {key}: {value:.1f}" if key != "tensors" else f"  {key}: {value}")

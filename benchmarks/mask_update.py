@@ -13,32 +13,19 @@ a GPU, a synchronizing host clock on CPU. Writes JSON with the device name and t
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from _common import bench_ms, device_name, file_tag, wall_ms, write_json
 from torch import nn
 
 from sparse_training import SparsityConfig, SparsityEngine
 
 
 def bench(fn: Callable[[], None], device: str, reps: int) -> float:
-    """Median milliseconds of ``fn``."""
-    if device == "cuda":
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=25, rep=max(reps * 10, 100), return_mode="median")
-    fn()
-    times = []
-    for _ in range(reps):
-        began = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - began)
-    return 1e3 * statistics.median(times)
+    """Median milliseconds of ``fn``: CUDA events on a GPU, the wall clock on a CPU."""
+    return bench_ms(fn) if device == "cuda" else wall_ms(fn, reps)
 
 
 def make_model(layers: int, width: int) -> nn.Sequential:
@@ -55,7 +42,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--out", type=Path, help="default: $OUT, else benchmarks/results")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
@@ -117,7 +104,7 @@ def main() -> None:
         update_engine = SparsityEngine(other, config)  # a fresh model: no owner to detach
         results[name] = bench(lambda e=update_engine: e.prune(), device, args.reps)
 
-    name = torch.cuda.get_device_name() if device == "cuda" else platform.machine()
+    name = device_name(device)
     step = results["dense step (AdamW fused)"]
     lines = [f"Mask update cost vs one training step: {args.layers}x BERT-base-shaped blocks "
              f"({weights / 1e6:.0f}M weights), {args.tokens} tokens, bf16 autocast, AdamW; "
@@ -126,10 +113,9 @@ def main() -> None:
     lines += [f"| {op} | {ms:.3f} | {ms / step:.3f} |" for op, ms in results.items()]
     table = "\n".join(lines)
     print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"mask_update_{name.replace(' ', '_')}.json").write_text(json.dumps(
-        {"device": name, "torch": torch.__version__, "weights": weights, "ms": results,
-         "args": {k: str(v) for k, v in vars(args).items()}, "table": table}, indent=2))
+    print("wrote", write_json(f"mask_update_{file_tag(name)}.json", {
+        "weights": weights, "ms": results, "args": {k: str(v) for k, v in vars(args).items()},
+        "table": table}, out=args.out, device=device))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import argparse
 import time
 
 import torch
-from _common import at_least, cpu_name, stubbed_products, write_json
+from _common import at_least, stubbed_products, write_json
 
 from sparse_training.kernels.block_sparse import kernels
 from sparse_training.layers.block_sparse import BlockSparseLinear
@@ -76,7 +76,7 @@ def main() -> None:
         print(f"{row['product']:<12} {row['direct_us']:8.1f} {row['op_no_grad_us']:12.1f} "
               f"{row['op_grad_us']:9.1f} {row['dispatch_us']:9.1f}")
     print("wrote", write_json("op_dispatch_cpu.json", {
-        "cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(),
         "calls": args.calls, "repeats": args.repeats,
         "rows": rows}))
 

@@ -44,7 +44,6 @@ from benchmarks._common import (  # noqa: E402
     bench_ms,
     bert_large_shapes,
     copy_bandwidth_gbs,
-    cpu_name,
     environment,
     host_ms,
     write_json,
@@ -257,7 +256,7 @@ def main(dtype: torch.dtype = torch.float32) -> None:
          "correctness": correctness, "runs": runs},
     )
     print(
-        f"\n{env['gpu']}, torch {env['torch']}, triton {env['triton']}; copy bandwidth {bw:.0f} GB/s"
+        f"\n{env['device']}, torch {env['torch']}, triton {env['triton']}; copy bandwidth {bw:.0f} GB/s"
         f"; {dtype} weights"
     )
     print(f"correctness: {correctness}")
@@ -336,7 +335,7 @@ def host_cpu(calls: int = 100, repeats: int = 5) -> None:
             }
             del opt, params, grads, masks
             gc.collect()
-    path = write_json("host_step_cpu.json", {"cpu": f"{cpu_name()}, torch {torch.__version__}", "runs": rows})
+    path = write_json("host_step_cpu.json", {"runs": rows}, device="cpu")
     print("| case | tensors | host us/call, cached plan | plan rebuilt each call |")
     print("|---|---|---|---|")
     for case, r in rows.items():

@@ -33,7 +33,7 @@ import copy
 
 import torch
 import torch.nn.functional as F
-from _common import bench_ms, environment, gpu_ms, write_json
+from _common import bench_ms, device_name, environment, file_tag, gpu_ms, write_json
 from semi_structured_bert import BERT_VARIANTS, DTYPE, bert_rows, layer_step, relative_error
 from torch import nn
 
@@ -224,7 +224,7 @@ def main() -> None:
     if not args.layers_only:
         result["bert"] = bert_rows(tuple(args.bert_modes), tuple(args.bert_precisions),
                                    tuple(args.bert_variants))
-    write_json(f"semi_structured_{torch.cuda.get_device_name().replace(' ', '_')}{args.tag}.json",
+    write_json(f"semi_structured_{file_tag(device_name())}{args.tag}.json",
                result)
 
 

@@ -3,8 +3,8 @@
 - Every ```python block of README.md and docs/ runs on the CPU (the blocks of one page share a
   namespace), unless its fence says why it cannot: ```python no-cpu: <reason>.
 - The user pages (README.md, docs/*.md) cite no run, issue or session: history belongs in
-  benchmarks/NOTES_*.md. (docs/results/ holds experiment reports; they are not checked for it.)
-- Every repository file a page or a notes file names exists, and every relative link resolves.
+  git. (docs/results/ holds experiment reports; they are not checked for it.)
+- Every repository file a page names exists, and every relative link resolves.
 """
 
 import re
@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 USER_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-NOTES = sorted((ROOT / "benchmarks").glob("NOTES_*.md"))
 
 FENCE = re.compile(r"^```python([^\n]*)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 NOT_RUN = re.compile(r" no-cpu: \S.*")  # the info string of a block that needs a GPU
@@ -56,8 +55,8 @@ def test_page_examples_run(page, tmp_path, monkeypatch):
 def test_user_pages_cite_no_runs_issues_or_sessions(page):
     lines = [f"{n}: {line.strip()}" for n, line in enumerate(page.read_text().splitlines(), 1)
              if HISTORY.search(line)]
-    assert not lines, (f"{relative(page)} cites runs, issues or sessions (history goes to "
-                       f"benchmarks/NOTES_*.md):\n" + "\n".join(lines))
+    assert not lines, (f"{relative(page)} cites runs, issues or sessions (history stays in "
+                       f"git):\n" + "\n".join(lines))
 
 
 def anchors(page: Path) -> set[str]:
@@ -68,7 +67,7 @@ def anchors(page: Path) -> set[str]:
             for heading in headings}
 
 
-@pytest.mark.parametrize("page", PAGES + NOTES, ids=relative)
+@pytest.mark.parametrize("page", PAGES, ids=relative)
 def test_named_files_and_links_exist(page):
     text = page.read_text()
     missing = sorted({path for path in REPO_PATH.findall(text) if not (ROOT / path).exists()})
