@@ -243,7 +243,7 @@ def _use_tma(requested: bool | None, block: tuple[int, int], *tensors: Tensor) -
 
     On an H100 descriptors made 128 x 128 blocks 10-30% faster on LLM shapes (up to 25%
     slower on BERT-large at 10%, a few microseconds) and 64 x 64 blocks up to 51% slower
-    (benchmarks/NOTES_block_sparse.md).
+    (``benchmarks/block_sparse_ops.py``).
 
     Raises:
         ValueError: ``requested`` True for operands descriptors cannot address.
