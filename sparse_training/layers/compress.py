@@ -60,9 +60,8 @@ AUTO_MIN_WEIGHTS = 16 * 2**20
 AUTO_MAX_DENSITY = {128: 0.5, 64: 0.25}
 # 2:4 compressed layers: no faster than masked-dense end to end (same benchmark: Llama-shaped
 # 79.8 vs 77.6 ms/step; BERT-base 64.0 ms against 48.0 dense)
-AUTO_2_4_REASON = ("auto: 2:4 layers trained no faster than masked-dense end to end (H100, "
-                   "Llama-8B-shaped: 79.8 vs 77.6 ms/step masked-dense; BERT-base 0.75x of "
-                   "dense); compress=True forces them")
+AUTO_2_4_REASON = ("auto: 2:4 layers train no faster than masked-dense end to end "
+                   "(docs/performance.md); compress=True forces them")
 
 
 def pattern_problem(pattern: Pattern) -> str | None:
