@@ -263,6 +263,17 @@ def two_process_problem(accelerator: str) -> str | None:
     return None
 
 
+def script_env(**extra: str) -> dict[str, str]:
+    """The environment of a benchmark script run in a subprocess: this checkout's package
+    first on PYTHONPATH, no rank variables of an outer launcher, and no TRITON_INTERPRET:
+    that is this process's choice for its own kernel tests; on a CPU the script runs in its
+    documented CPU mode, the pure-torch references, as a user runs it."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LOCAL_RANK", "WORLD_SIZE", "TRITON_INTERPRET")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return {**env, **extra}
+
+
 def exit_skipping_teardown() -> None:
     """End a two-process script once every record is written: flush, then ``os._exit(0)``,
     skipping the interpreter's teardown, where gloo's threads, still joinable in a process

@@ -5,7 +5,6 @@ the script, its rows checked against the model's own parameter counts."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from conftest import two_process_problem  # noqa: E402
+from conftest import script_env, two_process_problem  # noqa: E402
 
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "e2e_distributed.py"
 VARIANTS = ["dense fused", "block B 90% compressed"]
@@ -33,9 +32,7 @@ def tiny_llama_sizes() -> tuple[int, int]:
 
 def run_script(out: Path, *args: str) -> subprocess.CompletedProcess:
     """The script in its CPU mode (1 warm-up step, 2 timed) with ``args``, checked to exit 0."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE")}
-    # this checkout's package, not an installed one (the script's folder is benchmarks/)
-    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parents[1]), env.get("PYTHONPATH", "")])
+    env = script_env()
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--model", "tiny", "--accelerator", "cpu", "--warmup", "1",
          "--steps", "2", "--out", str(out), *args],

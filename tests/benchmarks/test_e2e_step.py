@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import script_env
 from transformers import BertConfig, BertForQuestionAnswering
 
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "e2e_step.py"
@@ -45,8 +46,7 @@ def test_kernel_names_fall_in_their_family(name):
 @pytest.mark.slow
 def test_cpu_profile_gives_families_shapes_and_limits(tmp_path):
     variants = ["dense fused", "block B 90% compressed"]
-    env = dict(os.environ, OUT=str(tmp_path),
-               PYTHONPATH=os.pathsep.join([str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH", "")]))
+    env = script_env(OUT=str(tmp_path))
     done = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--steps", "2",
                            "--warmup", "1", "--profile", "--variants", *variants],
                           env=env, capture_output=True, text=True, timeout=300)
