@@ -54,15 +54,16 @@ def test_a_block_move_carries_values_and_optimizer_state_and_zeroes_new_blocks()
     optimizer.step()  # the moved state fits the parameter
 
 
-def fit(settings, max_epochs=2, ckpt_path=None, callbacks=(), init_seed=0, **trainer_kwargs):
-    """A fit of a BlockNet initialized from ``init_seed``: (model, callback); the trainer is
-    ``model.trainer``."""
+def fit(settings, max_epochs=2, ckpt_path=None, callbacks=(), init_seed=0, samples=128,
+        **trainer_kwargs):
+    """A fit of a BlockNet initialized from ``init_seed`` on ``samples`` samples in batches
+    of 16: (model, callback); the trainer is ``model.trainer``."""
     pl.seed_everything(init_seed, verbose=False)
     model = BlockNet()
     sparse = SparsityCallback(**settings)
     saves = any(isinstance(c, ModelCheckpoint) for c in callbacks)
     make_trainer([sparse, *callbacks], max_epochs=max_epochs, enable_checkpointing=saves,
-                 **trainer_kwargs).fit(model, make_loader(), ckpt_path=ckpt_path)
+                 **trainer_kwargs).fit(model, make_loader(n=samples), ckpt_path=ckpt_path)
     return model, sparse
 
 
@@ -103,18 +104,18 @@ def test_a_compressed_regrowth_checkpoint_resumes_exactly(tmp_path, regrow):
     swap at setup takes the checkpoint's block masks, its dense weights load exactly, and
     the run is the uninterrupted one bit for bit."""
     settings = dict(REGROW, regrow=regrow, compress=True, regrow_end=20)  # steps: any run
-    uninterrupted, _ = fit(settings, max_epochs=2)
+    uninterrupted, _ = fit(settings, max_epochs=2, samples=64)  # 2 epochs of 4 steps
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    stopped, _ = fit(settings, max_epochs=1, callbacks=[checkpoint])  # 8 steps
+    stopped, _ = fit(settings, max_epochs=1, callbacks=[checkpoint], samples=64)
     pl.seed_everything(0, verbose=False)
     first = pattern_mask(BlockNet().net[2].weight, "block:16x16", 0.75)  # the step-0 blocks
     assert not torch.equal(expanded(stopped.net[2]), first)  # regrowth moved blocks
     at_setup = MasksAtSetup()
     resumed, sparse = fit(settings, max_epochs=2, ckpt_path=tmp_path / "last.ckpt",
-                          callbacks=[at_setup], init_seed=1)
+                          callbacks=[at_setup], init_seed=1, samples=64)
     assert all(torch.equal(mask, stopped.net[i].block_mask)
                for mask, i in zip(at_setup.masks, (0, 2), strict=True))
-    assert sparse.engine.updater.last_regrow == 14  # regrowth went on after the resume
+    assert sparse.engine.updater.last_regrow == 6  # regrowth went on after the resume
     assert_same_training(uninterrupted, uninterrupted.trainer, resumed, resumed.trainer)
 
 
