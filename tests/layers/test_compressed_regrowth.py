@@ -70,11 +70,12 @@ def fit(settings, max_epochs=2, ckpt_path=None, callbacks=(), init_seed=0, sampl
 @pytest.mark.parametrize("regrow, accumulate", [("rigl", 1), ("rigl", 2), ("set", 1)])
 def test_compressed_regrowth_moves_the_blocks_masked_dense_regrowth_moves(regrow, accumulate):
     settings = dict(REGROW, regrow=regrow)
-    dense, _ = fit(settings, accumulate_grad_batches=accumulate)
+    dense, _ = fit(settings, samples=64, accumulate_grad_batches=accumulate)  # 2 x 4 batches
     # no moves: the first masks' count, set at setup (one step shows it holds)
     static, _ = fit(dict(REGROW, compress=True, regrow_end=0), max_epochs=1,
                     limit_train_batches=1)
-    compressed, sparse = fit(dict(settings, compress=True), accumulate_grad_batches=accumulate)
+    compressed, sparse = fit(dict(settings, compress=True), samples=64,
+                             accumulate_grad_batches=accumulate)
     assert sparse.engine.updater.last_regrow is not None
     for i in (0, 2):
         layer = compressed.net[i]
