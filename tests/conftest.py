@@ -198,6 +198,18 @@ class BlockNet(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
+BLOCKNET_COMPRESSED = dict(pattern="block:16x16", sparsity=0.75, compress=True)
+"""Settings that train BlockNet's net.0 and net.2 compressed (1 of 4 and 4 of 16 blocks
+kept); its 4-output head is skipped."""
+
+
+def refused_while_training(function: str, model: str) -> str:
+    """The start of the error (a regex) that ``function`` (make_permanent, densify,
+    sparsify) raises on a model of type ``model`` while a SparsityEngine trains it."""
+    return (f"^{function} would swap modules of a {model} that a SparsityEngine is training "
+            f".* call it after ")
+
+
 def expanded(layer: BlockSparseLinear) -> torch.Tensor:
     """A 16x16-block layer's block mask over the dense weight's entries."""
     return layer.block_mask.repeat_interleave(16, 0).repeat_interleave(16, 1)
@@ -217,6 +229,15 @@ def assert_same_training(model, trainer, other, other_trainer):
     for key, moments in state.items():
         for name, value in moments.items():
             assert torch.equal(value, other_state[key][name]), (key, name)
+
+
+def second_derivative(layer: nn.Module, weight: str):
+    """A gradient penalty through ``layer`` (inputs of 32 features): the gradients of
+    ``weight`` of a loss that holds the input's gradient, built with create_graph=True."""
+    x = torch.randn(3, 32, requires_grad=True)
+    y = layer(x)
+    (g,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+    return torch.autograd.grad(y.sum() + g.pow(2).sum(), getattr(layer, weight))
 
 
 def make_loader(n: int = 128, conv: bool = False, batch_size: int = 16, seed: int = 0):
@@ -240,6 +261,17 @@ def two_process_problem(accelerator: str) -> str | None:
     if accelerator == "gpu" and not dist.is_nccl_available():
         return "torch.distributed has no NCCL backend"
     return None
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    """The environment of a benchmark script run in a subprocess: this checkout's package
+    first on PYTHONPATH, no rank variables of an outer launcher, and no TRITON_INTERPRET:
+    that is this process's choice for its own kernel tests; on a CPU the script runs in its
+    documented CPU mode, the pure-torch references, as a user runs it."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LOCAL_RANK", "WORLD_SIZE", "TRITON_INTERPRET")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return {**env, **extra}
 
 
 def exit_skipping_teardown() -> None:

@@ -5,7 +5,6 @@ the script, its rows checked against the model's own parameter counts."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from conftest import two_process_problem  # noqa: E402
+from conftest import script_env, two_process_problem  # noqa: E402
 
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "e2e_distributed.py"
 VARIANTS = ["dense fused", "block B 90% compressed"]
@@ -33,9 +32,7 @@ def tiny_llama_sizes() -> tuple[int, int]:
 
 def run_script(out: Path, *args: str) -> subprocess.CompletedProcess:
     """The script in its CPU mode (1 warm-up step, 2 timed) with ``args``, checked to exit 0."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE")}
-    # this checkout's package, not an installed one (the script's folder is benchmarks/)
-    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parents[1]), env.get("PYTHONPATH", "")])
+    env = script_env()
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--model", "tiny", "--accelerator", "cpu", "--warmup", "1",
          "--steps", "2", "--out", str(out), *args],
@@ -44,13 +41,21 @@ def run_script(out: Path, *args: str) -> subprocess.CompletedProcess:
     return done
 
 
-@pytest.mark.slow
-def test_cpu_mode_trains_dense_and_compressed_on_one_and_two_ranks(tmp_path):
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """Both variants on 1 and 2 ranks (each pair in a fresh process group, as the script
+    runs it): its output and rows."""
     if problem := two_process_problem("cpu"):
         pytest.skip(problem)
-    done = run_script(tmp_path, "--gpus", "1", "2", "--variants", *VARIANTS)
+    out = tmp_path_factory.mktemp("e2e-distributed")
+    done = run_script(out, "--gpus", "1", "2", "--variants", *VARIANTS)
+    return done, json.loads((out / "e2e_distributed_tiny_cpu.json").read_text())["rows"]
+
+
+@pytest.mark.slow
+def test_cpu_mode_trains_dense_and_compressed_on_one_and_two_ranks(cpu_run):
+    done, rows = cpu_run
     assert done.stdout.count("\nROW ") + done.stdout.startswith("ROW ") == 4  # streamed
-    rows = json.loads((tmp_path / "e2e_distributed_tiny_cpu.json").read_text())["rows"]
     at = {(r["variant"], r["gpus"]): r for r in rows}
     assert sorted(at) == sorted((v, n) for v in VARIANTS for n in (1, 2))
     layers, rest = tiny_llama_sizes()  # every dim is even: 2 ranks pad nothing
@@ -79,16 +84,16 @@ def test_cpu_mode_trains_dense_and_compressed_on_one_and_two_ranks(tmp_path):
 
 
 @pytest.mark.slow
-def test_activation_checkpointing_recomputes_the_compressed_layers_to_the_same_losses(tmp_path):
+def test_activation_checkpointing_recomputes_the_compressed_layers_to_the_same_losses(
+        cpu_run, tmp_path):
     """``--checkpointing`` (HF's per-layer recompute, as a user turns it on) trains the
-    compressed model under FSDP2 to the losses of the run without it."""
-    if problem := two_process_problem("cpu"):
-        pytest.skip(problem)
+    compressed model under FSDP2 to the losses of the run without it (the 2-rank run of
+    ``cpu_run``: the script runs each variant and rank count in a process of its own)."""
     variant = "block B 90% compressed"
-    run_script(tmp_path, "--gpus", "2", "--variants", variant)
+    (plain,) = [r for r in cpu_run[1] if r["variant"] == variant and r["gpus"] == 2]
     run_script(tmp_path, "--gpus", "2", "--variants", variant, "--checkpointing")
-    plain, recomputed = (json.loads((tmp_path / name).read_text())["rows"][0] for name in
-                         ("e2e_distributed_tiny_cpu.json", "e2e_distributed_tiny_cpu_ckpt.json"))
+    (recomputed,) = json.loads((tmp_path / "e2e_distributed_tiny_cpu_ckpt.json").read_text()
+                               )["rows"]
     assert recomputed["compressed_layers"] == plain["compressed_layers"] == 14
     assert recomputed["loss_first"] == plain["loss_first"]
     assert recomputed["loss_last"] == pytest.approx(plain["loss_last"], rel=1e-5)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import script_env
 from transformers import BertConfig, BertForQuestionAnswering
 
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "e2e_step.py"
@@ -45,8 +45,7 @@ def test_kernel_names_fall_in_their_family(name):
 @pytest.mark.slow
 def test_cpu_profile_gives_families_shapes_and_limits(tmp_path):
     variants = ["dense fused", "block B 90% compressed"]
-    env = dict(os.environ, OUT=str(tmp_path),
-               PYTHONPATH=os.pathsep.join([str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH", "")]))
+    env = script_env(OUT=str(tmp_path))
     done = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--steps", "2",
                            "--warmup", "1", "--profile", "--variants", *variants],
                           env=env, capture_output=True, text=True, timeout=300)
@@ -210,29 +209,58 @@ def test_hotspots_count_every_call_of_a_recursive_function():
     assert caller.endswith(("(depth)", "(test_hotspots_count_every_call_of_a_recursive_function)"))
 
 
-@pytest.mark.parametrize(("argv", "message"), [
+E2E_STEP_REFUSALS = [  # (argv after --model tiny, message)
     (["--variants", "dense", "dense fused typo"], "unknown variant 'dense fused typo'"),
     (["--steps", "0"], r"argument --steps: must be an int >= 1, got 0"),
     (["--warmup", "-1"], r"argument --warmup: must be an int >= 0, got -1"),
     (["--report", "/nonexistent.json"], r"--report /nonexistent.json: not a JSON file e2e_step "
                                         r"saved"),
-])
-def test_bad_arguments_stop_before_any_run(tmp_path, argv, message):
-    done = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", *argv],
-                          env=dict(os.environ, OUT=str(tmp_path)), capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode != 0 and re.search(message, done.stderr + done.stdout)
-    assert list(tmp_path.iterdir()) == []  # nothing ran, nothing written
-
-
-@pytest.mark.parametrize(("script", "argv", "message"), [
+]
+SCRIPT_REFUSALS = [  # (script, argv, message)
     ("bert_step.py", ["--pairs", "0"], "argument --pairs: must be an int >= 1, got 0"),
     ("compressed_host.py", ["--steps", "0"], "argument --steps: must be an int >= 1, got 0"),
     ("fsdp_at_scale.py", ["--gpus", "-8"], "argument --gpus: must be an int >= 1, got -8"),
     ("e2e_distributed.py", ["--gpus", "0"], "argument --gpus: must be an int >= 1, got 0"),
     ("mask_compute.py", ["--bogus"], r"unknown arguments \['--bogus'\]"),
-])
-def test_the_benchmarks_refuse_bad_arguments_before_running(script, argv, message):
-    done = subprocess.run([sys.executable, str(SCRIPT.parent / script), *argv],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and re.search(message, done.stderr), done.stderr[-2000:]
+]
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory) -> dict[str, dict]:
+    """Every case of the two tables below, each script run as ``python SCRIPT ARGS`` would
+    in a fork of one process (tests/refused_arguments.py): one interpreter start for all.
+    Per case: its exit status, output, and what its own OUT folder holds afterwards."""
+    folder = tmp_path_factory.mktemp("refusals")
+    cases, outs = {}, {}
+    for i, (argv, _) in enumerate(E2E_STEP_REFUSALS):
+        outs[f"e2e_step {i}"] = out = folder / f"out{i}"
+        out.mkdir()
+        cases[f"e2e_step {i}"] = {"script": str(SCRIPT), "argv": ["--model", "tiny", *argv],
+                                  "env": {"OUT": str(out)}}
+    for script, argv, _ in SCRIPT_REFUSALS:
+        cases[script] = {"script": str(SCRIPT.parent / script), "argv": argv}
+    (folder / "cases.json").write_text(json.dumps(list(cases.values())))
+    done = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "refused_arguments.py"),
+                           str(folder / "cases.json"), str(folder / "results.json")],
+                          env=script_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = dict(zip(cases, json.loads((folder / "results.json").read_text()), strict=True))
+    for name, out in outs.items():
+        results[name]["written"] = sorted(p.name for p in out.iterdir())
+    return results
+
+
+@pytest.mark.parametrize(("case", "message"), [(i, m) for i, (_, m) in
+                                               enumerate(E2E_STEP_REFUSALS)],
+                         ids=[str(argv) for argv, _ in E2E_STEP_REFUSALS])
+def test_bad_arguments_stop_before_any_run(refusals, case, message):
+    done = refusals[f"e2e_step {case}"]
+    assert done["returncode"] != 0 and re.search(message, done["stderr"] + done["stdout"])
+    assert done["written"] == []  # nothing ran, nothing written
+
+
+@pytest.mark.parametrize(("script", "message"), [(s, m) for s, _, m in SCRIPT_REFUSALS],
+                         ids=[f"{s}-{a}" for s, a, _ in SCRIPT_REFUSALS])
+def test_the_benchmarks_refuse_bad_arguments_before_running(refusals, script, message):
+    done = refusals[script]
+    assert done["returncode"] != 0 and re.search(message, done["stderr"]), done["stderr"][-2000:]

@@ -31,8 +31,8 @@ def test_a_compiled_compressed_hf_model_is_one_graph_and_trains_as_eager(family,
     its Lightning checkpoint loads strictly into the plain model as written (compiled in
     ``__init__``, never compressed): each weight is the compressed layer's dense form. On
     the GPU (``-m gpu``) with the compiled kernels and the GPU machine's own torch, whose
-    compiler may break graphs where this machine's does not (torch 2.11 broke every
-    compressed layer at its autocast check)."""
+    compiler may break graphs where this machine's does not (at a compressed layer's
+    autocast check, say)."""
     torch._dynamo.reset()
     losses = {}
     for compiled in (False, True):

@@ -21,7 +21,7 @@ def fit(family: str, compress: bool, layers: int = 2, deny: list[str] | None = N
                                 deny=FAMILIES[family][0] if deny is None else deny, **settings)
     pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
                enable_model_summary=False, enable_checkpointing=False,
-               callbacks=[callback]).fit(model, hf_loader(family, batches=1))
+               callbacks=[callback]).fit(model, hf_loader(family, batches=1, batch=2, seq=16))
     return model
 
 

@@ -259,7 +259,7 @@ class GroupAudit(pl.Callback):
 
 def test_gpt2_conv1d_keeps_2_of_4_along_its_inputs_while_training():
     """GPT-2's Conv1D weights are stored (in, out): 2:4 groups run along dim 0, the inputs
-    the forward's ``x @ W`` reduces over (before issue 22 they ran along the outputs)."""
+    the forward's ``x @ W`` reduces over, not along the outputs."""
     model = Zoo(GPT2(), "tokens")
     sparse = SparsityCallback("2:4", layer_types=CONV1D_TYPES)
     audit = GroupAudit(sparse)

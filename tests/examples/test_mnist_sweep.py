@@ -42,7 +42,7 @@ def load(argv: list[str]) -> DictConfig:
     return cfg
 
 
-def test_default_config_is_the_issue_sweep() -> None:
+def test_default_config_sweeps_four_methods_over_six_sparsities() -> None:
     cfg = load([])
     assert list(cfg.sparsities) == [0.7, 0.8, 0.9, 0.95, 0.98, 0.99]
     assert list(cfg.methods) == ["oneshot", "oneshot+finetune", "gmp", "rigl"]

@@ -86,12 +86,14 @@ def test_weight_gradient_split_over_token_chunks_is_deterministic_and_exact():
     assert_close(first, want[2], torch.float32)
 
 
-@pytest.mark.parametrize("tokens", [11, 1100])  # one token chunk; fp32 partials summed
+@pytest.mark.parametrize("tokens", [11, 400])  # x 3: one token chunk; two, fp32 partials summed
 def test_autocast_gradients_of_values_and_bias_come_unrounded_from_the_fp32_sums(tokens):
     """Under bf16 autocast the eager op casts float32 values and bias inside its autograd
     Function: the graph holds no cast node for them, and their float32 gradients are the
     float64 reference of the bf16 operands to float32 accuracy (not rounded to bf16)."""
     c = make_case(70, 45, tokens, (16, 32), "random", torch.float32).leaves()
+    _, splits = bsk._token_splits(3 * tokens, c.topology.nnz, c.x.device)
+    assert (splits > 1) == (tokens > 11)
     with torch.autocast("cpu", torch.bfloat16):
         out = block_sparse_linear(c.x, c.values, c.topology, c.bias)
     function = out.grad_fn.next_functions[0][0]  # under the output's view

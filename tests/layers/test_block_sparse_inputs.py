@@ -103,9 +103,9 @@ def test_expanded_grad_and_permuted_3d_input():
         assert_close(got, want, torch.float32)
 
 
-def test_issue_case_transposed_values_fp32_block_64():
-    """Issue 22: a transposed view of ``values`` (128 tokens, 128 -> 128, block 64) gave
-    outputs off by up to 6 and dX off by 4."""
+def test_a_transposed_view_of_the_values_gives_the_reference_output_and_input_gradient():
+    """A transposed view of ``values`` (fp32, 128 tokens, 128 -> 128, block 64): the output
+    and dX equal the float64 reference's."""
     c = strided_case({"values": "transposed"}, out_f=128, in_f=128, tokens=128, block=(64, 64))
     out, grad_x, _, _ = run_functional(c)
     want = c.want()
@@ -113,15 +113,15 @@ def test_issue_case_transposed_values_fp32_block_64():
     assert_close(grad_x, want[1], torch.float32)
 
 
-def test_issue_case_stride_2_bias():
-    """Issue 22: a stride-2 ``bias`` view gave outputs off by 3."""
+def test_a_stride_2_bias_view_gives_the_reference_output():
+    """A stride-2 ``bias`` view: the output equals the float64 reference's."""
     c = strided_case({"bias": "every_other"}, out_f=128, in_f=128, tokens=128, block=(64, 64))
     assert_close(run_functional(c)[0], c.want()[0], torch.float32)
 
 
-def test_issue_case_all_strided_fp16_block_16_empty_rows_give_the_bias():
-    """Issue 22: non-contiguous ``x``, ``values`` and ``bias`` together (fp16, block 16)
-    gave wrong outputs and dX, and empty block rows' outputs no longer equal to the bias."""
+def test_all_operands_strided_in_fp16_give_the_reference_and_empty_rows_give_the_bias():
+    """Non-contiguous ``x``, ``values`` and ``bias`` together (fp16, block 16): the output
+    and dX equal the reference's, and block rows with no kept block output the bias."""
     c = strided_case({"x": "transposed", "values": "transposed", "bias": "every_other"},
                      torch.float16, out_f=64, in_f=48, tokens=24, block=(16, 16),
                      kind="empty_rows")
@@ -299,8 +299,8 @@ def test_top_blocks_keeps_the_exact_count_and_numbers_first(data, rows, cols):
 
 
 def test_from_dense_and_sparsify_never_keep_a_nan_block():
-    """Issue 22: a block full of NaN ranked first (topk puts NaN first) and the layer
-    output NaN."""
+    """A block full of NaN is never kept, though topk ranks NaN first, so the layer's
+    output stays finite."""
     torch.manual_seed(0)
     linear = nn.Linear(64, 32)
     with torch.no_grad():

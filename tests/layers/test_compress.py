@@ -24,11 +24,18 @@ from sparse_training.pieces.patterns import parse_pattern
 SETTINGS = dict(pattern="block:16x16", sparsity=0.75)
 
 
+def loader():
+    """Two batches an epoch: a fit still steps after the masks' fixed count is set, and a
+    resume from the first epoch's checkpoint still starts mid-fit; each step's compressed
+    products run in Triton's interpreter on the CPU, so the tests take no more."""
+    return make_loader(n=32)
+
+
 def masked_dense_masks(**settings) -> dict[int, torch.Tensor]:
     """The masks a compress=False fit of the same model and settings keeps."""
     pl.seed_everything(0, verbose=False)
     model = BlockNet()
-    make_trainer([SparsityCallback(**settings)], max_epochs=1).fit(model, make_loader())
+    make_trainer([SparsityCallback(**settings)], max_epochs=1).fit(model, loader())
     return {i: model.net[i].weight_mask for i in (0, 2)}
 
 
@@ -38,7 +45,7 @@ def test_compress_true_trains_compressed_from_setup_and_reports_forward_sparsity
     model = BlockNet()
     trainer = make_trainer([SparsityCallback(**SETTINGS, compress=True, log_layers=True)],
                            max_epochs=1, logger=pl.loggers.CSVLogger(tmp_path))
-    trainer.fit(model, make_loader())
+    trainer.fit(model, loader())
     for i in (0, 2):
         layer = model.net[i]
         assert isinstance(layer, BlockSparseLinear)
@@ -63,7 +70,7 @@ def fit(max_epochs, ckpt_path=None, callbacks=(), init_seed=0, **settings):
     saves = any(isinstance(c, ModelCheckpoint) for c in callbacks)
     trainer = make_trainer([SparsityCallback(**{**SETTINGS, "compress": True, **settings}),
                             *callbacks], max_epochs=max_epochs, enable_checkpointing=saves)
-    trainer.fit(model, make_loader(), ckpt_path=ckpt_path)
+    trainer.fit(model, loader(), ckpt_path=ckpt_path)
     return model, trainer
 
 
@@ -105,7 +112,7 @@ def test_random_static_masks_are_the_seeded_draw_of_masked_dense_training():
     pl.seed_everything(0, verbose=False)
     model = BlockNet()
     make_trainer([SparsityCallback(**settings, compress=True)],
-                 max_epochs=1).fit(model, make_loader())
+                 max_epochs=1).fit(model, loader())
     for i in (0, 2):
         assert torch.equal(expanded(model.net[i]), expected[i])
 
@@ -113,7 +120,7 @@ def test_random_static_masks_are_the_seeded_draw_of_masked_dense_training():
 def test_auto_keeps_masked_dense_where_the_kernels_would_be_slower(lightning_log):
     model = BlockNet()
     callback = SparsityCallback(**SETTINGS, compress="auto")
-    make_trainer([callback], max_epochs=1).fit(model, make_loader())
+    make_trainer([callback], max_epochs=1).fit(model, loader())
     assert type(model.net[2]) is nn.Linear and hasattr(model.net[2], "weight_mask")
     assert "auto: 64x64 is under 16,777,216 weights, where launch costs" in lightning_log.text
     assert callback.engine.sparsity == pytest.approx(0.75)
@@ -226,7 +233,7 @@ class TenClasses(BlockNet):
 def test_a_2to4_head_of_10_outputs_stays_masked_dense_with_its_line(lightning_log):
     model = TenClasses()
     sparse = SparsityCallback("2:4", compress=True)
-    make_trainer([sparse], max_epochs=1).fit(model, make_loader())
+    make_trainer([sparse], max_epochs=1).fit(model, loader())
     assert [type(model.net[i]).__name__ for i in (0, 2, 4)] == [
         "SemiStructuredLinear", "SemiStructuredLinear", "Linear"]
     assert [s.name for s in sparse.engine.masked] == ["net.4.weight"]
@@ -245,20 +252,20 @@ def test_a_new_callback_on_layers_compressed_before_says_they_keep_their_blocks(
                       r"their own blocks, not what these settings give them: net.0 "
                       r"\(block:16x16, 1 of 4 blocks kept; these settings: block:16x16 at "
                       r"sparsity 0.5\), net.2 \(block:16x16, 4 of 16 blocks kept; these"):
-        make_trainer([again], max_epochs=1).fit(model, make_loader())
+        make_trainer([again], max_epochs=1).fit(model, loader())
     assert model.net[2].nnz == 4
     for settings in (SETTINGS, {**SETTINGS, "pattern": "BLOCK:16x16"}):  # the same settings
         same = SparsityCallback(**{**settings, "compress": True})
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            make_trainer([same], max_epochs=1).fit(model, make_loader())
+            make_trainer([same], max_epochs=1).fit(model, loader())
         assert not [w for w in caught if "compressed before this fit" in str(w.message)]
     overridden, _ = fit(1, overrides={r"net\.2\.weight": {"sparsity": 0.5}})
     again = SparsityCallback(**{**SETTINGS, "compress": True,
                                 "overrides": {r"net\.2\.weight": {"sparsity": 0.5}}})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        make_trainer([again], max_epochs=1).fit(overridden, make_loader())
+        make_trainer([again], max_epochs=1).fit(overridden, loader())
     assert overridden.net[2].nnz == 8
     assert not [w for w in caught if "compressed before this fit" in str(w.message)]
 
@@ -290,7 +297,7 @@ def test_compress_true_on_layers_the_kernels_cannot_take_names_each_reason():
     model = BlockNet()
     callback = SparsityCallback(pattern="block:4x4", sparsity=0.5, compress=True)
     with pytest.raises(ValueError, match=r"net.0.weight: block 4x4: the kernels take blocks"):
-        make_trainer([callback], max_epochs=1).fit(model, make_loader())
+        make_trainer([callback], max_epochs=1).fit(model, loader())
     assert type(model.net[0]) is nn.Linear
 
 
@@ -324,7 +331,7 @@ def test_a_model_holding_compressed_layers_resumes_exactly(tmp_path, compress):
         model = PreSparsified()
         callbacks = [SparsityCallback(**settings), *kwargs.pop("callbacks", [])]
         make_trainer(callbacks, max_epochs=epochs, enable_checkpointing=len(callbacks) > 1
-                     ).fit(model, make_loader(), **kwargs)
+                     ).fit(model, loader(), **kwargs)
         return model
 
     uninterrupted = run(2, 0)
@@ -361,7 +368,7 @@ def test_layers_built_in_configure_model_compress_there_as_at_setup():
         pl.seed_everything(0, verbose=False)
         model = model_class()
         trainer = make_trainer([SparsityCallback(**SETTINGS, compress=True)], max_epochs=2)
-        trainer.fit(model, make_loader())
+        trainer.fit(model, loader())
         runs += [model, trainer]
     assert isinstance(runs[2].net[2], BlockSparseLinear)
     assert (4, 16, 16) in runs[2].optimizer_shapes  # the optimizer got the compressed values
@@ -373,7 +380,7 @@ def test_compress_in_configure_model_is_needed_and_refuses_what_it_cannot_do():
     model = BuiltInConfigureModel(compress_there=False)
     with pytest.raises(ValueError, match=r"compress=True but the model had no weights at "
                                          r"setup and configure_model compressed none"):
-        make_trainer([sparse], max_epochs=1).fit(model, make_loader())
+        make_trainer([sparse], max_epochs=1).fit(model, loader())
     assert type(model.net[0]) is nn.Linear and sparse.engine is None
     with pytest.raises(RuntimeError, match=r"call it in configure_model with the "
                                            r"LightningModule being fit"):
@@ -413,7 +420,7 @@ def test_compress_on_meta_layers_raises_its_own_error_from_fit(model_class):
     with pytest.raises(ValueError, match=r"\['net.0.weight', 'net.2.weight'\] are on the meta "
                                          r"device: .* initialize the weights first"):
         make_trainer([SparsityCallback(**SETTINGS, compress=True)],
-                     max_epochs=1).fit(model, make_loader())
+                     max_epochs=1).fit(model, loader())
     assert type(model.net[0]) is nn.Linear and model.net[0].weight.is_meta
 
 

@@ -54,24 +54,28 @@ def test_a_block_move_carries_values_and_optimizer_state_and_zeroes_new_blocks()
     optimizer.step()  # the moved state fits the parameter
 
 
-def fit(settings, max_epochs=2, ckpt_path=None, callbacks=(), init_seed=0, **trainer_kwargs):
-    """A fit of a BlockNet initialized from ``init_seed``: (model, callback); the trainer is
-    ``model.trainer``."""
+def fit(settings, max_epochs=2, ckpt_path=None, callbacks=(), init_seed=0, samples=128,
+        **trainer_kwargs):
+    """A fit of a BlockNet initialized from ``init_seed`` on ``samples`` samples in batches
+    of 16: (model, callback); the trainer is ``model.trainer``."""
     pl.seed_everything(init_seed, verbose=False)
     model = BlockNet()
     sparse = SparsityCallback(**settings)
     saves = any(isinstance(c, ModelCheckpoint) for c in callbacks)
     make_trainer([sparse, *callbacks], max_epochs=max_epochs, enable_checkpointing=saves,
-                 **trainer_kwargs).fit(model, make_loader(), ckpt_path=ckpt_path)
+                 **trainer_kwargs).fit(model, make_loader(n=samples), ckpt_path=ckpt_path)
     return model, sparse
 
 
 @pytest.mark.parametrize("regrow, accumulate", [("rigl", 1), ("rigl", 2), ("set", 1)])
 def test_compressed_regrowth_moves_the_blocks_masked_dense_regrowth_moves(regrow, accumulate):
     settings = dict(REGROW, regrow=regrow)
-    dense, _ = fit(settings, accumulate_grad_batches=accumulate)
-    static, _ = fit(dict(REGROW, compress=True, regrow_end=0))  # no moves: the first masks
-    compressed, sparse = fit(dict(settings, compress=True), accumulate_grad_batches=accumulate)
+    dense, _ = fit(settings, samples=64, accumulate_grad_batches=accumulate)  # 2 x 4 batches
+    # no moves: the first masks' count, set at setup (one step shows it holds)
+    static, _ = fit(dict(REGROW, compress=True, regrow_end=0), max_epochs=1,
+                    limit_train_batches=1)
+    compressed, sparse = fit(dict(settings, compress=True), samples=64,
+                             accumulate_grad_batches=accumulate)
     assert sparse.engine.updater.last_regrow is not None
     for i in (0, 2):
         layer = compressed.net[i]
@@ -102,9 +106,9 @@ def test_a_compressed_regrowth_checkpoint_resumes_exactly(tmp_path, regrow, resu
     layers swapped at setup take the checkpoint's block masks (from its dense weights and
     the callback's state), and the run is the uninterrupted one bit for bit."""
     settings = dict(REGROW, regrow=regrow, compress=True, regrow_end=20)  # steps: any run
-    uninterrupted, _ = fit(settings, max_epochs=3)
+    uninterrupted, _ = fit(settings, max_epochs=2, samples=64)  # 2 epochs of 4 steps
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    stopped, _ = fit(settings, max_epochs=1, callbacks=[checkpoint])  # 8 steps
+    stopped, _ = fit(settings, max_epochs=1, callbacks=[checkpoint], samples=64)
     pl.seed_everything(0, verbose=False)
     first = pattern_mask(BlockNet().net[2].weight, "block:16x16", 0.75)  # the step-0 blocks
     assert not torch.equal(expanded(stopped.net[2]), first)  # regrowth moved blocks
@@ -112,11 +116,11 @@ def test_a_compressed_regrowth_checkpoint_resumes_exactly(tmp_path, regrow, resu
     # "last": Lightning finds the checkpoint in its ModelCheckpoint's folder
     ckpt_path, more = ((tmp_path / "last.ckpt", []) if resume_from == "file" else
                        ("last", [ModelCheckpoint(dirpath=tmp_path, save_last=True)]))
-    resumed, sparse = fit(settings, max_epochs=3, ckpt_path=ckpt_path,
-                          callbacks=[at_start, *more], init_seed=1)
+    resumed, sparse = fit(settings, max_epochs=2, ckpt_path=ckpt_path,
+                          callbacks=[at_start, *more], init_seed=1, samples=64)
     assert all(torch.equal(mask, stopped.net[i].block_mask)
                for mask, i in zip(at_start.masks, (0, 2), strict=True))
-    assert sparse.engine.updater.last_regrow == 18
+    assert sparse.engine.updater.last_regrow == 6  # regrowth went on after the resume
     assert_same_training(uninterrupted, uninterrupted.trainer, resumed, resumed.trainer)
 
 

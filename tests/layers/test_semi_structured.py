@@ -159,7 +159,7 @@ def times(**ms):
      "sparse forward and dX: saves 0.500 ms"),
     (times(sparse_forward=1.1, dense_input_grad=1.0, sparse_input_grad=0.6,
            refresh_transposed=0.1), False, True, "sparse dX: saves 0.300 ms"),
-    # BERT-large 1024 -> 4096 at 6144 tokens, GPU times on an H100: a tie, kept dense
+    # BERT-large 1024 -> 4096 at 6144 tokens, times of a data-center GPU: a tie, kept dense
     (times(dense_forward=0.073, sparse_forward=0.058, refresh=0.0089, dense_input_grad=0.0736,
            sparse_input_grad=0.0601, refresh_transposed=0.0193), False, False,
      "save 0.000 ms net of repacking, within 5% of cuBLAS's 0.147 ms"),

@@ -210,7 +210,7 @@ def test_same_shape_tensors_ranked_together_equal_one_by_one(spec):
 
 def test_transposable_conv_tiles_are_nm_along_output_channels_at_every_tap():
     """ASP orders conv rows (r, s, k): at each tap, the (out, in) slice is 2:4 along inputs
-    and, transposed, along outputs (issue 8: tiles used to mix taps and channels)."""
+    and, transposed, along outputs: no tile mixes taps with channels."""
     w = torch.randn(8, 8, 3, 3, generator=torch.Generator().manual_seed(0))
     mask = pattern_mask(w, "2:4:2d")
     for r in range(3):
