@@ -238,9 +238,14 @@ def _finished_records(path: Path, wait_s: float = 60.0) -> list[Any]:
     Raises:
         TimeoutError: no ``exit`` record after ``wait_s`` seconds, naming the file.
     """
+    from google.protobuf.message import DecodeError
+
     deadline = time.monotonic() + wait_s
     while True:
-        records = list(_wandb_records(path))
+        try:
+            records = list(_wandb_records(path))
+        except DecodeError:  # a record the service process is still writing
+            records = []
         if any(r.WhichOneof("record_type") == "exit" for r in records):
             return records
         if time.monotonic() > deadline:
@@ -267,6 +272,8 @@ def _wandb_records(path: Path) -> Iterator[Any]:
             pos += block - pos % block
             continue
         _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if pos + 7 + length > len(data):  # a chunk still being written: the file ends here
+            return
         chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         pending = chunk if kind in (1, 2) else pending + chunk
         if kind in (1, 4):

@@ -146,7 +146,7 @@ CUDA, CPU, BF16, FP32 = torch.device("cuda", 0), torch.device("cpu"), torch.bflo
     ("block:128x128", (4096, 14336), 0.1, CUDA, torch.float64, "fp64 compute"),
     ("2:4", (14336, 4096), 0.5, CUDA, BF16, "2:4 layers train no faster than masked-dense "
                                             "end to end"),
-    ("2:4:2d", (768, 768), 0.5, CPU, FP32, "BERT-base 0.75x of dense); compress=True forces them"),
+    ("2:4:2d", (768, 768), 0.5, CPU, FP32, "(docs/performance.md); compress=True forces them"),
 ])
 def test_auto_decides_for_the_training_device_and_compute_dtype(pattern, shape, density, device,
                                                                  dtype, reason):
