@@ -6,7 +6,8 @@ import)::
 
     callbacks/     SparsityCallback, DistillationCallback: the Lightning side (its only import)
         |
-    layers/        BlockSparseLinear, SemiStructuredLinear, their   permutations/  ASP's
+    layers/        BlockSparseLinear, SemiStructuredLinear,         permutations/  ASP's
+        |          SlimLinear (heads, neurons), their
         |          slots; the one swap path (sparsify, compress,    channel
         |          densify, make_permanent)                         permutations
         |
@@ -32,6 +33,7 @@ from sparse_training.engine import SparsityEngine
 from sparse_training.engine.plan import SparsityPlan
 from sparse_training.layers.block_sparse import BlockSparseLinear
 from sparse_training.layers.semi_structured import SemiStructuredLinear
+from sparse_training.layers.slim import SlimLinear
 from sparse_training.layers.swap import densify, make_permanent, sparsify
 from sparse_training.permutations import (
     find_sites,
@@ -49,7 +51,8 @@ from sparse_training.pieces.training_scores import MovementScore, SoftMovementSc
 
 __all__ = ["GMP", "SET", "SRSTE", "BlockSparseLinear", "Constant", "DistillationCallback",
            "DistillationLoss", "MovementScore", "OneShot", "Pattern", "RigL",
-           "SecondOrderScore", "SemiStructuredLinear", "SoftMovementScore", "SparsityCallback",
+           "SecondOrderScore", "SemiStructuredLinear", "SlimLinear", "SoftMovementScore",
+           "SparsityCallback",
            "SparsityConfig", "SparsityEngine", "SparsityPlan", "TeacherCache", "densify",
            "find_sites", "global_masks", "kept_magnitude", "make_permanent", "parse_pattern",
            "pattern_mask", "permute_channels", "register_schedule", "search_permutation",

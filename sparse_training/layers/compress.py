@@ -35,7 +35,9 @@ from sparse_training.kernels.block_sparse import block_grid
 from sparse_training.kernels.semi_structured.masks import features_problem
 from sparse_training.layers.block_sparse import BlockSparseLinear
 from sparse_training.layers.blocks import BLOCK_SIZES
+from sparse_training.layers.compress_units import shrinkable_units
 from sparse_training.layers.semi_structured import SemiStructuredLinear
+from sparse_training.layers.slim import SlimLinear
 from sparse_training.layers.swap import (
     SwapRow,
     nothing_pruned,
@@ -117,14 +119,21 @@ _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
                 torch.float64: "fp64"}
 
 
+def _first_score(weight: torch.Tensor, index: int,
+                 config: SparsityConfig) -> torch.Tensor | None:
+    """The score the masked-dense engine ranks the ``index``-th selected tensor by at step 0
+    (``ScheduledMasks.score``; a training score has observed nothing at step 0: None, the
+    largest |w|, as its updater keeps)."""
+    return None if isinstance(config.parsed_score, TrainingScore) else (
+        config.parsed_score(DenseWeight(weight), 0, index))
+
+
 def _first_mask(weight: torch.Tensor, plan: TensorPlan, index: int,
                 config: SparsityConfig) -> torch.Tensor:
     """The mask the masked-dense engine would set at step 0: the pattern's mask of the
-    config's score of the ``index``-th selected tensor (``ScheduledMasks.score``; a
-    training score has observed nothing at step 0: the largest |w|, as its updater keeps)."""
-    score = None if isinstance(config.parsed_score, TrainingScore) else (
-        config.parsed_score(DenseWeight(weight), 0, index))
-    return pattern_mask(weight.detach(), plan.pattern, plan.sparsity, score)
+    tensor's :func:`_first_score`."""
+    return pattern_mask(weight.detach(), plan.pattern, plan.sparsity,
+                        _first_score(weight, index, config))
 
 
 def _keeps_every_block(plan: TensorPlan) -> str | None:
@@ -173,6 +182,8 @@ def compress_selected(model: nn.Module, plan: SparsityPlan,
             reason = f"{type(module).__name__}.{attr} is not an nn.Linear weight"
         elif (swap := swap_problem(row.name.rpartition(".")[0], module)) is not None:
             reason = swap
+        elif row.tie is not None:  # decided per group of units, below
+            reason = None
         elif (unsupported := pattern_problem(row.pattern)) is not None:
             reason = unsupported
         elif row.pattern.is_nm and (shape := features_problem(*row.shape[::-1])):
@@ -186,6 +197,9 @@ def compress_selected(model: nn.Module, plan: SparsityPlan,
         else:
             reason = None
         entries.append((index, row, reason, module))
+    units = shrinkable_units(model, plan, entries, lambda w, i: _first_score(w, i, config))
+    entries = [(i, row, units[row.name][0] if row.name in units else reason, module)
+               for i, row, reason, module in entries]
     if meta := [row.name for _, row, reason, module in entries
                 if reason is None and module.weight.is_meta]:
         raise ValueError(f"{meta} are on the meta device: compressing keeps the blocks their "
@@ -199,8 +213,9 @@ def compress_selected(model: nn.Module, plan: SparsityPlan,
             rows.append(SwapRow(module_name, row.shape, row.pattern.spec,
                                 f"masked-dense: {reason}"))
             continue
-        mask = _first_mask(module.weight, row, index, config).to(module.weight.device)
-        layer = _compressed_layer(module, row.pattern, mask)
+        mask = units[row.name][1] if row.name in units else (
+            _first_mask(module.weight, row, index, config))
+        layer = _compressed_layer(module, row, mask.to(module.weight.device))
         rows.append(SwapRow(module_name, row.shape, row.pattern.spec, "compressed",
                             layer.train(module.training)))
     if config.compress is True and len(reasons) == len(rows) and not any(
@@ -241,11 +256,12 @@ def follow_checkpoint(model: nn.Module, plan: SparsityPlan, saved: Any,
             continue
         row, tensor = rows.get(replaced_name(key), (None, None))
         module = None if tensor is None else tensor.owners[0][0]
-        if row is None or not isinstance(module, nn.Linear) or pattern_problem(row.pattern):
+        unsupported = None if row is None or row.tie else pattern_problem(row.pattern)
+        if row is None or not isinstance(module, nn.Linear) or unsupported:
             skipped = next((p.reason for p in plan.rows if p.name == replaced_name(key)), None)
             why[key] = (("no such layer" if skipped is None else f"not selected: {skipped}")
                         if row is None else
-                        pattern_problem(row.pattern) or f"{row.kind} is not an nn.Linear")
+                        unsupported or f"{row.kind} is not an nn.Linear")
         else:
             forms[key] = _layer_form(row)
     if why:
@@ -261,7 +277,7 @@ def follow_checkpoint(model: nn.Module, plan: SparsityPlan, saved: Any,
     for key, mask in masks.items():
         row, tensor = rows[replaced_name(key)]
         name, linear = key.rpartition(".")[0], tensor.owners[0][0]
-        layer = _compressed_layer(linear, row.pattern, mask.to(linear.weight.device))
+        layer = _compressed_layer(linear, row, mask.to(linear.weight.device))
         replace_module(model, name, layer.train(linear.training))
         swapped.append((name, linear))
     return plan.with_rows([replace(p, path_reason="") if replaced_name(p.name) in {
@@ -274,8 +290,9 @@ def _layer_form(row: TensorPlan) -> LayerForm:
         return LayerForm(row.pattern.spec, tuple(row.shape))
     block = (row.pattern.block_rows, row.pattern.block_cols)
     grid = block_grid(*row.shape, block)
-    return LayerForm(f"block:{block[0]}x{block[1]}", grid,
-                     kept_count(grid[0] * grid[1], row.sparsity))
+    kept = (kept_count(grid[0] * grid[1], row.sparsity) if row.tie is None
+            else row.tie.kept_blocks(row.sparsity))
+    return LayerForm(f"block:{block[0]}x{block[1]}", grid, kept)
 
 
 def undo_swaps(model: nn.Module, swapped: list[tuple[str, nn.Module]]) -> None:
@@ -291,8 +308,11 @@ def undo_swaps(model: nn.Module, swapped: list[tuple[str, nn.Module]]) -> None:
         replace_module(model, name, original.to(device=weight.device, dtype=weight.dtype))
 
 
-def _compressed_layer(linear: nn.Linear, pattern: Pattern, mask: torch.Tensor) -> nn.Module:
-    """The compressed form of ``linear`` under ``mask``."""
+def _compressed_layer(linear: nn.Linear, row: TensorPlan, mask: torch.Tensor) -> nn.Module:
+    """The compressed form of ``linear`` under ``mask`` (a unit-tied row's: its band grid)."""
+    pattern = row.pattern
+    if row.tie is not None:
+        return SlimLinear.from_dense(linear, row.tie.axis, row.tie.size, mask.flatten())
     if pattern.is_nm:
         return SemiStructuredLinear.from_dense(linear, pattern.transposable, mask)
     return BlockSparseLinear.from_dense(linear, (pattern.block_rows, pattern.block_cols),

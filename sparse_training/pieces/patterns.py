@@ -104,11 +104,11 @@ class Pattern:
     @property
     def compression_problem(self) -> str | None:
         """Why no compressed layer takes patterns of this kind, or None: blocks
-        (``BlockSparseLinear``, whose block sizes it checks itself) and 2:4
-        (``SemiStructuredLinear``) compress."""
+        (``BlockSparseLinear``, whose block sizes it checks itself), 2:4
+        (``SemiStructuredLinear``) and heads and neurons (``SlimLinear``, per group of
+        units) compress."""
         if self.is_unit:
-            return (f"pattern {self.spec!r} prunes whole {self.unit}s across tensors, which "
-                    f"train masked-dense")
+            return None
         if self.is_nm and not self.is_2_4:
             return (f"pattern {self.spec!r}: of the N:M patterns only '2:4' and '2:4:2d' "
                     f"compress (the sparse tensor cores)")

@@ -1,0 +1,133 @@
+"""Which head and neuron groups train as physically smaller layers, and with which units.
+
+A group of tied tensors (one attention module's heads, one FFN's neurons;
+:mod:`sparse_training.pieces.units`) shrinks all together or not at all: the query, key and
+value projections output only the kept heads' features, so the output projection must read
+only those (:class:`~sparse_training.layers.slim.SlimLinear`). A group shrinks when every
+member the model has (:func:`~sparse_training.engine.structure.find_units`) is a selected,
+swappable ``nn.Linear`` (units are fixed from the first step: the settings refuse
+regrowth of units), and, for
+heads, when the attention module's ``forward`` infers the head count from the projections'
+shapes (it reads none of :data:`HEAD_COUNTS`: BERT, ViT, Llama, Mistral, Qwen2, BART, CLIP
+do; OPT, T5, Whisper and DeBERTa read ``self.num_heads`` or the like and keep their heads
+masked-dense). The kept units are the ones the masked-dense engine keeps at step 0 (the
+same score and ranking, :func:`~sparse_training.pieces.units.unit_masks`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable, Sequence
+
+from torch import Tensor, nn
+
+from sparse_training.engine.plan import SparsityPlan
+from sparse_training.engine.selection import TensorPlan
+from sparse_training.engine.structure import find_units
+from sparse_training.pieces.units import ROWS, UnitTie, unit_masks
+
+# attributes an attention forward may read the head count from, which a slim layer changes
+HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_key_value_heads",
+               "all_head_size", "inner_dim", "split_size")
+
+Entry = tuple[int, TensorPlan, "str | None", nn.Module]  # (stream index, row, reason, module)
+
+
+def heads_problem(attention: nn.Module) -> str | None:
+    """Why the heads of ``attention`` cannot shrink (its ``forward`` reads a head count, or
+    cannot be read), or None."""
+    kind = type(attention).__name__
+    try:
+        source = inspect.getsource(type(attention).forward)
+    except (OSError, TypeError):
+        return f"the source of {kind}.forward cannot be read to check that it infers its heads"
+    if read := sorted(set(re.findall(r"self\.(\w+)", source)) & set(HEAD_COUNTS)):
+        return f"{kind}.forward reads self.{read[0]} (a head count), so its heads cannot shrink"
+    return None
+
+
+def shrinkable_units(model: nn.Module, plan: SparsityPlan, entries: Sequence[Entry],
+                     score: Callable[[Tensor, int], Tensor | None]
+                     ) -> dict[str, tuple[str | None, Tensor | None]]:
+    """For each unit-tied row of ``entries``: ``(None, band grid)`` where its group shrinks
+    (the grid is True at the kept bands, ``(bands, 1)`` for row bands and ``(1, bands)`` for
+    column bands), or ``(why it stays masked-dense, None)``.
+
+    Args:
+        entries: the selected rows with their stream index, the reason a row cannot swap
+            already known (or None) and its module.
+        score: the score of a weight at step 0 given its stream index (None: ``|w|``).
+    """
+    tied = [e for e in entries if e[1].tie is not None]
+    groups: dict[str, list[Entry]] = {}
+    for entry in tied:
+        groups.setdefault(entry[1].tie.group, []).append(entry)
+    decided: dict[str, tuple[str | None, Tensor | None]] = {}
+    members_of = _members(model, plan, [g[0][1].tie for g in groups.values()])
+    ready: list[list[Entry]] = []
+    for group, rows in groups.items():
+        why = _group_problem(model, group, rows, members_of[group])
+        if why is None:
+            ready.append(rows)
+        else:
+            decided.update({row.name: (why, None) for _, row, _, _ in rows})
+    by_target: dict[float, list[Entry]] = {}
+    for rows in ready:
+        by_target.setdefault(rows[0][1].sparsity, []).extend(rows)
+    for target, rows in by_target.items():
+        weights = [module.weight for _, _, _, module in rows]
+        scores = [score(w, index) for w, (index, _, _, _) in zip(weights, rows, strict=True)]
+        masks = unit_masks([w.detach() for w in weights], [r.tie for _, r, _, _ in rows], target,
+                           None if any(s is None for s in scores) else scores)
+        for (_, row, _, _), mask in zip(rows, masks, strict=True):
+            decided[row.name] = (None, _band_grid(mask, row.tie))
+    return decided
+
+
+def _members(model: nn.Module, plan: SparsityPlan, ties: Sequence[UnitTie]
+             ) -> dict[str, set[str]]:
+    """Every member weight name of each group of ``ties``, as the model has them (by name:
+    the head size only sets the bands, so the model's own serves, else the group's
+    smallest band)."""
+    members: dict[str, set[str]] = {}
+    found: dict[str, dict[str, UnitTie]] = {}
+    for tie in ties:
+        if tie.kind not in found:
+            try:
+                found[tie.kind] = find_units(model, plan.tensors)[tie.kind]
+            except ValueError:  # no head size of its own: the bands' serves
+                found[tie.kind] = {}
+        units = found[tie.kind]
+        if not any(t.group == tie.group for t in units.values()):
+            units = find_units(model, plan.tensors, tie.size)[tie.kind]
+        members[tie.group] = {name for name, t in units.items() if t.group == tie.group}
+    return members
+
+
+def _group_problem(model: nn.Module, group: str, rows: Sequence[Entry],
+                   members: set[str]) -> str | None:
+    """Why the group of ``rows`` cannot shrink, or None."""
+    kind = rows[0][1].tie.kind
+    where = f"{kind}s of {group or 'the model'!r}"
+    if blocked := next(((row.name, why) for _, row, why, _ in rows if why is not None), None):
+        return f"{where} shrink together, and {blocked[0]} cannot: {blocked[1]}"
+    named = {name for _, row, _, _ in rows for name in row.names}
+    if missing := sorted(members - named):
+        return f"{where} shrink together, and {missing[0]} is not selected"
+    tie, target = rows[0][1].tie, rows[0][1].sparsity or 0.0
+    if tie.kept_blocks(target) >= len(tie.of_block):
+        return f"{where}: sparsity {target:g} prunes no {kind}"
+    if {row.tie.axis for _, row, _, _ in rows} != {0, 1}:
+        return f"{where}: no projection on both sides of the units"
+    if kind == "head":
+        return heads_problem(model.get_submodule(group))
+    return None
+
+
+def _band_grid(mask: Tensor, tie: UnitTie) -> Tensor:
+    """The kept bands of a member's dense mask as its band grid (module doc)."""
+    along = mask if tie.axis == ROWS else mask.T
+    kept = along.reshape(len(tie.of_block), -1).any(1)
+    return kept.view(-1, 1) if tie.axis == ROWS else kept.view(1, -1)
+

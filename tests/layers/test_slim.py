@@ -1,0 +1,264 @@
+"""SlimLinear: heads and neurons trained as physically smaller layers under compress."""
+
+import copy
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import make_trainer
+from pytorch_lightning.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from sparse_training import SlimLinear, SparsityCallback, SparsityConfig, SparsityEngine, densify
+from sparse_training.engine.plan import SparsityPlan
+from sparse_training.layers.compress import compress_selected
+from sparse_training.layers.compress_units import heads_problem
+from sparse_training.pieces.units import COLUMNS, ROWS
+
+HEADS_AND_NEURONS = dict(pattern="neuron", sparsity=0.5, schedule="oneshot",
+                         overrides={"attention|attn": {"pattern": "head"}})
+
+
+def reference(x, weight, bias, axis, kept):
+    """float64 ``x W_d^T + b_d`` of the dense layer with the removed bands zero, computed
+    from the dense tensors (rows: the removed outputs dropped; columns: ``x`` holds only the
+    kept inputs, scattered back to their dense positions)."""
+    mask = torch.zeros(weight.shape[axis], dtype=torch.bool)
+    mask[kept] = True
+    w = weight * (mask[:, None] if axis == ROWS else mask[None, :])
+    if axis == COLUMNS:
+        dense_x = x.new_zeros(*x.shape[:-1], weight.shape[1])
+        dense_x[..., kept] = x
+        x = dense_x
+    y = x @ w.T + bias
+    return y[..., kept] if axis == ROWS else y
+
+
+@pytest.mark.parametrize("axis", [ROWS, COLUMNS])
+@pytest.mark.parametrize("shape,band", [((12, 9), 3), ((7, 15), 1), ((10, 12), 2)])
+def test_forward_and_every_gradient_match_the_masked_dense_layer_in_float64(axis, shape, band):
+    torch.manual_seed(0)
+    out, inp = shape
+    linear = nn.Linear(inp, out).double()
+    bands = (out if axis == ROWS else inp) // band
+    band_mask = torch.rand(bands) < 0.5
+    band_mask[0] = True
+    layer = SlimLinear.from_dense(linear, axis, band, band_mask)
+    kept = band_mask.repeat_interleave(band).nonzero().flatten()
+    width = inp if axis == ROWS else len(kept)
+    x = torch.randn(width, 5, 3, dtype=torch.float64).transpose(0, 2)  # non-contiguous
+    x.requires_grad_(True)
+    dense_w = linear.weight.detach().clone().requires_grad_(True)
+    dense_b = linear.bias.detach().clone().requires_grad_(True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    y, y_ref = layer(x), reference(x_ref, dense_w, dense_b, axis, kept)
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-12)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    y_ref.backward(grad)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(layer.weight.grad, dense_w.grad.index_select(axis, kept),
+                               rtol=0, atol=1e-12)
+    expected_bias = dense_b.grad[kept] if axis == ROWS else dense_b.grad
+    torch.testing.assert_close(layer.bias.grad, expected_bias, rtol=0, atol=1e-12)
+    assert layer.sparsity == pytest.approx(1 - len(kept) / (out if axis == ROWS else inp))
+
+
+@pytest.mark.parametrize("axis", [ROWS, COLUMNS])
+def test_state_dict_is_the_dense_linears_and_loads_back_its_bands(axis):
+    torch.manual_seed(1)
+    linear = nn.Linear(8, 6)
+    bands = 3 if axis == ROWS else 4
+    layer = SlimLinear.from_dense(linear, axis, 2, torch.tensor([True, False, True, False][:bands]))
+    state = layer.state_dict()
+    assert set(state) == {"weight", "bias"} and state["weight"].shape == (6, 8)
+    plain = nn.Linear(8, 6)
+    plain.load_state_dict(state)  # strict
+    x = torch.randn(4, 8)
+    x_in = x if axis == ROWS else x[:, layer.kept_index]
+    y = plain(x)
+    torch.testing.assert_close(layer(x_in), y[:, layer.kept_index] if axis == ROWS else y)
+    torch.testing.assert_close(layer.to_dense()(x), y if axis == COLUMNS else plain(x) * (
+        torch.zeros(6).index_fill(0, layer.kept_index, 1)) + plain.bias * 0)
+    other = SlimLinear(8, 6, axis, 2, torch.tensor([False, True, True, False][:bands]))
+    other.load_state_dict(state)  # takes the bands the weight holds
+    assert torch.equal(other.band_mask, layer.band_mask)
+    assert torch.equal(other.weight, layer.weight) and torch.equal(other.bias, layer.bias)
+
+
+def test_loading_a_weight_nonzero_in_more_bands_than_kept_names_the_layer():
+    layer = SlimLinear(8, 6, ROWS, 2, torch.tensor([True, False, False]))
+    with pytest.raises(RuntimeError, match="nonzero in 3 bands of 2 rows, the layer keeps 1"):
+        layer.load_state_dict(nn.Linear(8, 6).state_dict())
+
+
+@pytest.mark.parametrize("args,message", [
+    ((8, 6, 2, 2, torch.ones(3, dtype=torch.bool)), "axis must be ROWS"),
+    ((8, 6, ROWS, 4, torch.ones(2, dtype=torch.bool)), "bands of 4 do not tile the 6 rows"),
+    ((8, 6, ROWS, 2, torch.ones(4, dtype=torch.bool)), r"band_mask must be bool of shape \(3,\)"),
+    ((8, 6, ROWS, 2, torch.zeros(3, dtype=torch.bool)), "keeps no band"),
+])
+def test_bad_layers_are_refused_naming_the_value(args, message):
+    with pytest.raises(ValueError, match=message):
+        SlimLinear(*args)
+
+
+def hf_model(family: str, seed: int = 0) -> nn.Module:
+    from transformers import (
+        BartConfig,
+        BartModel,
+        BertConfig,
+        BertModel,
+        LlamaConfig,
+        LlamaModel,
+        OPTConfig,
+        OPTModel,
+        ViTConfig,
+        ViTModel,
+    )
+
+    torch.manual_seed(seed)
+    small = dict(num_hidden_layers=2, num_attention_heads=4, intermediate_size=48)
+    config = {
+        "bert": lambda: BertModel(BertConfig(hidden_size=32, vocab_size=40, **small)),
+        "vit": lambda: ViTModel(ViTConfig(hidden_size=32, image_size=8, patch_size=4, **small)),
+        "llama": lambda: LlamaModel(LlamaConfig(hidden_size=32, vocab_size=40,
+                                                num_key_value_heads=2, **small)),
+        "bart": lambda: BartModel(BartConfig(d_model=32, vocab_size=40, encoder_layers=1,
+                                             decoder_layers=1, encoder_attention_heads=4,
+                                             decoder_attention_heads=4, encoder_ffn_dim=48,
+                                             decoder_ffn_dim=48)),
+        "opt": lambda: OPTModel(OPTConfig(hidden_size=32, vocab_size=40, ffn_dim=48,
+                                          word_embed_proj_dim=32, num_hidden_layers=2,
+                                          num_attention_heads=4)),
+    }[family]
+    return config().double().eval()
+
+
+def hf_inputs(family: str):
+    g = torch.Generator().manual_seed(3)
+    if family == "vit":
+        return {"pixel_values": torch.randn(2, 3, 8, 8, generator=g, dtype=torch.float64)}
+    return {"input_ids": torch.randint(4, 40, (2, 7), generator=g)}
+
+
+@pytest.mark.parametrize("family", ["bert", "vit", "llama", "bart", "opt"])
+def test_slim_models_compute_what_masked_dense_ones_do(family):
+    """float64: the compressed model (heads and neurons removed) against the masked-dense
+    engine's model at step 0; OPT's attention reads self.num_heads, so its heads stay
+    masked-dense (with the reason) and its neurons shrink."""
+    config = SparsityConfig(**HEADS_AND_NEURONS, compress=True,
+                            deny=["embed|patch|pooler|lm_head|project"])
+    model, masked = hf_model(family), hf_model(family)
+    SparsityEngine(masked, config).prune()
+    rows, plan = compress_selected(model, SparsityPlan.build(model, config))
+    SparsityEngine(model, config, plan=plan.bound(model)).prune()  # masks what stays dense
+    slim = [r for r in rows if isinstance(r.layer, SlimLinear)]
+    kept_heads = [r for r in rows if r.decision.startswith("masked-dense")]
+    assert slim
+    if family == "opt":
+        assert kept_heads and all("reads self.num_heads" in r.decision for r in kept_heads)
+    else:
+        assert not kept_heads
+    with torch.no_grad():
+        out, expected = model(**hf_inputs(family)), masked(**hf_inputs(family))
+    torch.testing.assert_close(out.last_hidden_state, expected.last_hidden_state,
+                               rtol=0, atol=1e-10)
+    dense = copy.deepcopy(model)
+    densify(dense)
+    assert not any(isinstance(m, SlimLinear) for m in dense.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(dense(**hf_inputs(family)).last_hidden_state,
+                                   expected.last_hidden_state, rtol=0, atol=1e-10)
+    plain = hf_model(family, seed=5)
+    plain.load_state_dict(model.state_dict())  # strict: the original shapes
+    with torch.no_grad():
+        torch.testing.assert_close(plain(**hf_inputs(family)).last_hidden_state,
+                                   expected.last_hidden_state, rtol=0, atol=1e-10)
+
+
+def test_a_group_shrinks_only_whole_and_says_which_member_cannot():
+    config = SparsityConfig(**HEADS_AND_NEURONS, compress="auto",
+                            deny=["embed", "pooler", r"layer\.0\.attention\.output"])
+    model = hf_model("bert")
+    rows, _ = compress_selected(model, SparsityPlan.build(model, config))
+    by_name = {r.name: r for r in rows}
+    query = by_name["encoder.layer.0.attention.self.query"]
+    assert "output.dense.weight is not selected" in query.decision
+    assert isinstance(by_name["encoder.layer.1.attention.self.query"].layer, SlimLinear)
+    assert isinstance(by_name["encoder.layer.0.intermediate.dense"].layer, SlimLinear)
+
+
+def test_heads_problem_reads_the_forward_for_head_counts():
+    class ReadsCount(nn.Module):
+        num_heads = 4
+
+        def forward(self, x):
+            return x.view(2, self.num_heads, -1)
+
+    class Infers(nn.Module):
+        def forward(self, x):
+            return x.view(2, -1, 8)
+
+    assert "reads self.num_heads" in heads_problem(ReadsCount())
+    assert heads_problem(Infers()) is None
+
+
+class TinyBert(pl.LightningModule):
+    """BERT QA from a config, initialized from ``seed``, with the user's AdamW."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        from transformers import BertConfig, BertForQuestionAnswering
+
+        torch.manual_seed(seed)
+        self.model = BertForQuestionAnswering(BertConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+            vocab_size=40, max_position_embeddings=16, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0))
+
+    def training_step(self, batch, batch_idx):
+        ids, start, end = batch
+        return self.model(input_ids=ids, start_positions=start, end_positions=end).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def bert_loader():
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randint(0, 40, (12, 16), generator=g),
+                                    torch.randint(0, 16, (12,), generator=g),
+                                    torch.randint(0, 16, (12,), generator=g)), batch_size=4)
+
+
+def fit_bert(max_epochs, seed=0, ckpt_path=None, callbacks=()):
+    pl.seed_everything(0, verbose=False)
+    model = TinyBert(seed)
+    callback = SparsityCallback(**HEADS_AND_NEURONS, compress=True, deny=["embeddings", "qa"])
+    trainer = make_trainer([callback, *callbacks], max_epochs=max_epochs,
+                           enable_checkpointing=bool(callbacks))
+    trainer.fit(model, bert_loader(), ckpt_path=ckpt_path)
+    return model, trainer
+
+
+def test_a_slim_fit_trains_the_smaller_layers_and_resumes_exactly(tmp_path):
+    uninterrupted, trainer = fit_bert(2)
+    slim = [m for m in uninterrupted.modules() if isinstance(m, SlimLinear)]
+    assert len(slim) == 12  # q, k, v, out, up, down of 2 layers
+    shapes = {tuple(p.shape) for group in trainer.optimizers[0].param_groups
+              for p in group["params"]}
+    assert (16, 32) in shapes and (24, 32) in shapes and (32, 24) in shapes  # half of each
+    assert (32, 32) not in shapes and (48, 32) not in shapes
+    fit_bert(1, callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)])
+    resumed, resumed_trainer = fit_bert(2, seed=1, ckpt_path=tmp_path / "last.ckpt")
+    for (name, value), (_, other) in zip(uninterrupted.state_dict().items(),
+                                         resumed.state_dict().items(), strict=True):
+        assert torch.equal(value, other), name
+    states = [t.optimizers[0].state_dict()["state"] for t in (trainer, resumed_trainer)]
+    for key, moments in states[0].items():
+        for name, value in moments.items():
+            assert torch.equal(value, states[1][key][name]), (key, name)
+    plain = TinyBert(seed=3)
+    plain.load_state_dict(torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"])
