@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from sparse_training import (
     BlockSparseLinear,
     SemiStructuredLinear,
+    SlimLinear,
     SparsityCallback,
     SparsityConfig,
     SparsityEngine,
@@ -209,6 +210,8 @@ SETTINGS = {
     "block 64x64 90%": dict(pattern="block:64x64", sparsity=0.9),
     "block 32x32 50%": dict(pattern="block:32x32", sparsity=0.5),
     "2:4": dict(pattern="2:4"),
+    "heads+neurons 50%": dict(pattern="neuron", sparsity=0.5, schedule="oneshot",
+                              overrides={"attention|attn": {"pattern": "head"}}),
 }
 
 
@@ -217,7 +220,8 @@ SETTINGS = {
     ("bert", "block 32x32 50%", None), ("bert", "2:4", None), ("bert", "2:4", "default"),
     ("bert", "2:4", "reduce-overhead"),
     *[("llama", "block 64x64 90%", mode) for mode in ("default", "reduce-overhead")],
-    ("llama", "2:4", "default")])
+    ("llama", "2:4", "default"), ("bert", "heads+neurons 50%", "reduce-overhead"),
+    ("llama", "heads+neurons 50%", "default")])
 def test_trainer_compressed_hf_model_trains_and_matches_eager(family, name, compile_mode,
                                                               tmp_path):
     """compress=True on HF BERT and Llama through pl.Trainer (bf16-mixed), eager and
@@ -232,8 +236,8 @@ def test_trainer_compressed_hf_model_trains_and_matches_eager(family, name, comp
         sparse = SparsityCallback(**SETTINGS[name], compress=True, deny=deny)
         trainer = gpu_trainer([sparse])
         trainer.fit(model, hf_loader(family))
-        layers = [m for m in model.modules() if isinstance(m, (BlockSparseLinear,
-                                                             SemiStructuredLinear))]
+        layers = [m for m in model.modules() if isinstance(m, (
+            BlockSparseLinear, SemiStructuredLinear, SlimLinear))]
         assert len(layers) == 2 * per_layer, name  # every Linear of the 2 layers
         assert all(torch.isfinite(torch.tensor(model.losses)))
         runs[mode] = model.losses
@@ -242,13 +246,13 @@ def test_trainer_compressed_hf_model_trains_and_matches_eager(family, name, comp
     eager, compiled = runs[None], runs[compile_mode]
     assert max(abs(a - b) for a, b in zip(eager, compiled, strict=True)) < 0.05 * max(eager)
     plain = TinyHF.load_from_checkpoint(path)  # strict: the model class as written
-    assert not any(isinstance(m, (BlockSparseLinear, SemiStructuredLinear))
+    assert not any(isinstance(m, (BlockSparseLinear, SemiStructuredLinear, SlimLinear))
                    for m in plain.modules())
     dense = dict(plain.model.named_parameters())
     for name_, layer in model.model.named_modules():
-        if isinstance(layer, (BlockSparseLinear, SemiStructuredLinear)):
-            want = (layer.to_dense().weight if isinstance(layer, BlockSparseLinear)
-                    else layer.weight * layer.mask)
+        if isinstance(layer, (BlockSparseLinear, SemiStructuredLinear, SlimLinear)):
+            want = (layer.weight * layer.mask if isinstance(layer, SemiStructuredLinear)
+                    else layer.to_dense().weight)
             # the Trainer hands the model back on the CPU after fit
             assert torch.equal(dense[f"{name_}.weight"], want.detach().cpu())
 

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from sparse_training.engine.protocol import CompressedLayer, LayerForm
+from sparse_training.engine.sharding import copy_whole, full
 from sparse_training.engine.slots import state_tensors
 from sparse_training.layers.blocks import transfer
 from sparse_training.layers.storage import CompressedSlot
@@ -122,15 +123,20 @@ class SlimLinear(CompressedLayer):
         return F.linear(x, self.weight, self.bias)
 
     def dense_weight(self) -> Tensor:
-        """The dense weight, zeros at the removed bands (differentiable in ``weight``)."""
-        dense = self.weight.new_zeros(self.out_features, self.in_features)
-        return dense.index_copy(self.axis, self.kept_index, self.weight)
+        """The dense weight, zeros at the removed bands (differentiable in ``weight``; the
+        whole of it where FSDP2 shards it: a collective)."""
+        weight = full(self.weight)
+        dense = weight.new_zeros(self.out_features, self.in_features)
+        return dense.index_copy(self.axis, self.kept_index, weight)
 
     def dense_bias(self) -> Tensor | None:
         """The dense bias, zeros at removed outputs, or None."""
-        if self.bias is None or self.axis == COLUMNS:
-            return self.bias
-        return self.bias.new_zeros(self.out_features).index_copy(0, self.kept_index, self.bias)
+        if self.bias is None:
+            return None
+        bias = full(self.bias)
+        if self.axis == COLUMNS:
+            return bias
+        return bias.new_zeros(self.out_features).index_copy(0, self.kept_index, bias)
 
     def to_dense(self) -> nn.Linear:
         """An ``nn.Linear`` of the dense shape computing the same function (zeros at the
@@ -193,10 +199,11 @@ class SlimLinear(CompressedLayer):
         self.band_mask.copy_(held.index_fill(0, free, True))
         index = self.kept_index
         with torch.no_grad():
-            self.weight.copy_(weight.to(self.weight).index_select(self.axis, index))
+            copy_whole(self.weight, weight.to(index.device, self.weight.dtype).index_select(
+                self.axis, index))
             if bias is not None:
-                self.bias.copy_(bias.to(self.bias).index_select(0, index)
-                                if self.axis == ROWS else bias)
+                bias = bias.to(index.device, self.bias.dtype)
+                copy_whole(self.bias, bias.index_select(0, index) if self.axis == ROWS else bias)
 
     def extra_repr(self) -> str:
         kept = int(self.band_mask.sum())

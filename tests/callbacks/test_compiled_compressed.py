@@ -13,7 +13,7 @@ import torch
 from tiny_hf import FAMILIES, TinyHF, hf_loader
 from torch.utils.data import DataLoader
 
-from sparse_training import BlockSparseLinear, SparsityCallback
+from sparse_training import BlockSparseLinear, SlimLinear, SparsityCallback
 
 SMALL = dict(hidden=32, heads=2)  # TinyHF's widths for the CPU
 
@@ -57,6 +57,31 @@ def test_a_compiled_compressed_hf_model_is_one_graph_and_trains_as_eager(family,
     for name, layer in model.named_modules():
         if isinstance(layer, BlockSparseLinear):
             assert torch.equal(weights[f"{name}.weight"], layer.to_dense().weight.detach())
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_a_compiled_model_of_slim_heads_and_neurons_is_one_graph_and_trains_as_eager(family):
+    """Heads and neurons removed (``SlimLinear``: smaller dense layers) compile into one
+    graph with ``fullgraph=True`` and train as the eager model does."""
+    torch._dynamo.reset()
+    losses = {}
+    for compiled in (False, True):
+        model = TinyHF("default" if compiled else None, family=family, backend="aot_eager",
+                       fullgraph=True, hidden=32, heads=4)
+        sparse = SparsityCallback(pattern="neuron", sparsity=0.5, schedule="oneshot",
+                                  overrides={"attention|attn": {"pattern": "head"}},
+                                  compress=True, deny=FAMILIES[family][0])
+        trainer = pl.Trainer(accelerator="cpu", devices=1, precision="bf16-mixed",
+                             max_epochs=1, logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, enable_checkpointing=False,
+                             callbacks=[sparse])
+        trainer.fit(model, loader(family))
+        slim = [m for m in model.modules() if isinstance(m, SlimLinear)]
+        assert len(slim) == 2 * FAMILIES[family][1]
+        losses[compiled] = model.losses
+    assert len(losses[True]) == 3 and all(map(torch.isfinite, torch.tensor(losses[True])))
+    torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]),
+                               atol=0.05, rtol=0.02)
 
 
 class GraphCount(pl.Callback):
