@@ -218,15 +218,6 @@ def test_the_unread_settings_warning_points_at_the_users_line():
 def test_sr_ste_reads_frequency_and_numpy_starts_are_compared(recwarn):
     SparsityCallback(regrow="sr-ste", frequency=10)  # how often ranks compare their masks
     assert not [w for w in recwarn if "not read with" in str(w.message)]
-
-
-def test_auto_tokens_without_compress_auto_is_said(recwarn):
-    with pytest.warns(UserWarning, match=r"SparsityConfig: auto_tokens=512 not read with "
-                                         r"compress=True \(it sizes compress='auto''s "
-                                         r"measurements\); leave it out"):
-        SparsityCallback(pattern="block:16x16", sparsity=0.5, compress=True, auto_tokens=512)
-    SparsityCallback(pattern="block:16x16", sparsity=0.5, compress="auto", auto_tokens=512)
-    assert not [w for w in recwarn if "auto_tokens" in str(w.message)]
     with pytest.raises(ValueError, match="regrow_end=100 is not after start=500"):
         SparsityCallback(pattern="unstructured", sparsity=0.5, schedule="constant",
                          start=np.int64(500), regrow="rigl", regrow_end=100)
