@@ -161,7 +161,9 @@ class SparsityCallback(Callback):
         """Build this fit's plan (:class:`~sparse_training.engine.plan.SparsityPlan`) and,
         with ``compress``, swap the selected Linear layers for compressed ones here, before
         ``configure_optimizers`` (the optimizers see compressed parameters), deciding
-        ``"auto"`` for the strategy's root device and the precision's compute dtype. A
+        ``"auto"`` for the strategy's root device and the precision's compute dtype (each
+        distinct layer timed there both ways, or read from the timing cache:
+        :mod:`sparse_training.layers.auto_paths`; a line per measurement). A
         model with no weights yet is planned and swapped when its ``configure_model`` calls
         :meth:`compress`. Resuming (``ckpt_path``), the layers are swapped the same way and
         Lightning then loads the checkpoint's weights into them: each compressed layer

@@ -15,7 +15,7 @@ from sparse_training.engine.plan import SparsityPlan
 from sparse_training.engine.state import check_settings
 from sparse_training.layers import auto_paths
 from sparse_training.layers.auto_paths import PathCache, PathKey, Timing, measure_step
-from sparse_training.layers.compress import compress_selected
+from sparse_training.layers.compress import compress_selected, follow_checkpoint
 
 CUDA = torch.device("cuda", 0)
 BLOCKS = dict(pattern="block:16x16", sparsity=0.75, compress="auto")
@@ -189,6 +189,7 @@ def test_cpu_and_fp64_decide_without_measuring(tmp_path, device, dtype, reason):
     assert measure.keys == [] and {r.decision for r in rows} == {f"masked-dense: {reason}"}
 
 
+@pytest.mark.interpreter  # the block kernels on CPU tensors
 @pytest.mark.parametrize("pattern, density", [("block:16x16", 0.25), ("2:4", 0.5)])
 def test_the_real_timing_runs_on_the_cpu_and_its_times_round_trip(tmp_path, pattern, density):
     """Both candidates timed for real (tiny shapes; which is faster is not asserted), with
@@ -209,3 +210,17 @@ def test_a_resume_with_another_auto_tokens_says_nothing(recwarn):
     del saved["auto_tokens"]
     check_settings(saved, SparsityConfig(**BLOCKS, auto_tokens=512).as_dict())
     assert not recwarn.list
+
+
+def test_a_resume_takes_the_checkpoints_paths_and_says_so(tmp_path):
+    """A layer "auto" compressed here that the checkpoint trained masked-dense goes back to
+    its Linear; the table says the checkpoint decided, not this fit's times."""
+    model = Layers()
+    originals = dict(model.named_children())
+    plan = SparsityPlan.build(model, SparsityConfig(**BLOCKS))
+    _, plan = compress_selected(model, plan, CUDA, torch.bfloat16, measure=FakeMeasure(),
+                                cache=PathCache(tmp_path / "t.json"))
+    swapped = [(name, originals[name]) for name in ("a", "b")]
+    plan = follow_checkpoint(model, plan, {}, swapped)  # a checkpoint of no compressed layer
+    assert type(model.a) is nn.Linear and swapped == []
+    assert "; masked-dense: the checkpoint trained it masked-dense" in plan.bound(model).table()
