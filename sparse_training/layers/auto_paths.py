@@ -227,7 +227,7 @@ class PathCache:
         self.versions = versions()
         self._timings: dict[str, dict[str, float]] = self._read()
 
-    def _read(self) -> dict[str, dict[str, float]]:
+    def _read(self, quietly: bool = False) -> dict[str, dict[str, float]]:
         if not self.path.exists():
             return {}
         try:
@@ -237,8 +237,9 @@ class PathCache:
                 raise ValueError(f"not a version {CACHE_VERSION} cache of timings")
             return data["timings"]
         except (OSError, ValueError) as error:
-            warnings.warn(f"compress='auto': ignoring the unreadable cache {self.path} "
-                          f"({error}); measuring again", stacklevel=3)
+            if not quietly:
+                warnings.warn(f"compress='auto': ignoring the unreadable cache {self.path} "
+                              f"({error}); measuring again", stacklevel=3)
             return {}
 
     def get(self, key: PathKey) -> Timing | None:
@@ -249,8 +250,10 @@ class PathCache:
             return None
 
     def put(self, key: PathKey, timing: Timing) -> None:
-        """Keep ``timing`` and write the file (a temporary file, then ``os.replace``)."""
-        self._timings[key.cache_key(self.versions)] = asdict(timing)
+        """Keep ``timing`` and write the file (a temporary file, then ``os.replace``), with
+        the entries other processes wrote since it was read."""
+        self._timings = {**self._read(quietly=True), **self._timings,
+                         key.cache_key(self.versions): asdict(timing)}
         text = json.dumps({"version": CACHE_VERSION, "timings": self._timings}, indent=1,
                           sort_keys=True)
         try:

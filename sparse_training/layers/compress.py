@@ -14,9 +14,10 @@ table of :func:`~sparse_training.layers.swap.sparsify` and in the plan it return
 ``compress="auto"`` compresses only where the compressed layer trains faster than
 masked-dense on the device and compute dtype training uses: each distinct layer is timed
 both ways there, at ``auto_tokens`` tokens per step, and the times are cached
-(:mod:`sparse_training.layers.auto_paths`); ``True`` compresses every eligible tensor. On resume the same layers are swapped again, with fresh masks; loading the
-checkpoint's dense weights then gives each layer its kept blocks (the blocks that hold a
-nonzero), and the callback's state its exact mask.
+(:mod:`sparse_training.layers.auto_paths`); ``True`` compresses every eligible tensor. On
+resume the same layers are swapped again, with fresh masks; loading the checkpoint's
+dense weights then gives each layer its kept blocks (the blocks that hold a nonzero), and
+the callback's state its exact mask.
 """
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ def compress_selected(model: nn.Module, plan: SparsityPlan,
     config = plan.config
     problem = config.fixed_count_problem()
     swap_problem = swap_checker(model)
-    entries = []  # (index, plan row, reason to stay masked-dense, a key to time, or None, module)
+    # (index, plan row, why it stays masked-dense | a PathKey to time | None, module)
+    entries = []
     keys: dict[PathKey, torch.device] = {}  # "auto": each distinct layer, where to time it
     for index, (row, tensor) in enumerate(plan.masked):
         module, attr = tensor.owners[0]
@@ -153,15 +155,16 @@ def compress_selected(model: nn.Module, plan: SparsityPlan,
     timings = choose_paths(keys, measure=measure, cache=cache, progress=progress,
                            agree=agree) if keys else {}
     notes = {}  # tensor name -> the measured times of a compressed one
-    for i, (index, row, reason, module) in enumerate(entries):
-        if isinstance(reason, PathKey):
-            timing = timings[reason]
-            if isinstance(timing, str) or not timing.compresses:
-                entries[i] = (index, row, timing if isinstance(timing, str) else
-                              timing.text(reason.tokens), module)
-            else:
-                entries[i], notes[row.name] = (index, row, None, module), timing.text(
-                    reason.tokens)
+    for i, (index, row, key, module) in enumerate(entries):
+        if not isinstance(key, PathKey):
+            continue
+        timing = timings[key]
+        if isinstance(timing, str):  # why it could not be measured
+            entries[i] = (index, row, timing, module)
+        elif timing.compresses:
+            entries[i], notes[row.name] = (index, row, None, module), timing.text(key.tokens)
+        else:
+            entries[i] = (index, row, timing.text(key.tokens), module)
     if meta := [row.name for _, row, reason, module in entries
                 if reason is None and module.weight.is_meta]:
         raise ValueError(f"{meta} are on the meta device: compressing keeps the blocks their "

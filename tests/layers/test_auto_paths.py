@@ -224,3 +224,13 @@ def test_a_resume_takes_the_checkpoints_paths_and_says_so(tmp_path):
     plan = follow_checkpoint(model, plan, {}, swapped)  # a checkpoint of no compressed layer
     assert type(model.a) is nn.Linear and swapped == []
     assert "; masked-dense: the checkpoint trained it masked-dense" in plan.bound(model).table()
+
+
+def test_entries_another_process_wrote_meanwhile_are_kept(tmp_path):
+    path = tmp_path / "t.json"
+    mine, theirs = PathCache(path), PathCache(path)
+    keys = [PathKey((64, 64), "2:4", 0.5, "bf16", "gpu", tokens) for tokens in (1, 2)]
+    theirs.put(keys[0], Timing(1.0, 2.0))
+    mine.put(keys[1], Timing(3.0, 4.0))
+    again = PathCache(path)
+    assert again.get(keys[0]) == Timing(1.0, 2.0) and again.get(keys[1]) == Timing(3.0, 4.0)
