@@ -315,6 +315,18 @@ def lightning_log(caplog):
     logger.removeHandler(caplog.handler)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _auto_cache(tmp_path_factory):
+    """compress="auto"'s timing cache in a folder of this session, never the user's."""
+    before = os.environ.get("SPARSE_TRAINING_CACHE")
+    os.environ["SPARSE_TRAINING_CACHE"] = str(tmp_path_factory.mktemp("auto_cache"))
+    yield
+    if before is None:
+        os.environ.pop("SPARSE_TRAINING_CACHE", None)
+    else:
+        os.environ["SPARSE_TRAINING_CACHE"] = before
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     pl.seed_everything(0, verbose=False)

@@ -42,9 +42,9 @@ from sparse_training.engine.protocol import CompressedLayer
 from sparse_training.engine.sharding import FSDP1_PROBLEM
 from sparse_training.engine.state import check_mask_settings, check_state
 from sparse_training.engine.tensors import find_weight_tensors
+from sparse_training.layers.auto_paths import dtype_name
 from sparse_training.layers.compress import (
     compress_selected,
-    dtype_name,
     follow_checkpoint,
     held_apart,
     undo_swaps,
@@ -108,7 +108,8 @@ class SparsityCallback(Callback):
                  regrow_fraction: float = DEFAULT_ALPHA, regrow_end: Step = DEFAULT_REGROW_END,
                  sr_ste_decay: float = DEFAULT_SR_STE_DECAY, seed: int = 0,
                  check_masks: bool = True, fused: bool | str = "auto",
-                 compress: bool | str = False, **unknown: Any) -> None:
+                 compress: bool | str = False, auto_tokens: int = 8192,
+                 **unknown: Any) -> None:
         if message := SparsityConfig.unknown_setting(unknown):
             raise TypeError(message)
         arguments = dict(locals())  # the settings, by the names of SparsityConfig's fields
@@ -160,7 +161,9 @@ class SparsityCallback(Callback):
         """Build this fit's plan (:class:`~sparse_training.engine.plan.SparsityPlan`) and,
         with ``compress``, swap the selected Linear layers for compressed ones here, before
         ``configure_optimizers`` (the optimizers see compressed parameters), deciding
-        ``"auto"`` for the strategy's root device and the precision's compute dtype. A
+        ``"auto"`` for the strategy's root device and the precision's compute dtype (each
+        distinct layer timed there both ways, or read from the timing cache:
+        :mod:`sparse_training.layers.auto_paths`; a line per measurement). A
         model with no weights yet is planned and swapped when its ``configure_model`` calls
         :meth:`compress`. Resuming (``ckpt_path``), the layers are swapped the same way and
         Lightning then loads the checkpoint's weights into them: each compressed layer
@@ -216,8 +219,10 @@ class SparsityCallback(Callback):
         if problem := self._overlap(trainer, pl_module):
             raise ValueError(f"SparsityCallback: {problem}")
         before = dict(pl_module.named_modules())
-        rows, self._plan = compress_selected(pl_module, self._plan_for(pl_module), device,
-                                             dtype)
+        # "auto" says each layer it measures; every rank takes rank 0's times
+        rows, self._plan = compress_selected(
+            pl_module, self._plan_for(pl_module), device, dtype, progress=rank_zero_info,
+            agree=functools.partial(trainer.strategy.broadcast, src=0))
         # kept until the optimizers are checked at fit start, to put back if they are wrong
         self._swapped += [(name, before[name]) for name, module in pl_module.named_modules()
                           if isinstance(module, CompressedLayer) and before.get(name) is not

@@ -21,6 +21,7 @@ from sparse_training.config.values import (
     LayerOverride,
     check_choice,
     check_target,
+    check_tokens,
     is_real,
     layer_type,
     parse_overrides,
@@ -112,7 +113,12 @@ class SparsityConfig(SettingChecks):
             (:mod:`sparse_training.layers.compress`; ``BlockSparseLinear`` for block patterns,
             ``SemiStructuredLinear`` for 2:4): True wherever the kept count is fixed from
             the first step (an error otherwise), "auto" only where measured faster than
-            masked-dense (blocks from 16M weights, 2:4 from 32M), False never.
+            masked-dense (each distinct layer timed both ways on the training device and
+            compute dtype at setup, times cached: :mod:`sparse_training.layers.auto_paths`),
+            False never.
+        auto_tokens: the tokens (rows of a layer's input: batch x sequence length) of the
+            training step that ``compress="auto"`` times each layer with; the swap happens
+            at setup, before any batch is seen.
 
     Raises:
         ValueError: for any bad value, naming it and the valid forms.
@@ -140,6 +146,7 @@ class SparsityConfig(SettingChecks):
     check_masks: bool = True
     fused: bool | str = "auto"
     compress: bool | str = False
+    auto_tokens: int = 8192  # a few sequences of 2-4k tokens: a typical LLM step per GPU
     parsed_pattern: Pattern = field(init=False, repr=False, compare=False)
     parsed_schedule: Schedule = field(init=False, repr=False, compare=False)
     parsed_overrides: dict[str, LayerOverride] = field(init=False, repr=False, compare=False)
@@ -169,6 +176,7 @@ class SparsityConfig(SettingChecks):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         check_choice(self.fused, "fused", FUSED)
         check_choice(self.compress, "compress", COMPRESS)
+        check_tokens(self.auto_tokens)
         self._check_regrowth(pattern)
         types = self.layer_types
         types = (types,) if isinstance(types, type | str) else types

@@ -140,7 +140,7 @@ class SettingChecks:
         """Settings that the chosen ``regrow`` and schedule never read are said, not dropped
         silently: RigL and SET read ``regrow_fraction`` and ``regrow_end``, SR-STE
         ``sr_ste_decay``; ``frequency`` spaces the updates of gradual schedules and of
-        regrowth."""
+        regrowth; ``compress="auto"`` reads ``auto_tokens``."""
         reads = {None: (), "rigl": ("regrow_fraction", "regrow_end"),
                  "set": ("regrow_fraction", "regrow_end"), "sr-ste": ("sr_ste_decay",)}
         defaults = {name: type(self).__dataclass_fields__[name].default
@@ -151,6 +151,10 @@ class SettingChecks:
         if (self.regrow is None and not isinstance(self.parsed_schedule, Gradual)
                 and self.frequency != defaults["frequency"]):
             unread.append("frequency")
+        if self.compress != "auto" and self.auto_tokens != type(self).auto_tokens:
+            warnings.warn(f"SparsityConfig: auto_tokens={self.auto_tokens!r} not read with "
+                          f"compress={self.compress!r} (it sizes compress='auto''s "
+                          f"measurements); leave it out", UserWarning, stacklevel=CALLER_LEVEL)
         if unread:
             shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in unread)
             warnings.warn(f"SparsityConfig: {shown} not read with regrow={self.regrow!r} and "

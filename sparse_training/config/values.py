@@ -119,3 +119,11 @@ def check_target(pattern: Pattern | None, sparsity: float | None, where: str) ->
 def check_choice(value: Any, name: str, valid: Sequence[Any]) -> None:
     if not any(value is v or (isinstance(v, str) and value == v) for v in valid):
         raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(map(repr, valid))}")
+
+
+def check_tokens(value: Any) -> None:
+    """``auto_tokens``: a positive int."""
+    if not is_int(value) or value <= 0:
+        raise ValueError(f"auto_tokens must be a positive int (the tokens per step, batch x "
+                         f"sequence length, that compress='auto' times each layer at), got "
+                         f"{value!r}")

@@ -92,7 +92,8 @@ class SparsityPlan:
                           f"compressed, another selection's: {row.reason}")
                 row = replace(row, names=tensor.names, kind=tensor.kind,
                               shape=tuple(tensor.param.shape), selected=False,
-                              compressed=row.selected, reason=reason, path_reason="")
+                              compressed=row.selected, reason=reason,
+                              path_reason=row.path_reason if row.selected else "")
             elif now_compressed != was_compressed or tensor.names != row.names or (
                     not now_compressed and tensor.param.shape != row.shape):
                 return None
@@ -175,7 +176,9 @@ def format_table(plans: Sequence[TensorPlan]) -> str:
             target, density = f"{p.sparsity:.4f}", f"{1 - p.sparsity:.4f}"
         spec = "-" if p.pattern is None else p.pattern.spec if p.tie is None else (
             f"{p.tie.kind} ({p.pattern.spec})")
-        reason = p.reason + (f"; masked-dense: {p.path_reason}" if p.path_reason else "")
+        # why it took its path: masked-dense rather than compressed, or auto's times
+        reason = p.reason + ("" if not p.path_reason else f"; masked-dense: {p.path_reason}"
+                             if p.selected else f"; {p.path_reason}")
         lines.append((p.name, p.kind, "x".join(map(str, p.shape)), spec, target, density,
                       p.path, reason))
     return text_table(("tensor", "type", "shape", "pattern", "sparsity", "density", "path",

@@ -87,8 +87,9 @@ class TensorPlan:
         compressed: a compressed layer's tensor that rules 1-3 reach as they would the
             ``nn.Linear`` it replaced: the engine holds it (the layer keeps its own
             sparsity); one outside them is another selection's.
-        path_reason: why a selected tensor trains masked-dense rather than compressed
-            (set by ``compress``), else empty.
+        path_reason: why a selected tensor trains masked-dense rather than compressed, or
+            a compressed one's measured times under ``compress="auto"`` (set by
+            ``compress``), else empty.
     """
 
     names: tuple[str, ...]

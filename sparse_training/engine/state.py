@@ -42,6 +42,9 @@ MASK_SETTINGS = ("pattern", "sparsity", "layer_types", "allow", "deny", "dense_r
                  "overrides", "distribution", "regrow", "score", "compress")
 # Settings whose resolved values the checkpoint carries: its values win on resume.
 SCHEDULE_SETTINGS = ("schedule", "start", "end", "frequency", "regrow_end")
+# Settings read at setup only, whose effect the checkpoint carries: compress="auto"'s
+# measurements, which a resume replaces with the checkpoint's compressed layers.
+SETUP_SETTINGS = ("auto_tokens",)
 
 
 def pack_masks(slots: Sequence[MaskedSlot]) -> dict[str, dict[str, Any]]:
@@ -267,7 +270,7 @@ def check_settings(saved: dict[str, Any], current: dict[str, Any]) -> None:
     if changed := _changes(saved, current, SCHEDULE_SETTINGS):
         warnings.warn("resuming keeps the checkpoint's schedule; ignored: " + "; ".join(changed)
                       + " (a new fit without ckpt_path runs the new schedule)", stacklevel=3)
-    other = [k for k in current if k not in MASK_SETTINGS + SCHEDULE_SETTINGS]
+    other = [k for k in current if k not in MASK_SETTINGS + SCHEDULE_SETTINGS + SETUP_SETTINGS]
     if changed := _changes(saved, current, other):
         warnings.warn("resuming with changed settings, which apply from now on: "
                       + "; ".join(changed), stacklevel=3)

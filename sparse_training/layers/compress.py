@@ -11,16 +11,18 @@ not which blocks it keeps. Everything else stays masked-dense (the engine), and
 :func:`compress_selected` says, per tensor, which path it takes and why, in the swap
 table of :func:`~sparse_training.layers.swap.sparsify` and in the plan it returns.
 
-``compress="auto"`` compresses only where the compressed layers train faster than
-masked-dense on the device and compute dtype training uses (:func:`slower_reason`: blocks
-from 16M weights on CUDA in bf16/fp16, never 2:4); ``True`` compresses every eligible
-tensor. On resume the same layers are swapped again, with fresh masks; loading the
-checkpoint's dense weights then gives each layer its kept blocks (the blocks that hold a
-nonzero), and the callback's state its exact mask.
+``compress="auto"`` compresses only where the compressed layer trains faster than
+masked-dense on the device and compute dtype training uses: each distinct layer is timed
+both ways there, at ``auto_tokens`` tokens per step, and the times are cached
+(:mod:`sparse_training.layers.auto_paths`); ``True`` compresses every eligible tensor. On
+resume the same layers are swapped again, with fresh masks; loading the checkpoint's
+dense weights then gives each layer its kept blocks (the blocks that hold a nonzero), and
+the callback's state its exact mask.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +35,15 @@ from sparse_training.engine.sharding import is_sharded
 from sparse_training.engine.state import LayerForm, check_compressed
 from sparse_training.kernels.block_sparse import block_grid
 from sparse_training.kernels.semi_structured.masks import features_problem
+from sparse_training.layers.auto_paths import (
+    Measure,
+    PathCache,
+    PathKey,
+    choose_paths,
+    device_name,
+    dtype_name,
+    unmeasured_reason,
+)
 from sparse_training.layers.block_sparse import BlockSparseLinear
 from sparse_training.layers.blocks import BLOCK_SIZES
 from sparse_training.layers.compress_units import shrinkable_units
@@ -53,19 +64,6 @@ from sparse_training.pieces.training_scores import TrainingScore
 if TYPE_CHECKING:
     from sparse_training.config import SparsityConfig
 
-# from benchmarks/e2e_step.py through pl.Trainer on an H100 (bf16-mixed, every variant
-# AdamW(fused=True); docs/performance.md "Whole training steps"): a Llama-8B-shaped 8-layer
-# decoder with 128x128 blocks at 90% / 75% / 50% trained 1.98x / 1.63x / 1.25x as fast as
-# dense; BERT-base (2.4M weights per matrix) with 64x64 blocks at 90% 1.04x, level with
-# masked-dense there (host time per layer call eats what the smaller products save)
-AUTO_MIN_WEIGHTS = 16 * 2**20
-AUTO_MAX_DENSITY = {128: 0.5, 64: 0.25}
-# 2:4 compressed layers: no faster than masked-dense end to end (same benchmark: Llama-shaped
-# 79.8 vs 77.6 ms/step; BERT-base 64.0 ms against 48.0 dense)
-AUTO_2_4_REASON = ("auto: 2:4 layers train no faster than masked-dense end to end "
-                   "(docs/performance.md); compress=True forces them")
-
-
 def pattern_problem(pattern: Pattern) -> str | None:
     """Why no compressed layer takes ``pattern``, or None: blocks of :data:`BLOCK_SIZES`
     (``BlockSparseLinear``) or 2:4 (``SemiStructuredLinear``, transposable or not)."""
@@ -75,48 +73,6 @@ def pattern_problem(pattern: Pattern) -> str | None:
     if not pattern.is_nm and not set(block) <= set(BLOCK_SIZES):
         return f"block {block[0]}x{block[1]}: the kernels take blocks of {BLOCK_SIZES}"
     return None
-
-
-def slower_reason(shape: tuple[int, int], pattern: Pattern, density: float,
-                  device: torch.device, compute_dtype: torch.dtype) -> str | None:
-    """Why ``compress="auto"`` keeps this tensor masked-dense when it trains on ``device``
-    with products in ``compute_dtype``, or None to compress it.
-
-    2:4 never (:data:`AUTO_2_4_REASON`). Blocks compress where an H100 measured them faster
-    than dense end to end: weights of :data:`AUTO_MIN_WEIGHTS` (16M) entries or more (below,
-    the kernels' launches cost more than they save), on CUDA (elsewhere the layer
-    multiplies a dense copy), bf16 or fp16 products, density <= 0.5 with 128x128 blocks and
-    <= 0.25 with 64x64 (:data:`AUTO_MAX_DENSITY`).
-    """
-    if pattern.is_nm:
-        return AUTO_2_4_REASON
-    if shape[0] * shape[1] < AUTO_MIN_WEIGHTS:
-        return (f"auto: {shape[0]}x{shape[1]} is under {AUTO_MIN_WEIGHTS:,} weights, where "
-                f"launch costs make the compressed layer slower")
-    if device.type != "cuda":
-        return f"auto: on {device.type} the compressed layer multiplies a dense copy"
-    if compute_dtype not in (torch.bfloat16, torch.float16):
-        return (f"auto: {dtype_name(compute_dtype)} compute; the block kernels were measured "
-                f"faster in bf16 and fp16 only")
-    block = (pattern.block_rows, pattern.block_cols)
-    max_density = AUTO_MAX_DENSITY.get(min(block))
-    if max_density is None:
-        return (f"auto: block {block[0]}x{block[1]} was not measured faster than dense (auto "
-                f"compresses 128x128 blocks at density <= 0.5 and 64x64 at <= 0.25)")
-    if density > max_density:
-        return (f"auto: block {block[0]}x{block[1]} at density {density:.4g} > {max_density} "
-                f"is slower than dense (compressed wins at <= 0.5 with 128x128, <= 0.25 with "
-                f"64x64)")
-    return None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``bf16``, ``fp16``, ``fp32``, ``fp64``, or torch's name of another dtype."""
-    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
-
-
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-                torch.float64: "fp64"}
 
 
 def _first_score(weight: torch.Tensor, index: int,
@@ -148,7 +104,10 @@ def _keeps_every_block(plan: TensorPlan) -> str | None:
 
 def compress_selected(model: nn.Module, plan: SparsityPlan,
                       device: torch.device | None = None,
-                      compute_dtype: torch.dtype | None = None
+                      compute_dtype: torch.dtype | None = None, *,
+                      measure: Measure | None = None, cache: PathCache | None = None,
+                      progress: Callable[[str], object] | None = None,
+                      agree: Callable[[list], list] | None = None
                       ) -> tuple[list[SwapRow], SparsityPlan]:
     """Swap the selected Linear weights of ``plan`` that can train compressed, in place
     (module doc), each with the mask masked-dense training keeps at step 0.
@@ -159,11 +118,15 @@ def compress_selected(model: nn.Module, plan: SparsityPlan,
             weight's device now).
         compute_dtype: the dtype of their products (autocast's, or the weights'), for
             ``"auto"`` (default: each weight's dtype).
+        measure, cache, progress, agree: how ``"auto"`` times the layers, where it keeps
+            the times, says each measurement and makes ranks agree
+            (:func:`~sparse_training.layers.auto_paths.choose_paths`).
 
     Returns:
         One row per selected tensor's module (``compressed``, or why it trains
-        masked-dense), and the plan of the model after the swap (the compressed rows
-        follow their layers; the others say why they stay masked-dense).
+        masked-dense; under ``"auto"`` both with the measured times), and the plan of the
+        model after the swap (the compressed rows follow their layers; ``path_reason``
+        says why each took its path).
 
     Raises:
         ValueError: before anything is swapped: ``config.compress`` is True and nothing can
@@ -173,7 +136,9 @@ def compress_selected(model: nn.Module, plan: SparsityPlan,
     config = plan.config
     problem = config.fixed_count_problem()
     swap_problem = swap_checker(model)
-    entries = []  # (plan row, reason to stay masked-dense or None, module)
+    # (index, plan row, why it stays masked-dense | a PathKey to time | None, module)
+    entries = []
+    keys: dict[PathKey, torch.device] = {}  # "auto": each distinct layer, where to time it
     for index, (row, tensor) in enumerate(plan.masked):
         module, attr = tensor.owners[0]
         if problem is not None:
@@ -191,12 +156,26 @@ def compress_selected(model: nn.Module, plan: SparsityPlan,
         elif (kept_all := _keeps_every_block(row)) is not None:
             reason = kept_all
         elif config.compress == "auto":
-            reason = slower_reason(tuple(row.shape), row.pattern, 1 - row.sparsity,
-                                   device or module.weight.device,
-                                   compute_dtype or module.weight.dtype)
+            where, dtype = device or module.weight.device, compute_dtype or module.weight.dtype
+            if (reason := unmeasured_reason(where, dtype)) is None:
+                reason = _path_key(row, where, dtype, config.auto_tokens)
+                keys.setdefault(reason, where)
         else:
             reason = None
         entries.append((index, row, reason, module))
+    timings = choose_paths(keys, measure=measure, cache=cache, progress=progress,
+                           agree=agree) if keys else {}
+    notes = {}  # tensor name -> the measured times of a compressed one
+    for i, (index, row, key, module) in enumerate(entries):
+        if not isinstance(key, PathKey):
+            continue
+        timing = timings[key]
+        if isinstance(timing, str):  # why it could not be measured
+            entries[i] = (index, row, timing, module)
+        elif timing.compresses:
+            entries[i], notes[row.name] = (index, row, None, module), timing.text(key.tokens)
+        else:
+            entries[i] = (index, row, timing.text(key.tokens), module)
     units = shrinkable_units(model, plan, entries, lambda w, i: _first_score(w, i, config))
     entries = [(i, row, units[row.name][0] if row.name in units else reason, module)
                for i, row, reason, module in entries]
@@ -216,7 +195,8 @@ def compress_selected(model: nn.Module, plan: SparsityPlan,
         mask = units[row.name][1] if row.name in units else (
             _first_mask(module.weight, row, index, config))
         layer = _compressed_layer(module, row, mask.to(module.weight.device))
-        rows.append(SwapRow(module_name, row.shape, row.pattern.spec, "compressed",
+        decision = f"compressed: {notes[row.name]}" if row.name in notes else "compressed"
+        rows.append(SwapRow(module_name, row.shape, row.pattern.spec, decision,
                             layer.train(module.training)))
     if config.compress is True and len(reasons) == len(rows) and not any(
             p.compressed for p in plan.rows):
@@ -225,8 +205,18 @@ def compress_selected(model: nn.Module, plan: SparsityPlan,
         raise ValueError(f"compress=True but no selected tensor can train compressed; "
                          f"use compress='auto' or False. Per tensor:\n{lines}")
     swap_in(model, rows)
-    return rows, plan.with_rows([replace(p, path_reason=reasons.get(p.name, ""))
-                                 for p in plan.rows])
+    return rows, plan.with_rows([replace(p, path_reason=reasons.get(p.name) or notes.get(
+        p.name, "")) for p in plan.rows])
+
+
+def _path_key(row: TensorPlan, device: torch.device, dtype: torch.dtype,
+              tokens: int) -> PathKey:
+    """The measurement ``row``'s layer stands for: its shape, pattern, kept share (the
+    blocks its target keeps; half for 2:4), compute dtype, device and tokens."""
+    density = 0.5 if row.pattern.is_nm else kept_count(
+        row.block_count, row.sparsity) / row.block_count
+    return PathKey((row.shape[0], row.shape[1]), row.pattern.spec, round(density, 3),
+                   dtype_name(dtype), device_name(device), tokens)
 
 
 def follow_checkpoint(model: nn.Module, plan: SparsityPlan, saved: Any,
@@ -280,8 +270,11 @@ def follow_checkpoint(model: nn.Module, plan: SparsityPlan, saved: Any,
         layer = _compressed_layer(linear, row, mask.to(linear.weight.device))
         replace_module(model, name, layer.train(linear.training))
         swapped.append((name, linear))
+    undone = {replaced_name(key) for key in mine if key not in saved}
     return plan.with_rows([replace(p, path_reason="") if replaced_name(p.name) in {
-        replaced_name(k) for k in saved} else p for p in plan.rows])
+        replaced_name(k) for k in saved} else replace(
+        p, path_reason="the checkpoint trained it masked-dense") if p.name in undone else p
+        for p in plan.rows])
 
 
 def _layer_form(row: TensorPlan) -> LayerForm:

@@ -104,6 +104,12 @@ CONSTRUCTION = [
           regrow_end=10), V, "regrow_end=10 is not after start=20"),
     (dict(pattern="unstructured", sparsity=0.5, schedule="gmp", start=0.5, end=0.9,
           regrow="rigl", regrow_end=0.25), V, "regrow_end=0.25 is not after start=0.5"),
+    (dict(compress="auto", auto_tokens=0), V, r"auto_tokens must be a positive int \(the "
+                                              r"tokens per step.*\), got 0"),
+    (dict(compress="auto", auto_tokens=-8), V, "auto_tokens must be a positive int .*got -8"),
+    (dict(compress="auto", auto_tokens=512.0), V, "auto_tokens must be a positive .*got 512.0"),
+    (dict(compress="auto", auto_tokens="8k"), V, "auto_tokens must be a positive .*got '8k'"),
+    (dict(compress="auto", auto_tokens=True), V, "auto_tokens must be a positive .*got True"),
     (dict(seed=1.5), V, "seed must be an int, got 1.5"),
     (dict(seed="0"), V, "seed must be an int, got '0'"),
     (dict(sparsty=0.5), TypeError, "unknown setting 'sparsty'; did you mean 'sparsity'\\?"),
@@ -141,6 +147,15 @@ def test_settings_the_method_reads_say_nothing(recwarn):
     SparsityCallback(regrow="sr-ste", sr_ste_decay=1e-3)
     SparsityCallback(pattern="unstructured", sparsity=0.5, schedule="gmp", end=0.5, frequency=7)
     assert not [w for w in recwarn if "not read with" in str(w.message)]
+
+
+def test_auto_tokens_without_compress_auto_is_said(recwarn):
+    with pytest.warns(UserWarning, match=r"SparsityConfig: auto_tokens=512 not read with "
+                                         r"compress=True \(it sizes compress='auto''s "
+                                         r"measurements\); leave it out"):
+        SparsityCallback(pattern="block:16x16", sparsity=0.5, compress=True, auto_tokens=512)
+    SparsityCallback(pattern="block:16x16", sparsity=0.5, compress="auto", auto_tokens=512)
+    assert not [w for w in recwarn if "auto_tokens" in str(w.message)]
 
 
 CONFIG_FILES = [
@@ -225,4 +240,4 @@ def test_wrong_types_given_to_the_config_are_named(call, message):
 def test_the_tables_hold_every_case():
     """Guards against a row lost in an edit: the exact size of every table here."""
     sizes = [len(CONSTRUCTION), len(UNREAD), len(CONFIG_FILES), len(HANDLED), len(WRONG_TYPES)]
-    assert sizes == [76, 5, 4, 12, 2], sizes
+    assert sizes == [81, 5, 4, 12, 2], sizes

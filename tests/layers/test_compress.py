@@ -18,8 +18,9 @@ from sparse_training import (
     sparsify,
 )
 from sparse_training.engine.plan import SparsityPlan
-from sparse_training.layers.compress import compress_selected, slower_reason
-from sparse_training.pieces.patterns import parse_pattern
+from sparse_training.layers import auto_paths
+from sparse_training.layers.auto_paths import Timing
+from sparse_training.layers.compress import compress_selected
 
 SETTINGS = dict(pattern="block:16x16", sparsity=0.75)
 
@@ -122,41 +123,13 @@ def test_auto_keeps_masked_dense_where_the_kernels_would_be_slower(lightning_log
     callback = SparsityCallback(**SETTINGS, compress="auto")
     make_trainer([callback], max_epochs=1).fit(model, loader())
     assert type(model.net[2]) is nn.Linear and hasattr(model.net[2], "weight_mask")
-    assert "auto: 64x64 is under 16,777,216 weights, where launch costs" in lightning_log.text
+    assert "auto: on cpu the compressed layer multiplies a dense copy" in lightning_log.text
     assert callback.engine.sparsity == pytest.approx(0.75)
 
 
-CUDA, CPU, BF16, FP32 = torch.device("cuda", 0), torch.device("cpu"), torch.bfloat16, torch.float32
-
-
-@pytest.mark.parametrize("pattern, shape, density, device, dtype, reason", [
-    ("block:128x128", (4096, 14336), 0.1, CUDA, BF16, None),
-    ("block:128x128", (4096, 4096), 0.5, CUDA, torch.float16, None),
-    ("block:64x64", (4096, 4096), 0.25, CUDA, BF16, None),
-    ("block:128x128", (4096, 14336), 0.75, CUDA, BF16, "block 128x128 at density 0.75 > 0.5 is "
-                                                        "slower than dense"),
-    ("block:64x64", (4096, 4096), 0.5, CUDA, BF16, "block 64x64 at density 0.5 > 0.25 is slower"),
-    ("block:64x64", (4096, 4096), 0.2501, CUDA, BF16, "at density 0.2501 > 0.25 is slower"),
-    ("block:32x32", (4096, 4096), 0.1, CUDA, BF16, "block 32x32 was not measured faster than "
-                                                   "dense"),
-    ("block:64x64", (4096, 4096), 0.25, CPU, BF16, "on cpu the compressed layer multiplies"),
-    ("block:64x64", (1024, 4096), 0.25, CUDA, BF16, "1024x4096 is under 16,777,216 weights"),
-    ("block:128x128", (4096, 14336), 0.1, CUDA, FP32, "fp32 compute; the block kernels were "
-                                                       "measured faster in bf16 and fp16 only"),
-    ("block:128x128", (4096, 14336), 0.1, CUDA, torch.float64, "fp64 compute"),
-    ("2:4", (14336, 4096), 0.5, CUDA, BF16, "2:4 layers train no faster than masked-dense "
-                                            "end to end"),
-    ("2:4:2d", (768, 768), 0.5, CPU, FP32, "(docs/performance.md); compress=True forces them"),
-])
-def test_auto_decides_for_the_training_device_and_compute_dtype(pattern, shape, density, device,
-                                                                 dtype, reason):
-    """compress="auto": blocks where measured faster end to end (CUDA, bf16/fp16, 16M
-    weights, density <= 0.5 at 128x128 or 0.25 at 64x64), never 2:4; reasons say why."""
-    found = slower_reason(shape, parse_pattern(pattern), density, device, dtype)
-    if reason is None:
-        assert found is None
-    else:
-        assert found.startswith("auto: ") and reason in found
+def faster_compressed(key, device):
+    """A measure that finds every compressed layer faster (no GPU is needed to decide)."""
+    return Timing(masked_dense_ms=2.0, compressed_ms=1.0)
 
 
 class Big(pl.LightningModule):
@@ -172,39 +145,51 @@ class FakeTrainer:
     decision is pure, and the swap runs on the CPU model)."""
 
     def __init__(self, precision: str) -> None:
-        self.strategy = types.SimpleNamespace(root_device=torch.device("cuda", 0))
+        self.strategy = types.SimpleNamespace(root_device=torch.device("cuda", 0),
+                                              broadcast=lambda obj, src=0: obj)
         self.precision, self.ckpt_path, self.callbacks = precision, None, []
 
 
 @pytest.mark.parametrize("precision, compressed, header", [
     ("bf16-mixed", True, "compress='auto' for cuda:0, bf16 compute"),
     ("16-true", True, "compress='auto' for cuda:0, fp16 compute"),
-    ("32-true", False, "compress='auto' for cuda:0, fp32 compute"),
+    ("32-true", True, "compress='auto' for cuda:0, fp32 compute"),
     ("64-true", False, "compress='auto' for cuda:0, fp64 compute"),
 ])
 def test_auto_at_setup_decides_for_the_strategys_device_and_the_precision(
-        lightning_log, precision, compressed, header):
+        lightning_log, monkeypatch, tmp_path, precision, compressed, header):
+    """Measured on the Trainer's GPU in the precision's compute dtype (here a fake measure);
+    fp64 is not measured: no compressed kernel takes it."""
+    monkeypatch.setenv("SPARSE_TRAINING_CACHE", str(tmp_path))
+    monkeypatch.setattr(auto_paths, "measure_step", faster_compressed)
     model = Big()
     callback = SparsityCallback(pattern="block:128x128", sparsity=0.9, compress="auto")
     callback.setup(FakeTrainer(precision), model, "fit")
     assert isinstance(model.net[0], BlockSparseLinear) is compressed
     assert f"training paths ({header})" in lightning_log.text
-    assert ("128x128  0.0996   102  compressed" in lightning_log.text) is compressed
+    assert ("128x128  0.0996   102  compressed: auto: compressed measured 1.000 ms, "
+            "masked-dense 2.000 ms per step at 8192 tokens" in lightning_log.text) is compressed
+    assert ("fp64 compute; the compressed kernels take bf16, fp16 and fp32"
+            in lightning_log.text) is not compressed
 
 
-def test_compress_selected_decides_for_the_arguments_not_the_weights_device():
+def test_compress_selected_decides_for_the_arguments_not_the_weights_device(tmp_path):
     config = SparsityConfig(pattern="block:128x128", sparsity=0.9, compress="auto")
+    cache = auto_paths.PathCache(tmp_path / "times.json")
     on_cpu = Big()
-    (row,), _ = compress_selected(on_cpu, SparsityPlan.build(on_cpu, config))  # the weights' device and dtype: cpu
+    (row,), _ = compress_selected(on_cpu, SparsityPlan.build(on_cpu, config),
+                                  measure=faster_compressed)  # the weights' device: cpu
     assert row.layer is None and "on cpu" in row.decision
     on_gpu = Big()
     (row,), _ = compress_selected(on_gpu, SparsityPlan.build(on_gpu, config),
-                                  torch.device("cuda"), torch.bfloat16)
-    assert row.decision == "compressed" and isinstance(on_gpu.net[0], BlockSparseLinear)
+                                  torch.device("cuda"), torch.bfloat16,
+                                  measure=faster_compressed, cache=cache)
+    assert row.decision.startswith("compressed: auto: compressed measured")
+    assert isinstance(on_gpu.net[0], BlockSparseLinear)
     big = Big()
     (row,), _ = compress_selected(big, SparsityPlan.build(big, config), torch.device("cuda"),
-                                  torch.float32)
-    assert row.layer is None and "fp32 compute" in row.decision
+                                  torch.float64, measure=faster_compressed, cache=cache)
+    assert row.layer is None and "fp64 compute" in row.decision
 
 
 def test_a_target_that_prunes_no_block_keeps_the_layer_masked_dense():

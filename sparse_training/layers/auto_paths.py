@@ -1,0 +1,312 @@
+"""``compress="auto"``: each distinct layer timed both ways on the device it trains on.
+
+A selected Linear weight that could train compressed is described by a :class:`PathKey`
+(weight shape, pattern, kept density, compute dtype, device name, tokens per step). For
+each distinct key :func:`measure_step` times one training step of that layer both ways,
+back to back in this process: masked-dense (``nn.Linear`` forward, backward to the input
+and the weight under autocast, then ``AdamW`` on its fp32 weight) and compressed (the
+``BlockSparseLinear`` or ``SemiStructuredLinear`` of a random weight with the same
+pattern and density, the same step). After warm-up calls (Triton's autotuning, the 2:4
+layer's own path choice) it takes the median of repetitions that fill a budget of
+:data:`BUDGET_MS`. The layer compresses where
+
+    compressed_ms <= (1 - MARGIN) * masked_dense_ms
+
+Times are kept in a JSON file (:class:`PathCache`), keyed by device name, torch and Triton
+versions and the key, so a later fit decides without measuring. Off CUDA, or in a compute
+dtype the kernels do not take, nothing is measured (:func:`unmeasured_reason`).
+
+A measure is any ``(key, device) -> Timing``; :func:`measure_step` is the real one, tests
+give fakes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from sparse_training.layers.block_sparse import BlockSparseLinear
+from sparse_training.layers.semi_structured import SemiStructuredLinear
+from sparse_training.pieces.patterns import parse_pattern
+
+MARGIN = 0.03  # compressed must save this share of the masked-dense step to be chosen
+BUDGET_MS = 20.0  # timed milliseconds per key, both candidates together
+MIN_REPEATS, MAX_REPEATS, WARMUP = 3, 50, 2
+MEASURED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+CACHE_FILE = "auto_paths.json"
+CACHE_VERSION = 1
+logger = logging.getLogger(__name__)
+_WARNED: set[str] = set()  # cache files whose write failed: said once per process
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``bf16``, ``fp16``, ``fp32``, ``fp64``, or torch's name of another dtype."""
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+                torch.float64: "fp64"}
+
+
+@dataclass(frozen=True)
+class PathKey:
+    """What one measurement stands for: layers with equal keys train alike."""
+
+    shape: tuple[int, int]  # (out_features, in_features)
+    pattern: str  # spec: "block:128x128", "2:4", "2:4:2d"
+    density: float  # kept share, rounded to 3 places
+    dtype: str  # compute dtype, dtype_name's
+    device: str  # device_name's
+    tokens: int  # rows of the input per step
+
+    def cache_key(self, versions: str) -> str:
+        """``versions|device|OUTxIN|pattern|density|dtype|tokens``: the cache's entry."""
+        return "|".join((versions, self.device, "x".join(map(str, self.shape)), self.pattern,
+                         f"{self.density:g}", self.dtype, str(self.tokens)))
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Milliseconds of one training step of a layer on each path."""
+
+    masked_dense_ms: float
+    compressed_ms: float
+
+    @property
+    def compresses(self) -> bool:
+        """compressed_ms <= (1 - MARGIN) * masked_dense_ms."""
+        return self.compressed_ms <= (1 - MARGIN) * self.masked_dense_ms
+
+    def text(self, tokens: int) -> str:
+        """The measured times, the chosen path's first."""
+        first, second = ("compressed", "masked-dense") if self.compresses else (
+            "masked-dense", "compressed")
+        times = {"compressed": self.compressed_ms, "masked-dense": self.masked_dense_ms}
+        return (f"auto: {first} measured {times[first]:.3f} ms, {second} {times[second]:.3f} "
+                f"ms per step at {tokens} tokens")
+
+
+Measure = Callable[[PathKey, torch.device], Timing]
+
+
+def unmeasured_reason(device: torch.device, compute_dtype: torch.dtype) -> str | None:
+    """Why ``"auto"`` keeps a layer masked-dense without measuring on ``device`` with
+    products in ``compute_dtype``, or None: measure it."""
+    if device.type != "cuda":
+        return f"auto: on {device.type} the compressed layer multiplies a dense copy"
+    if compute_dtype not in MEASURED_DTYPES:
+        return (f"auto: {dtype_name(compute_dtype)} compute; the compressed kernels take "
+                f"bf16, fp16 and fp32")
+    return None
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name (``NVIDIA H100 80GB HBM3``), or the device type."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def versions() -> str:
+    """``torch X|triton Y`` (``triton -`` where it does not import): a cache entry's
+    software."""
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "-"
+    return f"torch {torch.__version__}|triton {triton_version}"
+
+
+def time_steps(steps: Mapping[str, Callable[[], object]], device: torch.device,
+               budget_ms: float = BUDGET_MS) -> dict[str, float]:
+    """Median milliseconds per call of each of ``steps``, after :data:`WARMUP` calls each:
+    repetitions alternate between them until ``budget_ms`` is spent (at least
+    :data:`MIN_REPEATS`, at most :data:`MAX_REPEATS`); CUDA events on CUDA, the wall clock
+    elsewhere."""
+    for step in steps.values():
+        for _ in range(WARMUP):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for repeat in range(MAX_REPEATS):
+        for name, step in steps.items():
+            times[name].append(_elapsed_ms(step, device))
+        if repeat + 1 >= MIN_REPEATS and sum(map(sum, times.values())) >= budget_ms:
+            break
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _elapsed_ms(step: Callable[[], object], device: torch.device) -> float:
+    if device.type != "cuda":
+        start = time.perf_counter()
+        step()
+        return (time.perf_counter() - start) * 1e3
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    begin.record()
+    step()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end)
+
+
+def measure_step(key: PathKey, device: torch.device, budget_ms: float = BUDGET_MS) -> Timing:
+    """Time one training step of ``key``'s layer both ways on ``device`` (module doc); the
+    random draws leave the global generators as they were.
+
+    Raises:
+        RuntimeError: what the kernels raise (out of memory, no GPU, ...).
+    """
+    dtype = next(d for d in _DTYPE_NAMES if _DTYPE_NAMES[d] == key.dtype)
+    pattern = parse_pattern(key.pattern)
+    cuda = device.type == "cuda"
+    out_features, in_features = key.shape
+    with torch.random.fork_rng(devices=[device] if cuda else []), (
+            torch.cuda.device(device) if cuda else contextlib.nullcontext()):
+        torch.manual_seed(0)
+        dense = nn.Linear(in_features, out_features, bias=False, device=device)
+        if pattern.is_nm:
+            compressed = SemiStructuredLinear.from_dense(dense, pattern.transposable)
+        else:
+            block = (pattern.block_rows, pattern.block_cols)
+            compressed = BlockSparseLinear.from_dense(dense, block, density=key.density)
+        x = torch.randn(key.tokens, in_features, device=device, dtype=dtype,
+                        requires_grad=True)
+        grad = torch.randn(key.tokens, out_features, device=device, dtype=dtype)
+        steps = {"masked-dense": _train_step(dense, x, grad, dtype),
+                 "compressed": _train_step(compressed, x, grad, dtype)}
+        times = time_steps(steps, device, budget_ms)
+    return Timing(times["masked-dense"], times["compressed"])
+
+
+def _train_step(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor,
+                dtype: torch.dtype) -> Callable[[], None]:
+    """One step of ``layer``: forward under autocast to ``dtype``, backward to ``x`` and
+    the parameters, AdamW (fused on CUDA)."""
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-6, fused=x.is_cuda or None)
+    autocast = dtype != torch.float32
+
+    def step() -> None:
+        x.grad = None
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(x.device.type, dtype=dtype, enabled=autocast):
+            out = layer(x)
+        out.backward(grad)
+        optimizer.step()
+
+    return step
+
+
+def cache_path() -> Path:
+    """``$SPARSE_TRAINING_CACHE/auto_paths.json``, default
+    ``~/.cache/sparse_training/auto_paths.json``."""
+    root = os.environ.get("SPARSE_TRAINING_CACHE") or Path.home() / ".cache" / "sparse_training"
+    return Path(root) / CACHE_FILE
+
+
+class PathCache:
+    """Measured :class:`Timing` s in a JSON file: ``{"version": 1, "timings": {cache key:
+    {"masked_dense_ms": .., "compressed_ms": ..}}}``. A file that cannot be read or parsed
+    is ignored with a warning (and replaced at the next write); one that cannot be written
+    warns once per process, and the times stay in memory."""
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        self.path = Path(path) if path is not None else cache_path()
+        self.versions = versions()
+        self._timings: dict[str, dict[str, float]] = self._read()
+
+    def _read(self, quietly: bool = False) -> dict[str, dict[str, float]]:
+        if not self.path.exists():
+            return {}
+        try:
+            data = json.loads(self.path.read_text())
+            if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or not (
+                    isinstance(data.get("timings"), dict)):
+                raise ValueError(f"not a version {CACHE_VERSION} cache of timings")
+            return data["timings"]
+        except (OSError, ValueError) as error:
+            if not quietly:
+                warnings.warn(f"compress='auto': ignoring the unreadable cache {self.path} "
+                              f"({error}); measuring again", stacklevel=3)
+            return {}
+
+    def get(self, key: PathKey) -> Timing | None:
+        entry = self._timings.get(key.cache_key(self.versions))
+        try:
+            return Timing(float(entry["masked_dense_ms"]), float(entry["compressed_ms"]))
+        except (TypeError, KeyError, ValueError):
+            return None
+
+    def put(self, key: PathKey, timing: Timing) -> None:
+        """Keep ``timing`` and write the file (a temporary file, then ``os.replace``), with
+        the entries other processes wrote since it was read."""
+        self._timings = {**self._read(quietly=True), **self._timings,
+                         key.cache_key(self.versions): asdict(timing)}
+        text = json.dumps({"version": CACHE_VERSION, "timings": self._timings}, indent=1,
+                          sort_keys=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            handle, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=CACHE_FILE)
+            try:
+                with os.fdopen(handle, "w") as file:
+                    file.write(text)
+                os.replace(temporary, self.path)
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary)
+        except OSError as error:
+            if str(self.path) not in _WARNED:
+                _WARNED.add(str(self.path))
+                warnings.warn(f"compress='auto': cannot write the timing cache {self.path} "
+                              f"({error}); the next fit measures again (set "
+                              f"SPARSE_TRAINING_CACHE to a writable folder)", stacklevel=3)
+
+
+def choose_paths(keys: Mapping[PathKey, torch.device], *,
+                 measure: Measure | None = None, cache: PathCache | None = None,
+                 progress: Callable[[str], object] | None = None,
+                 agree: Callable[[list], list] | None = None) -> dict[PathKey, Timing | str]:
+    """Each key's timing, from ``cache`` or measured (and cached), or why it could not be
+    measured (``"auto: could not measure ..."``).
+
+    Args:
+        keys: the distinct keys, each with the device to measure it on.
+        measure: times a key on a device (default :func:`measure_step`).
+        cache: default ``PathCache()`` (:func:`cache_path`).
+        progress: says each measurement (default: this module's logger, INFO).
+        agree: makes the ranks of a distributed run decide alike: takes this rank's list of
+            results (in ``keys``' order) and returns the one every rank uses (rank 0's).
+    """
+    measure = measure or measure_step
+    cache = cache if cache is not None else PathCache()
+    say = progress or logger.info
+    found: list[Timing | str] = []
+    for number, (key, device) in enumerate(keys.items(), 1):
+        timing = cache.get(key)
+        if timing is None:
+            say(f"compress='auto': measuring {number}/{len(keys)}: {key.shape[0]}x"
+                f"{key.shape[1]} {key.pattern} density {key.density:g}, {key.dtype} at "
+                f"{key.tokens} tokens on {key.device}")
+            try:
+                timing = measure(key, device)
+            except Exception as error:  # noqa: BLE001 - any failure: masked-dense, said
+                found.append(f"auto: could not measure on {device} "
+                             f"({type(error).__name__}: {error})")
+                continue
+            cache.put(key, timing)
+        found.append(timing)
+    if agree is not None:
+        found = agree(found)
+    return dict(zip(keys, found, strict=True))
