@@ -64,7 +64,9 @@ from _common import (
     printed_rows,
     write_json,
 )
-from e2e_step import BLOCK, LLAMA_SHAPES, build, settings_of, step_times, user_adamw
+from _e2e_models import LLAMA_SHAPES
+from _e2e_models import MODELS as E2E_MODELS
+from e2e_step import build, settings_of, step_times, user_adamw
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader
@@ -327,7 +329,7 @@ def main() -> None:
     path = args.out / f"e2e_distributed_{tag}{args.tag}.json"
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
-    block = BLOCK[MODELS[args.model]]
+    block = E2E_MODELS[MODELS[args.model]].block
     start = time.perf_counter()
     for variant in args.variants:
         for devices in counts:

@@ -3,20 +3,26 @@
     python3 benchmarks/e2e_step.py --model bert-base            # GPU: one table, JSON in $OUT
     python3 benchmarks/e2e_step.py --model llama --layers 4
     python3 benchmarks/e2e_step.py --model tiny --steps 2 --warmup 1   # CPU: checks the script
+    python3 benchmarks/e2e_step.py --model bert-base vit-base gpt2 --budget-s 540
     python3 benchmarks/e2e_step.py --model llama --layers 2 --profile --variants "dense fused" \
         "block B 90% compressed"                       # where the time goes, Amdahl limits
     python3 benchmarks/e2e_step.py --report benchmarks/results/e2e_step_*.json  # saved tables
 
-Models: HF ``BertForQuestionAnswering(BertConfig())`` (bert-base, random init, 32 x 384
-tokens) or a Llama-3-8B-shaped ``LlamaForCausalLM`` from a config (hidden 4096,
-intermediate 14336, 32 heads, 8 KV heads, vocab 32000, ``--layers`` decoder layers, 4 x 2048
-tokens; ``tiny-llama``: hidden 128, 2 x 32 tokens, for CPU checks); embeddings, the QA
-head and the LM head denied. Every variant is a
+Models (:mod:`_e2e_models`, HF models from their configs, random init): ``bert-base`` (QA,
+32 x 384 tokens), ``vit-base`` (64 images), ``gpt2`` (8 x 1024), ``opt-350m`` (8 x 1024),
+``decoder-1.5b`` (Qwen2-1.5B-shaped Llama, ``--layers``, 4 x 2048) and ``llama``
+(Llama-3-8B-shaped, ``--layers``, 4 x 2048), with ``tiny``/``tiny-*`` twins for CPU checks;
+``--model`` takes several, run in turn, one JSON each. Embeddings and task heads are denied.
+Every variant is a
 ``LightningModule`` around the HF model with the user's ``torch.optim.AdamW`` (``fused=True``,
 the fastest AdamW a user would pick, dense or sparse; the ``dense`` variant keeps torch's
 default, foreach), ``pl.Trainer(accelerator="gpu",
 precision="bf16-mixed")`` and ``SparsityCallback`` with its public options; ``+compile``
 variants compile the HF model in the module's ``__init__`` (``torch.compile(model, mode)``).
+``heads+neurons 50%`` removes half the heads of every attention module and half the neurons
+of every FFN (``SlimLinear``) or masks them. ``vs best`` is the speed-up against the faster of
+the eager and compiled ``dense fused`` rows the command ran. ``--budget-s`` starts no variant
+past that many seconds, ``--child-timeout`` ends a variant that takes longer (an error row).
 
 Each variant runs in its own process (its own peak memory; a crash costs one row). Columns:
 median ms per step after ``--warmup`` steps (the GPU synchronized at each step end), the
@@ -66,16 +72,11 @@ import traceback
 from pathlib import Path
 
 from _common import at_least, device_name, write_json
+from _e2e_models import ATTENTION, MODELS
 from _e2e_report import PROFILED_STEPS, add_limits, report
 from _step_callbacks import python_profiler, step_profiler, step_times
 from _step_profile import compile_census, linear_shapes, shrinkable_ms
 
-DENY = {"bert-base": ["embeddings", "qa_outputs"], "tiny": ["embeddings", "qa_outputs"],
-        "llama": ["embed_tokens", "lm_head"], "tiny-llama": ["embed_tokens", "lm_head"]}
-BLOCK = {"bert-base": 64, "llama": 128, "tiny": 16, "tiny-llama": 16}
-# hidden, intermediate, heads, KV heads, vocabulary; (batch, sequence) per step
-LLAMA_SHAPES = {"llama": ((4096, 14336, 32, 8, 32000), (4, 2048)),
-                "tiny-llama": ((128, 256, 4, 2, 256), (2, 32))}
 # name -> callback settings (None: dense); "+compile[:mode]" suffixes add torch.compile
 BASE_VARIANTS: dict[str, dict | None] = {
     "dense fused": None,
@@ -96,6 +97,14 @@ BASE_VARIANTS: dict[str, dict | None] = {
     "2:4 auto": dict(pattern="2:4", compress="auto"),
     "2:4 compressed": dict(pattern="2:4", compress=True),
     "2:4 masked-dense": dict(pattern="2:4", compress=False),
+    # half the heads of every attention module and half the neurons of every FFN, removed
+    # (SlimLinear: smaller dense layers) or masked
+    "heads+neurons 50% compressed": dict(pattern="neuron", sparsity=0.5, schedule="oneshot",
+                                         overrides={ATTENTION: {"pattern": "head"}},
+                                         compress=True),
+    "heads+neurons 50% masked-dense": dict(pattern="neuron", sparsity=0.5, schedule="oneshot",
+                                           overrides={ATTENTION: {"pattern": "head"}},
+                                           compress=False),
 }
 COMPILE_MODES = {"compile": "default", "compile:mat": "max-autotune-no-cudagraphs",
                  "compile:ro": "reduce-overhead"}
@@ -111,10 +120,10 @@ def settings_of(variant: str, model: str) -> tuple[dict | None, str | None, bool
         raise SystemExit(f"unknown suffix {suffix!r} of {variant!r}; valid: {list(COMPILE_MODES)}")
     settings = BASE_VARIANTS[base]
     if settings is not None:
-        block = str(BLOCK[model])
+        block = str(MODELS[model].block)
         settings = {k: v.replace("BxB", f"{block}x{block}") if isinstance(v, str) else v
                     for k, v in settings.items()}
-        settings["deny"] = DENY[model]
+        settings["deny"] = list(MODELS[model].deny)
     return settings, COMPILE_MODES.get(suffix), base != "dense"
 
 
@@ -128,38 +137,11 @@ def user_adamw(parameters, fused: bool):
 
 
 def build(model_name: str, layers: int, device: str = "cpu"):
-    """(HF model on ``device``, one batch on the CPU), seeded."""
+    """(HF model on ``device``, one batch on the CPU), seeded (:mod:`_e2e_models`)."""
     import torch
-    from transformers import (
-        BertConfig,
-        BertForQuestionAnswering,
-        LlamaConfig,
-        LlamaForCausalLM,
-    )
 
     torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
-    if model_name in LLAMA_SHAPES:
-        (hidden, intermediate, heads, kv_heads, vocab), (batch, seq) = LLAMA_SHAPES[model_name]
-        config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate,
-                             num_attention_heads=heads, num_key_value_heads=kv_heads,
-                             num_hidden_layers=layers, vocab_size=vocab,
-                             max_position_embeddings=4096)
-        ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g)
-        with torch.device(device):  # initialized where it trains: fast on a GPU
-            return LlamaForCausalLM(config), {"input_ids": ids, "labels": ids}
-    if model_name == "bert-base":
-        config, (batch, seq) = BertConfig(), (32, 384)
-    else:
-        config, (batch, seq) = BertConfig(hidden_size=64, num_hidden_layers=2,
-                                          num_attention_heads=2, intermediate_size=128), (4, 32)
-    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g)
-    with torch.device(device):
-        model = BertForQuestionAnswering(config)
-    return model, {
-        "input_ids": ids, "attention_mask": torch.ones(batch, seq, dtype=torch.long),
-        "start_positions": torch.randint(0, seq, (batch,), generator=g),
-        "end_positions": torch.randint(0, seq, (batch,), generator=g)}
+    return MODELS[model_name].build(layers, device)
 
 
 def run_child(args: argparse.Namespace) -> dict:
@@ -168,7 +150,12 @@ def run_child(args: argparse.Namespace) -> dict:
     import torch
     from torch.utils.data import DataLoader
 
-    from sparse_training import BlockSparseLinear, SemiStructuredLinear, SparsityCallback
+    from sparse_training import (
+        BlockSparseLinear,
+        SemiStructuredLinear,
+        SlimLinear,
+        SparsityCallback,
+    )
 
     settings, compile_mode, fused = settings_of(args.child, args.model)
     gpu = torch.cuda.is_available()
@@ -212,7 +199,7 @@ def run_child(args: argparse.Namespace) -> dict:
     trainer.fit(module, loader)
     kinds: dict[str, int] = {}
     for m in module.modules():
-        if isinstance(m, (BlockSparseLinear, SemiStructuredLinear)):
+        if isinstance(m, (BlockSparseLinear, SemiStructuredLinear, SlimLinear)):
             kinds[type(m).__name__] = kinds.get(type(m).__name__, 0) + 1
     engine = sparse.engine if sparse is not None else None
     losses = [float(x) for x in module.losses]
@@ -223,19 +210,27 @@ def run_child(args: argparse.Namespace) -> dict:
         profiled = {"profile": {**row, "exposed_host_ms": row["profiled_wall_ms"] - row["busy_ms"],
                                 **python.row, **compile_census()}}
     if args.profile and settings is None:
-        profiled["linear_shapes"] = linear_shapes(hf_model, DENY[args.model])
+        profiled["linear_shapes"] = linear_shapes(hf_model, list(MODELS[args.model].deny))
     return {
         "variant": args.child, "ms": ms, **profiled,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
         "compressed_layers": kinds,
         "trainable_parameters": sum(p.numel() for p in module.parameters() if p.requires_grad),
-        "tokens": batch["input_ids"].numel(),
+        "tokens": tokens_of(batch, hf_model.config),
         "masked_dense_tensors": len(engine.masked) if engine is not None else 0,
         "sparsity": engine.sparsity if engine is not None else 0.0,
         "loss_first": losses[0], "loss_last": losses[-1],
         "finite": all(map(lambda v: v == v and abs(v) != float("inf"), losses)),
         "step_ms": timer.ms,
     }
+
+
+def tokens_of(batch: dict, config) -> int:
+    """The rows of the Linear layers' input a step: tokens, or images x (patches + 1)."""
+    if "input_ids" in batch:
+        return batch["input_ids"].numel()
+    patches = (config.image_size // config.patch_size) ** 2 + 1  # ViT: the class token too
+    return batch["pixel_values"].shape[0] * patches
 
 
 def variants_for(args: argparse.Namespace) -> list[str]:
@@ -246,14 +241,20 @@ def variants_for(args: argparse.Namespace) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["bert-base", "llama", "tiny", "tiny-llama"],
-                        default="bert-base")
-    parser.add_argument("--layers", type=int, default=4, help="Llama decoder layers")
+    parser.add_argument("--model", nargs="+", choices=list(MODELS), default=["bert-base"],
+                        help="one or more models, run in turn (one JSON each)")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers of the Llama-"
+                        "shaped models (llama, decoder-1.5b)")
     parser.add_argument("--steps", type=at_least(1), default=20)
     parser.add_argument("--warmup", type=at_least(0), default=8)
     parser.add_argument("--variants", nargs="*", help="names (default: every base variant)")
     parser.add_argument("--profile", action="store_true",
                         help=f"profile {PROFILED_STEPS} more steps; Amdahl limits")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no variant once this many seconds have passed (the rest "
+                             "are listed as skipped)")
+    parser.add_argument("--child-timeout", type=float, default=300.0,
+                        help="seconds one variant may take (a timeout is an error row)")
     parser.add_argument("--tag", default="")
     parser.add_argument("--report", nargs="+", metavar="JSON",
                         help="print the tables of saved runs (their limits added) and exit")
@@ -275,6 +276,7 @@ def main() -> None:
                 report(saved, rows, device)
         return
     if args.child:
+        args.model = args.model[0]
         try:
             row = run_child(args)
             if "linear_shapes" in row:
@@ -284,33 +286,54 @@ def main() -> None:
                    "traceback": traceback.format_exc()[-3000:]}
         Path(args.result).write_text(json.dumps(row))
         return
-    for variant in variants_for(args):
-        settings_of(variant, args.model)  # a bad name stops before any run
-    rows = []
+    for model in args.model:
+        for variant in variants_for(args):
+            settings_of(variant, model)  # a bad name stops before any run
     out = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     out.mkdir(parents=True, exist_ok=True)
-    path = None
+    start, failed, skipped = time.perf_counter(), [], []
+    for model in args.model:
+        rows = run_model(args, model, out, start, skipped)
+        failed += [f"{model}: {r['variant']}" for r in rows
+                   if "error" in r or not r.get("ms")]
+    if skipped:
+        print(f"skipped (past --budget-s {args.budget_s:g}): {skipped}")
+    if failed:
+        sys.exit(f"e2e_step: {len(failed)} variants failed: {failed}")
+
+
+def run_model(args: argparse.Namespace, model: str, out: Path, start: float,
+              skipped: list[str]) -> list[dict]:
+    """Every variant of ``model``, one subprocess each; the table, and its JSON saved after
+    each row."""
+    rows, path = [], None
+    result = out / "_row.json"
     for variant in variants_for(args):
-        result = out / "_row.json"
+        if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+            skipped.append(f"{model}: {variant}")
+            continue
         result.unlink(missing_ok=True)
-        start = time.perf_counter()
-        proc = subprocess.run([sys.executable, __file__, "--child", variant, "--result",
-                               str(result), "--model", args.model, "--layers", str(args.layers),
-                               "--steps", str(args.steps), "--warmup", str(args.warmup),
-                               *["--profile"] * args.profile],
-                              capture_output=True, text=True)
+        begun = time.perf_counter()
+        command = [sys.executable, __file__, "--child", variant, "--result", str(result),
+                   "--model", model, "--layers", str(args.layers), "--steps", str(args.steps),
+                   "--warmup", str(args.warmup), *["--profile"] * args.profile]
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True,
+                                  timeout=args.child_timeout)
+            died = f"process died ({proc.returncode}): {proc.stderr.strip()[-400:]}"
+        except subprocess.TimeoutExpired:
+            died = f"timed out after {args.child_timeout:g} s"
         row = (json.loads(result.read_text()) if result.exists() else
-               {"variant": variant, "error": f"process died ({proc.returncode}): "
-                                             f"{proc.stderr.strip()[-400:]}"})
-        row["wall_s"] = time.perf_counter() - start
+               {"variant": variant, "error": died})
+        row["wall_s"] = time.perf_counter() - begun
         rows.append(row)
-        path = save(args, rows, out)
-        print(f"{variant}: {row.get('ms') or row.get('error')}", flush=True)
+        path = save(args, model, rows, out)
+        print(f"{model}: {variant}: {row.get('ms') or row.get('error')}", flush=True)
     result.unlink(missing_ok=True)
-    report(args, rows, device_name())
-    print(f"wrote {path}")
-    if failed := [r["variant"] for r in rows if "error" in r or not r.get("ms")]:
-        sys.exit(f"e2e_step: {len(failed)} of {len(rows)} variants failed: {failed}")
+    if rows:
+        report(argparse.Namespace(model=model, layers=args.layers), rows, device_name())
+        print(f"wrote {path}")
+    return rows
 
 
 def saved_run(payload: dict) -> tuple[argparse.Namespace, list[dict], str]:
@@ -321,13 +344,13 @@ def saved_run(payload: dict) -> tuple[argparse.Namespace, list[dict], str]:
     return saved, payload["rows"], f"{env['device']}, torch {env['torch']}"
 
 
-def save(args: argparse.Namespace, rows: list[dict], out: Path) -> Path:
+def save(args: argparse.Namespace, model: str, rows: list[dict], out: Path) -> Path:
     """The rows so far as ``e2e_step_<model><tag>.json`` in ``out`` (written after every
     run, so a sweep cut short by a time limit keeps the rows it finished)."""
     add_limits(rows)
-    payload = {"model": args.model, "layers": args.layers, "steps": args.steps,
+    payload = {"model": model, "layers": args.layers, "steps": args.steps,
                "warmup": args.warmup, "rows": rows}
-    return write_json(f"e2e_step_{args.model}{args.tag}.json", payload, out=out,
+    return write_json(f"e2e_step_{model}{args.tag}.json", payload, out=out,
                       device=device_name())
 
 

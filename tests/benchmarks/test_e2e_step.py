@@ -264,3 +264,41 @@ def test_bad_arguments_stop_before_any_run(refusals, case, message):
 def test_the_benchmarks_refuse_bad_arguments_before_running(refusals, script, message):
     done = refusals[script]
     assert done["returncode"] != 0 and re.search(message, done["stderr"]), done["stderr"][-2000:]
+
+
+@pytest.mark.slow
+def test_several_families_with_slim_rows_and_a_budget(tmp_path):
+    """``--model`` takes several families (one JSON each); the heads+neurons row trains
+    SlimLinear layers; the ratio against the best dense row is there; ``--budget-s 0``
+    starts none and says so."""
+    env = script_env(OUT=str(tmp_path))
+    variants = ["dense fused", "heads+neurons 50% compressed"]
+    done = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny-vit", "tiny-llama",
+                           "--steps", "2", "--warmup", "1", "--variants", *variants],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for model, tokens in (("tiny-vit", 4 * 17), ("tiny-llama", 2 * 32)):
+        rows = {r["variant"]: r for r in
+                json.loads((tmp_path / f"e2e_step_{model}.json").read_text())["rows"]}
+        slim = rows["heads+neurons 50% compressed"]
+        assert slim["compressed_layers"] == {"SlimLinear": 12 if model == "tiny-vit" else 4 * 7}
+        assert slim["masked_dense_tensors"] == 0 and slim["tokens"] == tokens
+        assert slim["speedup_best"] == pytest.approx(rows["dense fused"]["ms"] / slim["ms"])
+    assert "vs best" in done.stdout
+    out = tmp_path / "budget"
+    skipped = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny-vit", "--steps", "1",
+                              "--warmup", "0", "--budget-s", "0", "--variants", *variants],
+                             env=script_env(OUT=str(out)), capture_output=True, text=True,
+                             timeout=300)
+    assert skipped.returncode == 0, skipped.stderr[-3000:]
+    assert ("skipped (past --budget-s 0): ['tiny-vit: dense fused', 'tiny-vit: heads+neurons "
+            "50% compressed']") in skipped.stdout
+    assert not list(out.glob("*.json"))
+
+
+def test_a_bad_model_name_stops_before_any_run(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "bert-huge"],
+                          env=script_env(OUT=str(tmp_path)), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "invalid choice: 'bert-huge'" in done.stderr
+    assert not list(tmp_path.iterdir())
