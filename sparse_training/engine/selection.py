@@ -4,7 +4,8 @@
 (:func:`sparse_training.engine.tensors.find_weight_tensors`: any parameter of two or more
 dimensions, tied ones once), in this order:
 
-1. **type**: a tensor is eligible when a module owning it is one of ``layer_types``;
+1. **type**: a tensor is eligible when a module owning it is one of ``layer_types`` (the
+   default types take Hugging Face's ``Conv1D`` too: GPT-2's layers);
 2. ``deny``: a regex found in any of the tensor's names keeps it dense;
 3. ``allow``: when given, only tensors with a name matching one of them;
 4. ``overrides``: the first regex matching a name sets the pattern and/or sparsity
@@ -61,7 +62,7 @@ from sparse_training.engine.structure import (
     not_a_member,
     tie_of,
 )
-from sparse_training.engine.tensors import WeightTensor
+from sparse_training.engine.tensors import WeightTensor, is_conv1d
 from sparse_training.pieces.distributions import DISTRIBUTIONS, Distribution, Uniform
 from sparse_training.pieces.masks import as_matrix, block_grid
 from sparse_training.pieces.patterns import Pattern, parse_pattern
@@ -299,6 +300,7 @@ def plan_tensors(
         return TensorPlan(tensor.names, tensor.kind, tuple(tensor.param.shape), selected,
                           reason, layer_pattern, target, tensor.input_dim, tie)
 
+    conv1d = layer_types == DEFAULT_LAYER_TYPES  # the default types take HF's Conv1D too
     rows: list[TensorPlan | None] = []
     eligible: list[int] = []
     compressed: set[int] = set()  # compressed tensors rules 1-3 reach (as at the swap)
@@ -316,7 +318,8 @@ def plan_tensors(
                                                    f"sparsity"), compressed=True,
                                 pattern=parse_pattern(spec),
                                 sparsity=None if isinstance(target, str) else target))
-        elif not any(isinstance(module, layer_types) for module, _ in tensor.owners):
+        elif not any(isinstance(module, layer_types) or (conv1d and is_conv1d(module))
+                     for module, _ in tensor.owners):
             rows.append(row(tensor, False, f"type {tensor.kind} not in layer_types"))
         elif tensor.param.numel() == 0:
             rows.append(row(tensor, False, "empty: no entries to prune"))

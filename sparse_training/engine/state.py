@@ -108,8 +108,8 @@ def check_masks(saved: Any, slots: Sequence[MaskedSlot], fraction: float | None 
                        problems)
         pooled = slot.plan.sparsity is None
         sparsity = None if fraction is None or pooled else slot.plan.sparsity * fraction
-        if mask is not None and (problem := structure_problem(mask, slot.plan.pattern,
-                                                                sparsity)):
+        if mask is not None and (problem := structure_problem(
+                mask, slot.plan.pattern, sparsity, slot.plan.input_dim)):
             problems.append(f"mask {slot.name!r} {problem}")
         elif mask is not None:
             masks[slot.name] = mask.to(slot.param.device)
@@ -188,13 +188,15 @@ def _unpack(what: str, entry: Any, shape: tuple[int, ...], problems: list[str]
     return None
 
 
-def structure_problem(mask: Tensor, pattern: Pattern, sparsity: float | None) -> str | None:
-    """Why ``mask`` does not have ``pattern``'s structure, or None: constant on every block;
+def structure_problem(mask: Tensor, pattern: Pattern, sparsity: float | None,
+                      input_dim: int = 1) -> str | None:
+    """Why ``mask`` (its 2-D view, input dimension ``input_dim``) does not have ``pattern``'s
+    structure, or None: constant on every block;
     N:M: the same count in every group (along rows and, transposable, columns), the count
     ``sparsity`` gives if known; other patterns: the ``kept_count`` of blocks ``sparsity``
     gives, if known."""
     r, c = pattern.block_rows, pattern.block_cols
-    counts = pool_blocks(as_matrix(mask).to(torch.int32), r, c)
+    counts = pool_blocks(as_matrix(mask, input_dim).to(torch.int32), r, c)
     mixed = ((counts > 0) & (counts < r * c)).nonzero()
     if len(mixed):
         i, j = mixed[0].tolist()

@@ -93,6 +93,12 @@ class WeightTensor:
             return getattr(module, attr)
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is exactly HF's ``Conv1D`` (a subclass may compute otherwise)."""
+    cls = type(module)
+    return f"{cls.__module__}.{cls.__qualname__}" in INPUT_FIRST_CLASSES
+
+
 def input_dim_of(module: nn.Module) -> int:
     """Where ``module`` stores the input (reduction) dimension of its weights.
 

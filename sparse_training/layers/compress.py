@@ -33,6 +33,7 @@ from sparse_training.engine.plan import SparsityPlan
 from sparse_training.engine.selection import TensorPlan, replaced_name
 from sparse_training.engine.sharding import is_sharded
 from sparse_training.engine.state import LayerForm, check_compressed
+from sparse_training.engine.tensors import is_conv1d
 from sparse_training.kernels.block_sparse import block_grid
 from sparse_training.kernels.semi_structured.masks import features_problem
 from sparse_training.layers.auto_paths import (
@@ -47,6 +48,7 @@ from sparse_training.layers.auto_paths import (
 from sparse_training.layers.block_sparse import BlockSparseLinear
 from sparse_training.layers.blocks import BLOCK_SIZES
 from sparse_training.layers.compress_units import shrinkable_units
+from sparse_training.layers.conv1d import INPUT_FIRST, as_linear
 from sparse_training.layers.semi_structured import SemiStructuredLinear
 from sparse_training.layers.slim import SlimLinear
 from sparse_training.layers.swap import (
@@ -89,7 +91,7 @@ def _first_mask(weight: torch.Tensor, plan: TensorPlan, index: int,
     """The mask the masked-dense engine would set at step 0: the pattern's mask of the
     tensor's :func:`_first_score`."""
     return pattern_mask(weight.detach(), plan.pattern, plan.sparsity,
-                        _first_score(weight, index, config))
+                        _first_score(weight, index, config), plan.input_dim)
 
 
 def _keeps_every_block(plan: TensorPlan) -> str | None:
@@ -143,15 +145,15 @@ def compress_selected(model: nn.Module, plan: SparsityPlan,
         module, attr = tensor.owners[0]
         if problem is not None:
             reason = problem
-        elif not isinstance(module, nn.Linear) or attr != "weight" or len(tensor.owners) > 1:
-            reason = f"{type(module).__name__}.{attr} is not an nn.Linear weight"
+        elif not linear_like(module) or attr != "weight" or len(tensor.owners) > 1:
+            reason = f"{type(module).__name__}.{attr} is not an nn.Linear or Conv1D weight"
         elif (swap := swap_problem(row.name.rpartition(".")[0], module)) is not None:
             reason = swap
         elif row.tie is not None:  # decided per group of units, below
             reason = None
         elif (unsupported := pattern_problem(row.pattern)) is not None:
             reason = unsupported
-        elif row.pattern.is_nm and (shape := features_problem(*row.shape[::-1])):
+        elif row.pattern.is_nm and (shape := features_problem(*matrix_shape(row)[::-1])):
             reason = f"SemiStructuredLinear: {shape}"  # a 10-class head, say
         elif (kept_all := _keeps_every_block(row)) is not None:
             reason = kept_all
@@ -215,7 +217,7 @@ def _path_key(row: TensorPlan, device: torch.device, dtype: torch.dtype,
     blocks its target keeps; half for 2:4), compute dtype, device and tokens."""
     density = 0.5 if row.pattern.is_nm else kept_count(
         row.block_count, row.sparsity) / row.block_count
-    return PathKey((row.shape[0], row.shape[1]), row.pattern.spec, round(density, 3),
+    return PathKey(matrix_shape(row), row.pattern.spec, round(density, 3),
                    dtype_name(dtype), device_name(device), tokens)
 
 
@@ -247,11 +249,11 @@ def follow_checkpoint(model: nn.Module, plan: SparsityPlan, saved: Any,
         row, tensor = rows.get(replaced_name(key), (None, None))
         module = None if tensor is None else tensor.owners[0][0]
         unsupported = None if row is None or row.tie else pattern_problem(row.pattern)
-        if row is None or not isinstance(module, nn.Linear) or unsupported:
+        if row is None or not linear_like(module) or unsupported:
             skipped = next((p.reason for p in plan.rows if p.name == replaced_name(key)), None)
             why[key] = (("no such layer" if skipped is None else f"not selected: {skipped}")
                         if row is None else
-                        unsupported or f"{row.kind} is not an nn.Linear")
+                        unsupported or f"{row.kind} is not an nn.Linear or Conv1D")
         else:
             forms[key] = _layer_form(row)
     if why:
@@ -280,9 +282,9 @@ def follow_checkpoint(model: nn.Module, plan: SparsityPlan, saved: Any,
 def _layer_form(row: TensorPlan) -> LayerForm:
     """What the saved mask of ``row``'s compressed layer must be."""
     if row.pattern.is_nm:
-        return LayerForm(row.pattern.spec, tuple(row.shape))
+        return LayerForm(row.pattern.spec, matrix_shape(row))
     block = (row.pattern.block_rows, row.pattern.block_cols)
-    grid = block_grid(*row.shape, block)
+    grid = block_grid(*matrix_shape(row), block)
     kept = (kept_count(grid[0] * grid[1], row.sparsity) if row.tie is None
             else row.tie.kept_blocks(row.sparsity))
     return LayerForm(f"block:{block[0]}x{block[1]}", grid, kept)
@@ -301,15 +303,31 @@ def undo_swaps(model: nn.Module, swapped: list[tuple[str, nn.Module]]) -> None:
         replace_module(model, name, original.to(device=weight.device, dtype=weight.dtype))
 
 
-def _compressed_layer(linear: nn.Linear, row: TensorPlan, mask: torch.Tensor) -> nn.Module:
-    """The compressed form of ``linear`` under ``mask`` (a unit-tied row's: its band grid)."""
-    pattern = row.pattern
+def matrix_shape(row: TensorPlan) -> tuple[int, int]:
+    """``(out, in)`` of a Linear or ``Conv1D`` row (``Conv1D`` stores ``(in, out)``)."""
+    return tuple(row.shape) if row.input_dim == 1 else tuple(row.shape[::-1])
+
+
+def linear_like(module: nn.Module) -> bool:
+    """Whether a compressed layer can stand for ``module``: an ``nn.Linear`` or HF's
+    ``Conv1D`` (:mod:`sparse_training.layers.conv1d`)."""
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def _compressed_layer(module: nn.Module, row: TensorPlan, mask: torch.Tensor) -> nn.Module:
+    """The compressed form of ``module`` (a Linear, or a ``Conv1D`` whose ``mask`` is shaped
+    like its ``(in, out)`` weight) under ``mask`` (a unit-tied row's: its band grid)."""
+    pattern, conv = row.pattern, is_conv1d(module)
+    linear = as_linear(module) if conv else module
+    if conv and row.tie is None:
+        mask = mask.T
     if row.tie is not None:
-        return SlimLinear.from_dense(linear, row.tie.axis, row.tie.size, mask.flatten())
-    if pattern.is_nm:
-        return SemiStructuredLinear.from_dense(linear, pattern.transposable, mask)
-    return BlockSparseLinear.from_dense(linear, (pattern.block_rows, pattern.block_cols),
-                                        mask=mask)
+        kind, args = SlimLinear, (row.tie.axis, row.tie.size, mask.flatten())
+    elif pattern.is_nm:
+        kind, args = SemiStructuredLinear, (pattern.transposable, mask)
+    else:
+        kind, args = BlockSparseLinear, ((pattern.block_rows, pattern.block_cols), None, mask)
+    return (INPUT_FIRST[kind] if conv else kind).from_dense(linear, *args)
 
 
 def held_apart(model: nn.Module, plan: SparsityPlan, swapped: set[str]) -> str | None:

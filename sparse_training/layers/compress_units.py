@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from sparse_training.engine.plan import SparsityPlan
 from sparse_training.engine.selection import TensorPlan
 from sparse_training.engine.structure import find_units
+from sparse_training.pieces.masks import as_matrix
 from sparse_training.pieces.units import ROWS, UnitTie, unit_masks
 
 # attributes an attention forward may read the head count from, which a slim layer changes
@@ -79,9 +80,10 @@ def shrinkable_units(model: nn.Module, plan: SparsityPlan, entries: Sequence[Ent
         weights = [module.weight for _, _, _, module in rows]
         scores = [score(w, index) for w, (index, _, _, _) in zip(weights, rows, strict=True)]
         masks = unit_masks([w.detach() for w in weights], [r.tie for _, r, _, _ in rows], target,
-                           None if any(s is None for s in scores) else scores)
+                           None if any(s is None for s in scores) else scores,
+                           [r.input_dim for _, r, _, _ in rows])
         for (_, row, _, _), mask in zip(rows, masks, strict=True):
-            decided[row.name] = (None, _band_grid(mask, row.tie))
+            decided[row.name] = (None, _band_grid(as_matrix(mask, row.input_dim), row.tie))
     return decided
 
 
@@ -126,7 +128,7 @@ def _group_problem(model: nn.Module, group: str, rows: Sequence[Entry],
 
 
 def _band_grid(mask: Tensor, tie: UnitTie) -> Tensor:
-    """The kept bands of a member's dense mask as its band grid (module doc)."""
+    """The kept bands of a member's 2-D mask ``(out, in)`` as its band grid (module doc)."""
     along = mask if tie.axis == ROWS else mask.T
     kept = along.reshape(len(tie.of_block), -1).any(1)
     return kept.view(-1, 1) if tie.axis == ROWS else kept.view(1, -1)

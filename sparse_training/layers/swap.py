@@ -44,6 +44,7 @@ from sparse_training.engine.plan import text_table
 from sparse_training.engine.protocol import CompressedLayer
 from sparse_training.engine.sharding import local
 from sparse_training.engine.slots import MASK_SUFFIX
+from sparse_training.engine.tensors import is_conv1d
 from sparse_training.kernels.block_sparse import block_grid
 from sparse_training.layers.block_sparse import BlockSparseLinear
 from sparse_training.layers.blocks import blocks_kept, check_block, check_density
@@ -117,7 +118,7 @@ def _swap_problem(name: str, module: nn.Linear, parents: dict[str, nn.Module],
     parent_name, _, attr = name.rpartition(".")
     if isinstance(parents[parent_name], nn.MultiheadAttention) and attr == "out_proj":
         return "skipped: nn.MultiheadAttention reads out_proj.weight, not out_proj's forward"
-    if type(module).forward is not nn.Linear.forward:
+    if type(module).forward is not nn.Linear.forward and not is_conv1d(module):
         return f"skipped: {type(module).__name__} overrides nn.Linear.forward"
     if parametrize.is_parametrized(module):
         return (f"skipped: parametrized {', '.join(module.parametrizations)} "
