@@ -1,4 +1,7 @@
-"""Train compressed from setup: selected ``nn.Linear`` weights become ``BlockSparseLinear``.
+"""Train compressed from setup: selected ``nn.Linear`` (and HF ``Conv1D``) weights become
+``BlockSparseLinear`` (blocks), ``SemiStructuredLinear`` (2:4) or ``SlimLinear`` (whole
+heads and neurons removed, :mod:`sparse_training.layers.compress_units`); ``Conv1D`` takes
+their input-first forms (:mod:`sparse_training.layers.conv1d`).
 
 Where a block pattern's kept count is fixed from the first step (``schedule="oneshot"`` or
 ``"constant"`` at ``start=0``, a per-tensor distribution; RigL and SET move blocks inside
@@ -14,7 +17,8 @@ table of :func:`~sparse_training.layers.swap.sparsify` and in the plan it return
 ``compress="auto"`` compresses only where the compressed layer trains faster than
 masked-dense on the device and compute dtype training uses: each distinct layer is timed
 both ways there, at ``auto_tokens`` tokens per step, and the times are cached
-(:mod:`sparse_training.layers.auto_paths`); ``True`` compresses every eligible tensor. On
+(:mod:`sparse_training.layers.auto_paths`); heads and neurons shrink untimed (smaller
+dense products); ``True`` compresses every eligible tensor. On
 resume the same layers are swapped again, with fresh masks; loading the checkpoint's
 dense weights then gives each layer its kept blocks (the blocks that hold a nonzero), and
 the callback's state its exact mask.
