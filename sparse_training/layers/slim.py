@@ -267,8 +267,8 @@ class SlimSlot(CompressedSlot):
                  reset_state: bool = True, gradient: Tensor | None = None,
                  carried: Sequence[Tensor] = ()) -> None:
         """Keep the bands of ``mask`` (the same count): a band kept before keeps its
-        weights, gradient, optimizer state and ``carried`` tensors; a newly kept one starts
-        at zero."""
+        weights, gradient, optimizer state and ``carried`` tensors (a row-sliced layer's
+        bias with them); a newly kept one starts at zero."""
         layer = self.layer
         new = mask.to(layer.band_mask.device).flatten()
         if torch.equal(new, layer.band_mask):
@@ -284,8 +284,9 @@ class SlimSlot(CompressedSlot):
                 ).flatten()
         moved = [self.param, *([self.param.grad] if self.param.grad is not None else []),
                  *(s for o in optimizers for s in state_tensors(o, self.param)), *carried]
-        if layer.bias is not None and layer.axis == ROWS:
-            moved.append(layer.bias)
+        if layer.bias is not None and layer.axis == ROWS:  # the kept outputs' bias too
+            moved += [layer.bias, *([layer.bias.grad] if layer.bias.grad is not None else []),
+                      *(s for o in optimizers for s in state_tensors(o, layer.bias))]
         for tensor in moved:
             _move_bands(tensor, rows, layer.axis if tensor.dim() > 1 else 0)
         layer.band_mask.copy_(new)

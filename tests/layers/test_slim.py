@@ -262,3 +262,24 @@ def test_a_slim_fit_trains_the_smaller_layers_and_resumes_exactly(tmp_path):
             assert torch.equal(value, states[1][key][name]), (key, name)
     plain = TinyBert(seed=3)
     plain.load_state_dict(torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"])
+
+
+def test_moving_bands_keeps_what_stays_and_zeroes_what_is_new():
+    torch.manual_seed(4)
+    layer = SlimLinear.from_dense(nn.Linear(6, 8), ROWS, 2, torch.tensor([1, 1, 0, 0]).bool())
+    optimizer = torch.optim.Adam(layer.parameters())
+    layer(torch.randn(3, 6)).sum().backward()
+    optimizer.step()
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    moment = optimizer.state[layer.bias]["exp_avg"].clone()
+    slot = layer.slot("w")
+    slot.set_mask(torch.tensor([[False], [True], [True], [False]]), [optimizer])
+    assert layer.band_mask.tolist() == [False, True, True, False]
+    # band 1 was the second kept band (rows 2-3 of the values) and is now the first
+    torch.testing.assert_close(layer.weight[:2], weight[2:])
+    torch.testing.assert_close(layer.bias[:2], bias[2:])
+    torch.testing.assert_close(optimizer.state[layer.bias]["exp_avg"][:2], moment[2:])
+    assert not layer.weight[2:].any() and not layer.bias[2:].any()
+    assert not optimizer.state[layer.weight]["exp_avg"][2:].any()
+    with pytest.raises(ValueError, match="a mask of 1 bands for a layer of 2"):
+        slot.set_mask(torch.tensor([[True], [False], [False], [False]]))
