@@ -240,6 +240,18 @@ def second_derivative(layer: nn.Module, weight: str):
     return torch.autograd.grad(y.sum() + g.pow(2).sum(), getattr(layer, weight))
 
 
+def assert_same_fit(model, trainer, other, other_trainer) -> None:
+    """Two fits hold bit-for-bit equal state dicts and optimizer state."""
+    for (name, value), (_, other_value) in zip(model.state_dict().items(),
+                                               other.state_dict().items(), strict=True):
+        assert torch.equal(value, other_value), name
+    states = [t.optimizers[0].state_dict()["state"] for t in (trainer, other_trainer)]
+    assert states[0].keys() == states[1].keys()
+    for key, moments in states[0].items():
+        for name, value in moments.items():
+            assert torch.equal(value, states[1][key][name]), (key, name)
+
+
 def make_loader(n: int = 128, conv: bool = False, batch_size: int = 16, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 4, 4, 4, generator=g) if conv else torch.randn(n, 16, generator=g)

@@ -273,7 +273,8 @@ def follow_checkpoint(model: nn.Module, plan: SparsityPlan, saved: Any,
     for key, mask in masks.items():
         row, tensor = rows[replaced_name(key)]
         name, linear = key.rpartition(".")[0], tensor.owners[0][0]
-        layer = _compressed_layer(linear, row, mask.to(linear.weight.device))
+        layer = _compressed_layer(linear, row, mask.to(linear.weight.device),
+                                  weight_shaped=False)
         replace_module(model, name, layer.train(linear.training))
         swapped.append((name, linear))
     undone = {replaced_name(key) for key in mine if key not in saved}
@@ -318,12 +319,15 @@ def linear_like(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
-def _compressed_layer(module: nn.Module, row: TensorPlan, mask: torch.Tensor) -> nn.Module:
-    """The compressed form of ``module`` (a Linear, or a ``Conv1D`` whose ``mask`` is shaped
-    like its ``(in, out)`` weight) under ``mask`` (a unit-tied row's: its band grid)."""
+def _compressed_layer(module: nn.Module, row: TensorPlan, mask: torch.Tensor,
+                      weight_shaped: bool = True) -> nn.Module:
+    """The compressed form of ``module`` (a Linear or a ``Conv1D``) under ``mask``: shaped
+    like its weight (``weight_shaped``: a ``Conv1D``'s is ``(in, out)``) or the layer's own
+    mask (a saved one: a block grid or a 2:4 mask of ``(out, in)``); a unit-tied row's is
+    its band grid."""
     pattern, conv = row.pattern, is_conv1d(module)
     linear = as_linear(module) if conv else module
-    if conv and row.tie is None:
+    if conv and weight_shaped and row.tie is None:
         mask = mask.T
     if row.tie is not None:
         kind, args = SlimLinear, (row.tie.axis, row.tie.size, mask.flatten())

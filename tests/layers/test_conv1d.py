@@ -6,7 +6,7 @@ import copy
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import make_trainer
+from conftest import assert_same_fit, make_trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -111,10 +111,10 @@ class TinyGPT2(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def fit(max_epochs, kind, seed=0, ckpt_path=None, callbacks=()):
+def fit(max_epochs, kind, seed=0, ckpt_path=None, callbacks=(), compress=True):
     pl.seed_everything(0, verbose=False)
     model = TinyGPT2(seed)
-    sparse = SparsityCallback(**SETTINGS[kind], schedule="oneshot", compress=True,
+    sparse = SparsityCallback(**SETTINGS[kind], schedule="oneshot", compress=compress,
                               deny=["wte|wpe"])
     trainer = make_trainer([sparse, *callbacks], max_epochs=max_epochs,
                            enable_checkpointing=bool(callbacks))
@@ -123,18 +123,16 @@ def fit(max_epochs, kind, seed=0, ckpt_path=None, callbacks=()):
     return model, trainer
 
 
-@pytest.mark.parametrize("kind", ["block", "neurons"])
-def test_a_compressed_gpt2_fit_resumes_exactly(tmp_path, kind):
+@pytest.mark.parametrize("kind, resumed_with", [("block", True), ("neurons", True),
+                                                ("block", "auto"), ("2:4", "auto")])
+def test_a_compressed_gpt2_fit_resumes_exactly(tmp_path, kind, resumed_with):
+    """``"auto"`` keeps block and 2:4 layers masked-dense on the CPU: the resume takes the
+    checkpoint's compressed Conv1D layers from their saved masks."""
     uninterrupted, trainer = fit(2, kind)
     assert not any(type(m) is Conv1D for m in uninterrupted.model.transformer.h[0].mlp.modules())
     fit(1, kind, callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)])
-    resumed, resumed_trainer = fit(2, kind, seed=1, ckpt_path=tmp_path / "last.ckpt")
-    for (name, value), (_, other) in zip(uninterrupted.state_dict().items(),
-                                         resumed.state_dict().items(), strict=True):
-        assert torch.equal(value, other), name
-    states = [t.optimizers[0].state_dict()["state"] for t in (trainer, resumed_trainer)]
-    for key, moments in states[0].items():
-        for name, value in moments.items():
-            assert torch.equal(value, states[1][key][name]), (key, name)
+    resumed, resumed_trainer = fit(2, kind, seed=1, ckpt_path=tmp_path / "last.ckpt",
+                                   compress=resumed_with)
+    assert_same_fit(uninterrupted, trainer, resumed, resumed_trainer)
     TinyGPT2(seed=3).load_state_dict(
         torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"])  # strict

@@ -5,7 +5,7 @@ import copy
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import make_trainer
+from conftest import assert_same_fit, make_trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -253,13 +253,7 @@ def test_a_slim_fit_trains_the_smaller_layers_and_resumes_exactly(tmp_path):
     assert (32, 32) not in shapes and (48, 32) not in shapes
     fit_bert(1, callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)])
     resumed, resumed_trainer = fit_bert(2, seed=1, ckpt_path=tmp_path / "last.ckpt")
-    for (name, value), (_, other) in zip(uninterrupted.state_dict().items(),
-                                         resumed.state_dict().items(), strict=True):
-        assert torch.equal(value, other), name
-    states = [t.optimizers[0].state_dict()["state"] for t in (trainer, resumed_trainer)]
-    for key, moments in states[0].items():
-        for name, value in moments.items():
-            assert torch.equal(value, states[1][key][name]), (key, name)
+    assert_same_fit(uninterrupted, trainer, resumed, resumed_trainer)
     plain = TinyBert(seed=3)
     plain.load_state_dict(torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"])
 
