@@ -51,10 +51,10 @@ from sparse_training.layers.auto_paths import (
 )
 from sparse_training.layers.block_sparse import BlockSparseLinear
 from sparse_training.layers.blocks import BLOCK_SIZES
-from sparse_training.layers.compress_units import shrinkable_units
+from sparse_training.layers.compress_units import record_head_counts, shrinkable_units
 from sparse_training.layers.conv1d import INPUT_FIRST, as_linear
 from sparse_training.layers.semi_structured import SemiStructuredLinear
-from sparse_training.layers.slim import SlimLinear
+from sparse_training.layers.slim import SlimLinear, sync_head_counts
 from sparse_training.layers.swap import (
     SwapRow,
     nothing_pruned,
@@ -210,7 +210,10 @@ def compress_selected(model: nn.Module, plan: SparsityPlan,
             f"  {p.name}: not selected: {p.reason}" for p in plan.rows)  # why none was
         raise ValueError(f"compress=True but no selected tensor can train compressed; "
                          f"use compress='auto' or False. Per tensor:\n{lines}")
+    record_head_counts(model, {row.tie.group for _, row, reason, _ in entries
+                               if reason is None and row.tie and row.tie.kind == "head"})
     swap_in(model, rows)
+    sync_head_counts(model)
     return rows, plan.with_rows([replace(p, path_reason=reasons.get(p.name) or notes.get(
         p.name, "")) for p in plan.rows])
 
@@ -275,8 +278,11 @@ def follow_checkpoint(model: nn.Module, plan: SparsityPlan, saved: Any,
         name, linear = key.rpartition(".")[0], tensor.owners[0][0]
         layer = _compressed_layer(linear, row, mask.to(linear.weight.device),
                                   weight_shaped=False)
+        if row.tie is not None and row.tie.kind == "head":
+            record_head_counts(model, {row.tie.group})
         replace_module(model, name, layer.train(linear.training))
         swapped.append((name, linear))
+    sync_head_counts(model)
     undone = {replaced_name(key) for key in mine if key not in saved}
     return plan.with_rows([replace(p, path_reason="") if replaced_name(p.name) in {
         replaced_name(k) for k in saved} else replace(
@@ -306,6 +312,7 @@ def undo_swaps(model: nn.Module, swapped: list[tuple[str, nn.Module]]) -> None:
         if is_sharded(weight):
             continue  # fully_shard owns the layer now
         replace_module(model, name, original.to(device=weight.device, dtype=weight.dtype))
+    sync_head_counts(model)
 
 
 def matrix_shape(row: TensorPlan) -> tuple[int, int]:

@@ -8,10 +8,12 @@ member the model has (:func:`~sparse_training.engine.structure.find_units`) is a
 swappable ``nn.Linear`` (units are fixed from the first step: the settings refuse
 regrowth of units), and, for
 heads, when the attention module's ``forward`` infers the head count from the projections'
-shapes (it reads none of :data:`HEAD_COUNTS`: BERT, ViT, Llama, Mistral, Qwen2, BART, CLIP
-do; OPT, T5, Whisper and DeBERTa read ``self.num_heads`` or the like and keep their heads
-masked-dense). The kept units are the ones the masked-dense engine keeps at step 0 (the
-same score and ranking, :func:`~sparse_training.pieces.units.unit_masks`).
+shapes (BERT, ViT, Llama, Mistral, Qwen2, BART, CLIP) or reads it from int attributes
+(:data:`HEAD_COUNTS`: OPT's and Whisper's ``num_heads``, GPT-2's ``split_size``), which are
+scaled to the kept heads while the heads are removed
+(:func:`~sparse_training.layers.slim.sync_head_counts`); T5's relative attention bias per
+head keeps its heads masked-dense. The kept units are the ones the masked-dense engine
+keeps at step 0 (the same score and ranking, :func:`~sparse_training.pieces.units.unit_masks`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from torch import Tensor, nn
 from sparse_training.engine.plan import SparsityPlan
 from sparse_training.engine.selection import TensorPlan
 from sparse_training.engine.structure import find_units
-from sparse_training.pieces.masks import as_matrix
+from sparse_training.layers.slim import DENSE_HEAD_COUNTS
+from sparse_training.pieces.masks import as_matrix, kept_count
 from sparse_training.pieces.units import ROWS, UnitTie, unit_masks
 
 # attributes an attention forward may read the head count from, which a slim layer changes
@@ -35,17 +38,46 @@ HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_key
 Entry = tuple[int, TensorPlan, "str | None", nn.Module]  # (stream index, row, reason, module)
 
 
-def heads_problem(attention: nn.Module) -> str | None:
-    """Why the heads of ``attention`` cannot shrink (its ``forward`` reads a head count, or
-    cannot be read), or None."""
+def head_counts(attention: nn.Module) -> dict[str, int]:
+    """The head counts (:data:`HEAD_COUNTS`) that ``attention``'s ``forward`` reads, with
+    their values (an attribute that is no int is left out: :func:`heads_problem` refuses
+    it)."""
+    source = inspect.getsource(type(attention).forward)
+    read = sorted(set(re.findall(r"self\.(\w+)", source)) & set(HEAD_COUNTS))
+    return {name: value for name in read
+            if isinstance(value := getattr(attention, name, None), int)}
+
+
+def heads_problem(attention: nn.Module, kept: int, units: int) -> str | None:
+    """Why the heads of ``attention`` cannot shrink to ``kept`` of its ``units``, or None:
+    its ``forward`` cannot be read, reads a head count that is not an int attribute or
+    that ``kept / units`` does not scale to a whole number, or the module holds a relative
+    attention bias per head (T5: layer 0's bias serves every layer)."""
     kind = type(attention).__name__
+    if hasattr(attention, "relative_attention_bias") or hasattr(
+            attention, "has_relative_attention_bias"):
+        return f"{kind} has a relative attention bias per head, shared across layers"
     try:
         source = inspect.getsource(type(attention).forward)
     except (OSError, TypeError):
-        return f"the source of {kind}.forward cannot be read to check that it infers its heads"
-    if read := sorted(set(re.findall(r"self\.(\w+)", source)) & set(HEAD_COUNTS)):
-        return f"{kind}.forward reads self.{read[0]} (a head count), so its heads cannot shrink"
+        return f"the source of {kind}.forward cannot be read to check how it counts heads"
+    counts = head_counts(attention)
+    read = sorted(set(re.findall(r"self\.(\w+)", source)) & set(HEAD_COUNTS))
+    if other := [name for name in read if name not in counts]:
+        return f"{kind}.forward reads self.{other[0]}, which is not an int head count"
+    if odd := [name for name, value in counts.items() if value * kept % units]:
+        return f"{kind}.{odd[0]} = {counts[odd[0]]} does not scale to {kept} of {units} heads"
     return None
+
+
+def record_head_counts(model: nn.Module, groups: set[str]) -> None:
+    """Keep each attention module's own head counts (of ``groups``, the names of those
+    whose heads are being removed) for :func:`~sparse_training.layers.slim.sync_head_counts`
+    (once: a record already there holds the dense counts)."""
+    for group in groups:
+        attention = model.get_submodule(group)
+        if not hasattr(attention, DENSE_HEAD_COUNTS) and (counts := head_counts(attention)):
+            setattr(attention, DENSE_HEAD_COUNTS, counts)
 
 
 def shrinkable_units(model: nn.Module, plan: SparsityPlan, entries: Sequence[Entry],
@@ -123,7 +155,8 @@ def _group_problem(model: nn.Module, group: str, rows: Sequence[Entry],
     if {row.tie.axis for _, row, _, _ in rows} != {0, 1}:
         return f"{where}: no projection on both sides of the units"
     if kind == "head":
-        return heads_problem(model.get_submodule(group))
+        return heads_problem(model.get_submodule(group), kept_count(tie.units, target),
+                             tie.units)
     return None
 
 

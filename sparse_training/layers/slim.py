@@ -299,3 +299,28 @@ def _move_bands(tensor: Tensor, rows: Tensor, axis: int) -> None:
     shape[axis] = -1
     tensor.copy_(torch.where((rows >= 0).view(shape), gathered, 0))
 
+
+
+DENSE_HEAD_COUNTS = "dense_head_counts"  # an attention module's own counts, before shrinking
+
+
+def sync_head_counts(model: nn.Module) -> None:
+    """Make the head counts an attention module's ``forward`` reads match its projections:
+    where a module keeps :data:`DENSE_HEAD_COUNTS` (its counts before any head was removed,
+    ``{"num_heads": 12}``) and its query/key/value projections are row-sliced
+    :class:`SlimLinear` layers, each count is scaled to the kept fraction of their bands
+    (OPT's ``num_heads``, GPT-2's ``split_size``); where they are not (swapped back), the
+    counts are restored and the record dropped."""
+    for module in model.modules():
+        counts = getattr(module, DENSE_HEAD_COUNTS, None)
+        if counts is None:
+            continue
+        rows = [c for c in module.children() if isinstance(c, SlimLinear) and c.axis == ROWS]
+        if not rows:
+            for attr, value in counts.items():
+                setattr(module, attr, value)
+            delattr(module, DENSE_HEAD_COUNTS)
+            continue
+        kept, total = int(rows[0].band_mask.sum()), rows[0].band_mask.numel()
+        for attr, value in counts.items():
+            setattr(module, attr, value * kept // total)

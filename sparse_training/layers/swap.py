@@ -49,6 +49,7 @@ from sparse_training.kernels.block_sparse import block_grid
 from sparse_training.layers.block_sparse import BlockSparseLinear
 from sparse_training.layers.blocks import blocks_kept, check_block, check_density
 from sparse_training.layers.semi_structured import SemiStructuredLinear
+from sparse_training.layers.slim import sync_head_counts
 from sparse_training.pieces.patterns import Pattern, parse_pattern
 
 RULE_KEYS = ("pattern", "sparsity", "density")
@@ -301,8 +302,9 @@ def _check_model(model: Any, what: str) -> None:
 
 def densify(model: nn.Module) -> int:
     """Replace every compressed layer of ``model`` (``BlockSparseLinear``,
-    ``SemiStructuredLinear``) by its ``to_dense()`` ``nn.Linear``, in place (a layer shared
-    under several names stays shared). Returns how many were replaced.
+    ``SemiStructuredLinear``, ``SlimLinear``) by its ``to_dense()`` ``nn.Linear`` (or
+    ``Conv1D``), in place; a layer shared under several names stays shared, and the head
+    counts an attention module reads are restored. Returns how many were replaced.
 
     Raises:
         ValueError: ``model`` itself is a compressed layer (call its ``to_dense``).
@@ -319,6 +321,7 @@ def densify(model: nn.Module) -> int:
             if id(module) not in dense:
                 dense[id(module)] = module.to_dense().train(module.training)
             replace_module(model, name, dense[id(module)])
+    sync_head_counts(model)  # heads that SlimLinear layers removed: their counts back
     return len(dense)
 
 

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from sparse_training import SlimLinear, SparsityCallback, SparsityConfig, SparsityEngine, densify
 from sparse_training.engine.plan import SparsityPlan
 from sparse_training.layers.compress import compress_selected
-from sparse_training.layers.compress_units import heads_problem
+from sparse_training.layers.compress_units import head_counts, heads_problem
 from sparse_training.pieces.units import COLUMNS, ROWS
 
 HEADS_AND_NEURONS = dict(pattern="neuron", sparsity=0.5, schedule="oneshot",
@@ -146,21 +146,18 @@ def hf_inputs(family: str):
 @pytest.mark.parametrize("family", ["bert", "vit", "llama", "bart", "opt"])
 def test_slim_models_compute_what_masked_dense_ones_do(family):
     """float64: the compressed model (heads and neurons removed) against the masked-dense
-    engine's model at step 0; OPT's attention reads self.num_heads, so its heads stay
-    masked-dense (with the reason) and its neurons shrink."""
+    engine's model at step 0; OPT's attention reads self.num_heads, which follows the kept
+    heads while they are removed and comes back with densify."""
     config = SparsityConfig(**HEADS_AND_NEURONS, compress=True,
                             deny=["embed|patch|pooler|lm_head|project"])
     model, masked = hf_model(family), hf_model(family)
     SparsityEngine(masked, config).prune()
     rows, plan = compress_selected(model, SparsityPlan.build(model, config))
     SparsityEngine(model, config, plan=plan.bound(model)).prune()  # masks what stays dense
-    slim = [r for r in rows if isinstance(r.layer, SlimLinear)]
-    kept_heads = [r for r in rows if r.decision.startswith("masked-dense")]
-    assert slim
-    if family == "opt":
-        assert kept_heads and all("reads self.num_heads" in r.decision for r in kept_heads)
-    else:
-        assert not kept_heads
+    assert rows and all(isinstance(r.layer, SlimLinear) for r in rows)
+    attention = model.decoder.layers[0].self_attn if family == "opt" else None
+    if attention is not None:
+        assert attention.num_heads == 2 and attention.dense_head_counts == {"num_heads": 4}
     with torch.no_grad():
         out, expected = model(**hf_inputs(family)), masked(**hf_inputs(family))
     torch.testing.assert_close(out.last_hidden_state, expected.last_hidden_state,
@@ -168,6 +165,9 @@ def test_slim_models_compute_what_masked_dense_ones_do(family):
     dense = copy.deepcopy(model)
     densify(dense)
     assert not any(isinstance(m, SlimLinear) for m in dense.modules())
+    if attention is not None:
+        restored = dense.decoder.layers[0].self_attn
+        assert restored.num_heads == 4 and not hasattr(restored, "dense_head_counts")
     with torch.no_grad():
         torch.testing.assert_close(dense(**hf_inputs(family)).last_hidden_state,
                                    expected.last_hidden_state, rtol=0, atol=1e-10)
@@ -197,12 +197,21 @@ def test_heads_problem_reads_the_forward_for_head_counts():
         def forward(self, x):
             return x.view(2, self.num_heads, -1)
 
-    class Infers(nn.Module):
-        def forward(self, x):
-            return x.view(2, -1, 8)
+    class ReadsOther(ReadsCount):
+        n_heads = "four"
 
-    assert "reads self.num_heads" in heads_problem(ReadsCount())
-    assert heads_problem(Infers()) is None
+        def forward(self, x):
+            return x.view(2, self.n_heads, -1)
+
+    class RelativeBias(ReadsCount):
+        has_relative_attention_bias = False
+
+    assert heads_problem(ReadsCount(), 2, 4) is None
+    assert head_counts(ReadsCount()) == {"num_heads": 4}
+    assert "does not scale to 1 of 3 heads" in heads_problem(ReadsCount(), 1, 3)
+    assert "reads self.n_heads, which is not an int head count" in heads_problem(
+        ReadsOther(), 2, 4)
+    assert "relative attention bias per head" in heads_problem(RelativeBias(), 2, 4)
 
 
 class TinyBert(pl.LightningModule):
