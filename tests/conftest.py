@@ -218,17 +218,10 @@ def expanded(layer: BlockSparseLinear) -> torch.Tensor:
 def assert_same_training(model, trainer, other, other_trainer):
     """Two BlockNet fits hold bit-for-bit equal weights, compressed layers' masks (of
     ``net.0`` and ``net.2``) and optimizer state."""
-    for (name, value), (other_name, other_value) in zip(
-            model.state_dict().items(), other.state_dict().items(), strict=True):
-        assert name == other_name and torch.equal(value, other_value), name
+    assert_same_fit(model, trainer, other, other_trainer)
     masks = [m.mask if hasattr(m, "mask") else m.block_mask for m in model.net[:3:2]]
     other_masks = [m.mask if hasattr(m, "mask") else m.block_mask for m in other.net[:3:2]]
     assert all(torch.equal(a, b) for a, b in zip(masks, other_masks, strict=True))
-    state, other_state = (t.optimizers[0].state_dict()["state"] for t in (trainer, other_trainer))
-    assert state.keys() == other_state.keys()
-    for key, moments in state.items():
-        for name, value in moments.items():
-            assert torch.equal(value, other_state[key][name]), (key, name)
 
 
 def second_derivative(layer: nn.Module, weight: str):
@@ -242,9 +235,9 @@ def second_derivative(layer: nn.Module, weight: str):
 
 def assert_same_fit(model, trainer, other, other_trainer) -> None:
     """Two fits hold bit-for-bit equal state dicts and optimizer state."""
-    for (name, value), (_, other_value) in zip(model.state_dict().items(),
-                                               other.state_dict().items(), strict=True):
-        assert torch.equal(value, other_value), name
+    for (name, value), (other_name, other_value) in zip(
+            model.state_dict().items(), other.state_dict().items(), strict=True):
+        assert name == other_name and torch.equal(value, other_value), name
     states = [t.optimizers[0].state_dict()["state"] for t in (trainer, other_trainer)]
     assert states[0].keys() == states[1].keys()
     for key, moments in states[0].items():

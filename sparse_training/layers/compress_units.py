@@ -8,8 +8,8 @@ member the model has (:func:`~sparse_training.engine.structure.find_units`) is a
 swappable ``nn.Linear`` (units are fixed from the first step: the settings refuse
 regrowth of units), and, for
 heads, when the attention module's ``forward`` infers the head count from the projections'
-shapes (BERT, ViT, Llama, Mistral, Qwen2, BART, CLIP) or reads it from int attributes
-(:data:`HEAD_COUNTS`: OPT's and Whisper's ``num_heads``, GPT-2's ``split_size``), which are
+shapes (BERT, ViT, Llama, BART) or reads it from int attributes (:data:`HEAD_COUNTS`:
+OPT's ``num_heads``, GPT-2's ``split_size``), which are
 scaled to the kept heads while the heads are removed
 (:func:`~sparse_training.layers.slim.sync_head_counts`); T5's relative attention bias per
 head keeps its heads masked-dense. The kept units are the ones the masked-dense engine
@@ -38,13 +38,22 @@ HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_key
 Entry = tuple[int, TensorPlan, "str | None", nn.Module]  # (stream index, row, reason, module)
 
 
-def head_counts(attention: nn.Module) -> dict[str, int]:
-    """The head counts (:data:`HEAD_COUNTS`) that ``attention``'s ``forward`` reads, with
+def _counts_read(attention: nn.Module) -> list[str]:
+    """The :data:`HEAD_COUNTS` that ``attention``'s ``forward`` reads (``self.<name>`` in its
+    source).
+
+    Raises:
+        OSError, TypeError: the source cannot be read.
+    """
+    source = inspect.getsource(type(attention).forward)
+    return sorted(set(re.findall(r"self\.(\w+)", source)) & set(HEAD_COUNTS))
+
+
+def head_counts(attention: nn.Module, names: list[str] | None = None) -> dict[str, int]:
+    """The head counts that ``attention``'s ``forward`` reads (or ``names`` of them), with
     their values (an attribute that is no int is left out: :func:`heads_problem` refuses
     it)."""
-    source = inspect.getsource(type(attention).forward)
-    read = sorted(set(re.findall(r"self\.(\w+)", source)) & set(HEAD_COUNTS))
-    return {name: value for name in read
+    return {name: value for name in (_counts_read(attention) if names is None else names)
             if isinstance(value := getattr(attention, name, None), int)}
 
 
@@ -58,11 +67,10 @@ def heads_problem(attention: nn.Module, kept: int, units: int) -> str | None:
             attention, "has_relative_attention_bias"):
         return f"{kind} has a relative attention bias per head, shared across layers"
     try:
-        source = inspect.getsource(type(attention).forward)
+        read = _counts_read(attention)
     except (OSError, TypeError):
         return f"the source of {kind}.forward cannot be read to check how it counts heads"
-    counts = head_counts(attention)
-    read = sorted(set(re.findall(r"self\.(\w+)", source)) & set(HEAD_COUNTS))
+    counts = head_counts(attention, read)
     if other := [name for name in read if name not in counts]:
         return f"{kind}.forward reads self.{other[0]}, which is not an int head count"
     if odd := [name for name, value in counts.items() if value * kept % units]:

@@ -12,7 +12,7 @@ product is a smaller dense one (cuBLAS at full efficiency)::
     rows:     y = x W[K]^T + b[K]        (W[K]: the kept rows, shape (|K|, in))
     columns:  y = x_K W[:, K]^T + b      (x_K: the kept features the row layers output)
 
-Attention modules that reshape with ``-1`` heads (BERT, ViT, Llama, Mistral, Qwen2, BART)
+Attention modules that reshape with ``-1`` heads (BERT, ViT, Llama, BART)
 compute with the kept heads as they are; the FFN's activation is elementwise.
 
 The ``state_dict`` is ``nn.Linear``'s in the original shape (zeros at the removed bands), so
