@@ -1,11 +1,12 @@
 """Two-process CPU FSDP2 runs (gloo, Lightning's ``ModelParallelStrategy``, ``fully_shard``
 in ``configure_model``) of 2:4 (oneshot), GMP (unstructured, global distribution), block
-masks, RigL and compressed block-sparse layers (values sharded along the kept blocks),
-fixed and moved by RigL.
+masks, RigL, compressed block-sparse layers (values sharded along the kept blocks),
+fixed and moved by RigL, and heads and neurons compressed into ``SlimLinear`` layers.
 Each rank writes, per optimizer step, its whole masks' checksums and counts, a hash of the
 whole parameters, and whether every pruned weight and optimizer moment of its local shards
 is zero. RigL and the compressed runs also run one epoch, save a sharded (distributed)
-checkpoint and resume from it for the second.
+checkpoint and resume from it for the second; the slim run's full state dict is saved and
+loaded back into the sharded model.
 
     python tests/fsdp_sharded.py OUT_DIR [cpu|gpu]   # Lightning relaunches it for rank 1
 
@@ -21,6 +22,7 @@ import hashlib
 import json
 import os
 import sys
+from collections import OrderedDict
 from pathlib import Path
 
 # Before anything imports Triton (Lightning does), which fixes the mode at decoration:
@@ -39,8 +41,9 @@ from conftest import SaveAndStop, exit_skipping_teardown, make_loader  # noqa: E
 
 from sparse_training import SparsityCallback, SparsityConfig, SparsityEngine  # noqa: E402
 from sparse_training.engine.distributed import mask_checksum  # noqa: E402
+from sparse_training.engine.protocol import CompressedLayer  # noqa: E402
 from sparse_training.engine.sharding import full, local  # noqa: E402
-from sparse_training.layers.block_sparse import BlockSparseLinear  # noqa: E402
+from sparse_training.layers.slim import SlimLinear  # noqa: E402
 from sparse_training.layers.swap import make_permanent  # noqa: E402
 
 # every run: schedules in absolute steps, so a run stopped after one epoch resolves the
@@ -74,25 +77,35 @@ RUNS["compressed"] = dict(pattern="block:16x16", sparsity=0.5, schedule="oneshot
 # moved and re-sliced on every rank
 RUNS["compressed rigl"] = dict(pattern="block:16x16", sparsity=0.5, schedule="constant",
                                regrow="rigl", frequency=2, regrow_end=6, compress=True)
-# the head (5 rows) cannot take 16x16 blocks
-WIDTHS = {"compressed": (16, 64, 32, 5), "compressed rigl": (16, 96, 48, 5)}
+# heads (2 of 4 kept: q, k, v 8 rows, 4 + 4 on the ranks) and FFN neurons (9 of 18: fc1
+# 9 rows, 5 + 4) compressed into SlimLinear layers, row- and column-sliced
+RUNS["slim"] = dict(pattern="neuron", sparsity=0.5, schedule="oneshot", compress=True,
+                    overrides={"attn": {"pattern": "head"}})
+# the head (5 rows) cannot take 16x16 blocks; slim: 2 tokens of 8 features, 4 heads of 4,
+# 18 neurons
+WIDTHS = {"compressed": (16, 64, 32, 5), "compressed rigl": (16, 96, 48, 5),
+          "slim": (8, 16, 18, 5)}
 
 
 class ShardedNet(pl.LightningModule):
-    """An MLP whose Linear (or compressed) layers ``configure_model`` shards with FSDP2
-    (when a device mesh is there); the head's 5 rows split unevenly, 3 and 2. With
+    """An MLP (:meth:`layers`) whose Linear (or compressed) layers ``configure_model`` shards
+    with FSDP2 (when a device mesh is there); the head's 5 rows split unevenly, 3 and 2. With
     ``built_in_configure_model`` its layers join the module in ``configure_model``, which
     compresses them there (``SparsityCallback.compress``) before sharding."""
 
     def __init__(self, widths: tuple[int, ...] = (16, 32, 24, 5),
                  built_in_configure_model: bool = False) -> None:
         super().__init__()
-        first, second, third, head = widths
-        net = nn.Sequential(nn.Linear(first, second), nn.ReLU(), nn.Linear(second, third),
-                            nn.ReLU(), nn.Linear(third, head))
+        net = self.layers(*widths)
         self.pending = [net] if built_in_configure_model else []  # a list: no submodule
         if not built_in_configure_model:
             self.net = net
+
+    @staticmethod
+    def layers(first: int, second: int, third: int, head: int) -> nn.Sequential:
+        """The MLP of these widths."""
+        return nn.Sequential(nn.Linear(first, second), nn.ReLU(), nn.Linear(second, third),
+                             nn.ReLU(), nn.Linear(third, head))
 
     def configure_model(self) -> None:
         if self.pending:
@@ -104,8 +117,8 @@ class ShardedNet(pl.LightningModule):
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.device_mesh["data_parallel"]
-        for layer in self.net:
-            if isinstance(layer, (nn.Linear, BlockSparseLinear)):
+        for layer in self.net.modules():
+            if isinstance(layer, (nn.Linear, CompressedLayer)):
                 fully_shard(layer, mesh=mesh)
         fully_shard(self, mesh=mesh)
 
@@ -118,6 +131,49 @@ class ShardedNet(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=3e-2)
+
+
+class Attention(nn.Module):
+    """Self-attention over the tokens (dim 1) in heads of ``head_dim``, whose count follows
+    the projections' rows (as BERT's and Llama's)."""
+
+    def __init__(self, width: int, features: int, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(width, features) for _ in range(3))
+        self.o_proj = nn.Linear(features, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, _ = x.shape
+        q, k, v = (p(x).view(batch, tokens, -1, self.head_dim).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        heads = torch.softmax(q @ k.transpose(2, 3) / self.head_dim ** 0.5, -1) @ v
+        return self.o_proj(heads.transpose(1, 2).reshape(batch, tokens, -1))
+
+
+class SlimNet(ShardedNet):
+    """A transformer layer whose heads and FFN neurons compress into SlimLinear layers: the
+    inputs as 2 tokens of ``width``, attention of ``features`` in heads of 4, an FFN of
+    ``neurons`` (``fc1``, ``fc2``), and a head of ``head`` rows over the flattened tokens."""
+
+    @staticmethod
+    def layers(width: int, features: int, neurons: int, head: int) -> nn.Sequential:
+        ffn = nn.Sequential(OrderedDict(fc1=nn.Linear(width, neurons), act=nn.ReLU(),
+                                        fc2=nn.Linear(neurons, width)))
+        return nn.Sequential(OrderedDict(
+            tokens=nn.Unflatten(1, (2, width)), attn=Attention(width, features, 4), ffn=ffn,
+            flat=nn.Flatten(), head=nn.Linear(2 * width, head)))
+
+
+NETS = {"slim": SlimNet}  # the runs that train another model than ShardedNet
+
+
+def parameters_digest(model: nn.Module) -> str:
+    """A hash of the whole parameters (gathered: a collective on every rank)."""
+    digest = hashlib.sha256()
+    for param in model.parameters():
+        digest.update(full(param).detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 class Recorder(Callback):
@@ -140,9 +196,6 @@ class Recorder(Callback):
         self._step = trainer.global_step
         engine = self.sparse.engine
         masks = [slot.full_mask() for slot in engine.masked]
-        digest = hashlib.sha256()
-        for param in pl_module.parameters():
-            digest.update(full(param).detach().cpu().contiguous().numpy().tobytes())
         zeros = all(not slot.local_param[~slot.mask].any() for slot in engine.masked)
         for optimizer in trainer.optimizers:
             for slot in engine.masked:
@@ -153,7 +206,7 @@ class Recorder(Callback):
             "step": trainer.global_step,
             "checksums": [int(mask_checksum(mask)) for mask in masks],
             "counts": [int(mask.sum()) for mask in masks],
-            "parameters": digest.hexdigest(), "zeros_hold": bool(zeros),
+            "parameters": parameters_digest(pl_module), "zeros_hold": bool(zeros),
             "block_checksums": [int(mask_checksum(slot.mask)) for slot in engine.compressed],
             "local_shapes": [list(slot.mask.shape) for slot in engine.masked],
             "local_blocks": [local(slot.param).shape[0] for slot in engine.compressed],
@@ -164,11 +217,11 @@ class Recorder(Callback):
 
 def fit(settings: dict, loader, callbacks=(), ckpt_path=None, accelerator="cpu",
         widths: tuple[int, ...] = (16, 32, 24, 5), built_in_configure_model: bool = False,
-        **trainer_args) -> Recorder:
-    """Train a fresh ShardedNet of ``widths`` for 2 epochs (FSDP2 over 2 processes unless
+        net: type[ShardedNet] = ShardedNet, **trainer_args) -> Recorder:
+    """Train a fresh ``net`` of ``widths`` for 2 epochs (FSDP2 over 2 processes unless
     ``trainer_args`` name another strategy); the Recorder of the run."""
     pl.seed_everything(0)
-    model = ShardedNet(widths, built_in_configure_model)
+    model = net(widths, built_in_configure_model)
     sparse = SparsityCallback(**settings)
     recorder = Recorder(sparse)
     if "strategy" not in trainer_args:
@@ -231,6 +284,37 @@ def plain_state_refused(recorder: Recorder) -> str:
     return "no error"
 
 
+def full_state_round_trip(recorder: Recorder, path: Path) -> dict:
+    """The full (gathered) state dict of a run's sharded model, saved at ``path`` by rank 0,
+    loaded back after every weight and kept band of the model was changed: whether that
+    restores the same parameters, bands and full state dict."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    model, options = recorder.model, StateDictOptions(full_state_dict=True)
+    state = get_model_state_dict(model, options=options)
+    if recorder.rank == 0:
+        torch.save(state, path)
+    digest = parameters_digest(model)
+    slim = [m for m in model.modules() if isinstance(m, SlimLinear)]
+    bands = [m.band_mask.clone() for m in slim]
+    with torch.no_grad():
+        for layer in slim:
+            layer.band_mask.copy_(layer.band_mask.roll(1))
+        for param in model.parameters():
+            local(param).uniform_(-1, 1)
+    changed = parameters_digest(model) != digest
+    set_model_state_dict(model, dict(state), options=options)  # it replaces the values
+    again = get_model_state_dict(model, options=options)
+    return {"changed": changed, "parameters": parameters_digest(model) == digest,
+            "bands": all(torch.equal(m.band_mask, b) for m, b in zip(slim, bands, strict=True)),
+            "state_dict": state.keys() == again.keys() and all(
+                torch.equal(state[k], again[k]) for k in state)}
+
+
 def after_fit(recorder: Recorder) -> dict:
     """On the masks a run left: whether the engine's mask installation catches rank 1
     computing another whole mask of a sharded tensor, and whether ``make_permanent``
@@ -252,7 +336,7 @@ def after_fit(recorder: Recorder) -> dict:
 def main(out: Path, accelerator: str) -> None:
     results = {}
     for name, settings in RUNS.items():
-        if name.startswith("compressed"):
+        if settings.get("compress"):  # run below, with their own models
             continue
         recorder = fit(settings, make_loader(n=128), accelerator=accelerator)
         results[name] = recorder.rows
@@ -287,8 +371,19 @@ def main(out: Path, accelerator: str) -> None:
         callbacks=[SaveAndStop(out / "compressed-rigl.ckpt")]).rows
     results["compressed rigl-resumed"] = fit(
         **moving, loader=make_loader(n=128), ckpt_path=out / "compressed-rigl.ckpt").rows
+    slim = {"settings": RUNS["slim"], "widths": WIDTHS["slim"], "net": NETS["slim"],
+            "accelerator": accelerator}
+    recorder = fit(**slim, loader=make_loader(n=128))
+    results["slim"] = recorder.rows
+    results["slim round trip"] = full_state_round_trip(recorder, out / "slim-full.pt")
+    results["slim-stopped"] = fit(**slim, loader=make_loader(n=128),
+                                  callbacks=[SaveAndStop(out / "slim.ckpt")]).rows
+    results["slim-resumed"] = fit(**slim, loader=make_loader(n=128),
+                                  ckpt_path=out / "slim.ckpt").rows
     rank = resumed.rank
     results["refused"] = {"sr-ste": refused({**RUNS["2:4"], "regrow": "sr-ste"}, accelerator),
+                          "2:4 compressed": refused({**RUNS["2:4"], "compress": True},
+                                                    accelerator),
                           "plain state": plain_state,
                           "fsdp1": fsdp1_refused(rank, accelerator)}
     (out / f"rank{rank}.json").write_text(json.dumps(results))

@@ -128,7 +128,9 @@ def sharding_problem(model: nn.Module, slots: Sequence[Slot],
             isinstance(m, FullyShardedDataParallel) for m in model.modules()):
         return f"the model holds FullyShardedDataParallel modules: {FSDP1_PROBLEM}"
     sharded_compressed = [s for s in slots if s.compressed and is_sharded(s.param)]
-    if two_four := [s.name for s in sharded_compressed if not s.movable]:
+    # the hooks mask a 2:4 layer's dense weight with its whole mask; a block or slim layer
+    # keeps only its kept blocks (bands), nothing to mask
+    if two_four := [s.name for s in sharded_compressed if s.enforced]:
         return (f"2:4 layers {two_four} have sharded (FSDP2) weights, which their whole "
                 f"dense mask cannot follow yet; use pattern='2:4' on nn.Linear under FSDP")
     if dense_weights and (sharded := [s.name for s in slots

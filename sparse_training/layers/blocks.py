@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
+from sparse_training.engine.tensors import is_conv1d
 from sparse_training.kernels._shards import is_sharded
 from sparse_training.kernels.block_sparse import (
     BlockTopology,
@@ -162,14 +163,15 @@ def dense_state_dict(state_dict: Mapping[str, Tensor], model: nn.Module) -> dict
     """``state_dict`` with each compressed layer's compact form (``<name>.values`` and
     ``<name>.block_mask``, what layers with sharded values save) replaced by the dense
     ``<name>.weight`` (zeros at the dropped blocks) that ``model``'s ``nn.Linear`` of that
-    name takes; every other entry as it is. A consolidated FSDP2 checkpoint of compressed
+    name takes, or its HF ``Conv1D`` (GPT-2): ``(in, out)``, the block grid's weight
+    transposed; every other entry as it is. A consolidated FSDP2 checkpoint of compressed
     layers then loads into the plain model: ``model.load_state_dict(dense_state_dict(sd,
     model))``.
 
     Raises:
-        ValueError: naming the key: a compact form whose name is not an ``nn.Linear`` of
-            ``model``, a ``block_mask`` that is not the Linear's block grid, or ``values``
-            not ``[kept blocks, R, C]``.
+        ValueError: naming the key: a compact form whose name is not an ``nn.Linear`` or
+            ``Conv1D`` of ``model``, a ``block_mask`` that is not the layer's block grid
+            (of its ``(out, in)`` weight), or ``values`` not ``[kept blocks, R, C]``.
     """
     dense, modules = dict(state_dict), dict(model.named_modules())
     for key in [k for k in state_dict if k.endswith(".values")]:
@@ -178,11 +180,15 @@ def dense_state_dict(state_dict: Mapping[str, Tensor], model: nn.Module) -> dict
             continue  # not a compressed layer's
         values, mask = state_dict[key], state_dict[prefix + "block_mask"]
         layer = modules.get(prefix[:-1])
-        if not isinstance(layer, nn.Linear):
+        conv = layer is not None and is_conv1d(layer)
+        if not (isinstance(layer, nn.Linear) or conv):
             what = "no module" if layer is None else type(layer).__name__
             raise ValueError(f"{prefix}values and {prefix}block_mask are a compressed layer's, "
-                             f"but {prefix[:-1]!r} in the model is {what}, not an nn.Linear")
-        shape, block = (layer.out_features, layer.in_features), tuple(values.shape[1:])
+                             f"but {prefix[:-1]!r} in the model is {what}, not an nn.Linear "
+                             f"or a Conv1D")
+        shape = tuple(layer.weight.shape[::-1]) if conv else (layer.out_features,
+                                                              layer.in_features)
+        block = tuple(values.shape[1:])
         if values.dim() != 3 or not all(block):
             raise ValueError(f"{key} has shape {tuple(values.shape)}, not [blocks, R, C]")
         check_block_mask(mask, block_grid(*shape, block), prefix + "block_mask")
@@ -191,7 +197,9 @@ def dense_state_dict(state_dict: Mapping[str, Tensor], model: nn.Module) -> dict
                              f"{values.shape[0]}")
         topology = BlockTopology.from_block_mask(mask, *shape, block, nnz=values.shape[0])
         del dense[key], dense[prefix + "block_mask"]
-        dense[prefix + "weight"] = values_to_dense(values, topology).clone()
+        weight = values_to_dense(values, topology)
+        dense[prefix + "weight"] = (weight.T if conv else weight).clone(
+            memory_format=torch.contiguous_format)
     return dense
 
 

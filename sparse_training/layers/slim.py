@@ -178,6 +178,9 @@ class SlimLinear(CompressedLayer):
         if weight is None:
             missing_keys.append(prefix + "weight")
             return
+        # set_model_state_dict(full_state_dict=True) hands each rank the dense tensors
+        # sharded as the parameters are: gathered (a collective; every rank loads)
+        weight, bias = full(weight), None if bias is None else full(bias)
         if tuple(weight.shape) != dense:
             error_msgs.append(f"size mismatch for {prefix}weight: copying a param with shape "
                               f"{tuple(weight.shape)}, the layer's dense shape is {dense}")

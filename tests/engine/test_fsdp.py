@@ -34,10 +34,12 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 from sparse_training import SparsityCallback
 from sparse_training.kernels._triton import interpret_mode
 from sparse_training.layers.blocks import dense_state_dict
+from sparse_training.layers.slim import SlimLinear
+from sparse_training.pieces.units import COLUMNS, ROWS
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from conftest import make_loader, two_process_problem  # noqa: E402
-from fsdp_sharded import RUNS, WIDTHS, ShardedNet, fit  # noqa: E402
+from fsdp_sharded import NETS, RUNS, WIDTHS, Recorder, ShardedNet, SlimNet, fit  # noqa: E402
 
 SCRIPT = Path(__file__).parents[1] / "fsdp_sharded.py"
 ACCELERATORS = ["cpu", "gpu"]
@@ -100,11 +102,16 @@ def reference_loader() -> DataLoader:
     return DataLoader(data, batch_size=16, sampler=TwoRanksInOne(data))
 
 
-_REFERENCES: dict[tuple[str, str], list[dict]] = {}
+_REFERENCES: dict[tuple[str, str], Recorder] = {}
 
 
 def reference(name: str, accelerator: str) -> list[dict]:
     """One process's records of run ``name``."""
+    return reference_fit(name, accelerator).rows
+
+
+def reference_fit(name: str, accelerator: str) -> Recorder:
+    """One process's run ``name`` (its records and model)."""
     kernels = RUNS[name].get("fused") or RUNS[name].get("compress")
     if accelerator == "cpu" and kernels and not interpret_mode():
         pytest.skip("the one-process reference runs Triton kernels on CPU tensors: needs "
@@ -115,8 +122,8 @@ def reference(name: str, accelerator: str) -> list[dict]:
         try:
             _REFERENCES[name, accelerator] = fit(
                 RUNS[name], reference_loader(), accelerator=accelerator, strategy="auto",
-                devices=1, accumulate_grad_batches=2,
-                **({"widths": WIDTHS[name]} if name in WIDTHS else {})).rows
+                devices=1, accumulate_grad_batches=2, net=NETS.get(name, ShardedNet),
+                **({"widths": WIDTHS[name]} if name in WIDTHS else {}))
         finally:
             torch.set_num_threads(threads)
     return _REFERENCES[name, accelerator]
@@ -236,6 +243,63 @@ def test_compressed_layers_built_in_configure_model_train_as_those_built_before(
         assert rank["compressed in configure_model"] == rank["compressed"]
 
 
+def test_slim_layers_train_sharded_as_in_one_process_and_resume_exactly(sharded):
+    """Heads and FFN neurons compressed into SlimLinear layers (q, k, v and fc1 keep their
+    kept rows, o and fc2 their kept columns), each sharded by fully_shard along its kept
+    rows: the same weights as one process at every step on both ranks, and a sharded
+    checkpoint after the first epoch resumes the second exactly."""
+    (rank0, rank1), accelerator = sharded
+    rows = rank0["slim"]
+    assert len(rows) == 1 + 8
+    assert _logical(rows) == _logical(rank1["slim"])
+    assert _logical(rows) == _logical(reference("slim", accelerator))
+    assert len({row["parameters"] for row in rows}) == len(rows)  # the kept weights train
+    assert len({tuple(row["block_checksums"]) for row in rows}) == 1  # the bands stay put
+    # q, k, v (2 of 4 heads of 4: 8 rows), o (8 rows), fc1 (9 of 18 neurons), fc2 (8 rows)
+    assert rows[0]["local_blocks"] == [4, 4, 4, 4, 5, 4]
+    assert rank1["slim"][0]["local_blocks"] == [4, 4, 4, 4, 4, 4]
+    for rank in (rank0, rank1):
+        assert _logical(rank["slim-stopped"]) == _logical(rank["slim"][:5])
+        assert _logical(rank["slim-resumed"]) == _logical(rank["slim"][4:])
+
+
+def test_slim_full_state_dict_is_dense_with_zeros_and_loads_back(sharded):
+    """The full state dict of the sharded slim model (get_model_state_dict,
+    full_state_dict=True) equals one process's: every SlimLinear's weight and bias in the
+    dense shape, zero exactly at the removed rows or columns; it loads strictly into the
+    plain model, which computes the same; and set_model_state_dict of it into the sharded
+    model, after every weight and kept band there was changed, restores the parameters,
+    the bands and the state dict on every rank."""
+    (rank0, rank1), accelerator = sharded
+    for rank in (rank0, rank1):
+        assert rank["slim round trip"] == {"changed": True, "parameters": True,
+                                           "bands": True, "state_dict": True}
+    state = torch.load(OUTS[accelerator] / "slim-full.pt", weights_only=True)
+    one_process = reference_fit("slim", accelerator).model.cpu()
+    expected = one_process.state_dict()
+    assert state.keys() == expected.keys()
+    assert all(torch.equal(state[key], expected[key]) for key in state), "not one process's"
+    slim = {name: m for name, m in one_process.named_modules() if isinstance(m, SlimLinear)}
+    assert {m.axis for m in slim.values()} == {ROWS, COLUMNS}
+    for name, layer in slim.items():
+        weight, bias = state[f"{name}.weight"], state[f"{name}.bias"]
+        assert weight.shape == (layer.out_features, layer.in_features)
+        kept = torch.zeros(weight.shape[layer.axis], dtype=torch.bool)
+        kept[layer.kept_index] = True
+        kept = kept[:, None] if layer.axis == ROWS else kept[None, :]
+        assert not weight[~kept.expand_as(weight)].any(), name
+        assert weight[kept.expand_as(weight)].count_nonzero() == kept.sum() * weight.shape[
+            1 - layer.axis], name
+        if layer.axis == ROWS:
+            assert not bias[~kept.flatten()].any() and bias[kept.flatten()].all(), name
+    plain = SlimNet(WIDTHS["slim"])
+    plain.load_state_dict(state)  # strict
+    assert not any(isinstance(m, SlimLinear) for m in plain.modules())
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x), one_process(x))
+
+
 def test_sharded_masks_checked_across_ranks_and_made_permanent(sharded):
     """A rank computing another whole mask is caught on every rank; ``make_permanent``
     removes the mask buffers of sharded tensors (shaped like their local shards)."""
@@ -248,6 +312,9 @@ def test_sharding_refuses_what_it_cannot_serve(sharded):
     (rank0, rank1), _ = sharded
     for refused in (rank0["refused"], rank1["refused"]):
         assert "SR-STE keeps dense weights" in refused["sr-ste"]
+        # SemiStructuredLinear: its whole dense mask (SlimLinear layers train sharded)
+        assert "2:4 layers ['net.0.weight', 'net.2.weight'] have sharded (FSDP2)" in (
+            refused["2:4 compressed"])
         assert "exp_avg is a plain tensor of local shape (32, 16) for a parameter sharded" in (
             refused["plain state"])
         assert "FSDP1 (FullyShardedDataParallel" in refused["fsdp1"]

@@ -15,6 +15,7 @@ from transformers.pytorch_utils import Conv1D
 
 from sparse_training import SparsityCallback, SparsityConfig, SparsityEngine, densify
 from sparse_training.engine.plan import SparsityPlan
+from sparse_training.layers.blocks import dense_state_dict
 from sparse_training.layers.compress import compress_selected
 from sparse_training.layers.conv1d import BlockSparseConv1D, as_linear
 
@@ -97,6 +98,33 @@ def test_a_block_conv1d_layer_and_its_gradients_against_a_float64_reference():
         dense_grad[r * 16:(r + 1) * 16, c * 16:(c + 1) * 16] = layer.values.grad[n]
     torch.testing.assert_close(dense_grad.T, weight.grad * dense_mask, rtol=0, atol=1e-12)
     torch.testing.assert_close(layer.bias.grad, bias.grad, rtol=0, atol=1e-12)
+
+
+def test_dense_state_dict_gives_a_plain_gpt2_its_conv1d_weights_input_first():
+    """The compact form that block layers with sharded values save (``values``, and the
+    ``block_mask`` of the ``(out, in)`` grid), made dense for a plain GPT-2: every Conv1D's
+    weight ``(in, out)`` equal to the compressed model's own state dict (the square
+    ``attn.c_proj`` too, where a missing transpose keeps the shape), and the same logits."""
+    config = SparsityConfig(**SETTINGS["block"], schedule="oneshot", compress=True,
+                            deny=["wte|wpe"])
+    model = gpt2().double().eval()
+    compress_selected(model, SparsityPlan.build(model, config))
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, BlockSparseConv1D)}
+    assert {name.split(".", 3)[-1] for name in layers} == {"attn.c_attn", "attn.c_proj",
+                                                          "mlp.c_fc", "mlp.c_proj"}
+    compact = model.state_dict()
+    for name, layer in layers.items():
+        del compact[f"{name}.weight"]
+        compact[f"{name}.values"] = layer.values.detach()
+        compact[f"{name}.block_mask"] = layer.block_mask
+    plain = gpt2(seed=4).double().eval()
+    plain.load_state_dict(dense_state_dict(compact, plain))  # strict
+    expected = model.state_dict()
+    for key, value in plain.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, model(ids).logits, rtol=0, atol=1e-10)
 
 
 class TinyGPT2(pl.LightningModule):
