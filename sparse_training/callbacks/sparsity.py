@@ -23,9 +23,9 @@ from sparse_training.callbacks.fit_checks import (
     counts,
     fit_problem,
     placeholder,
-    schedule_warnings,
     unused_warning,
 )
+from sparse_training.callbacks.fit_engine import engine_for_fit, start_engine
 from sparse_training.callbacks.resume import own_state, unreadable_checkpoint
 from sparse_training.config import (
     DEFAULT_LAYER_TYPES,
@@ -34,7 +34,6 @@ from sparse_training.config import (
     SparsityConfig,
 )
 from sparse_training.engine import SparsityEngine
-from sparse_training.engine.distributed import keep_masks_out_of_buffer_broadcast
 from sparse_training.engine.optimizer_hooks import optimizer_problem
 from sparse_training.engine.ownership import shared_tensor
 from sparse_training.engine.plan import SparsityPlan
@@ -46,7 +45,6 @@ from sparse_training.layers.auto_paths import dtype_name
 from sparse_training.layers.compress import (
     compress_selected,
     follow_checkpoint,
-    held_apart,
     undo_swaps,
 )
 from sparse_training.layers.swap import format_swaps
@@ -279,43 +277,11 @@ class SparsityCallback(Callback):
         total = None if math.isinf(total) else max(int(total), 0)
         if problem := fit_problem(self.config, plan, optimizers, total, restored):
             raise ValueError(f"SparsityCallback: {problem}")
-        engine = self.engine
-        if engine is None or not engine.bound_to(pl_module):
-            swapped = {name for name, _ in self._swapped}
-            if restored is None and (apart := held_apart(pl_module, plan, swapped)):
-                rank_zero_warn(f"SparsityCallback: {apart}")
-            if engine is not None:
-                engine.detach()
-            self.engine = engine = SparsityEngine(pl_module, self.config, state=restored,
-                                                  plan=plan)
-        else:
-            engine.claim()  # another callback may have taken the tensors since
-            if restored is not None:
-                engine.load_state_dict(restored)
-            elif trainer.global_step == 0 and engine.updater.last_update is not None:
-                engine.restart()
-                rank_zero_info("SparsityCallback: a new fit runs the schedule again from its "
-                               "start, beginning with the current masks")
+        self.engine = engine_for_fit(self.engine, pl_module, self.config, plan, restored,
+                                     {name for name, _ in self._swapped}, trainer.global_step)
         self._swapped = []  # trained from now on: an error later keeps the layers
-        if not engine.slots:
-            raise ValueError("SparsityCallback selected no weight tensor (setup table below)\n"
-                             + engine.plan.table())
-        if trainer.ckpt_path is not None and restored is None:
-            rank_zero_warn("SparsityCallback: the checkpoint holds no SparsityCallback state; "
-                           "the schedule starts at the resumed step")
-        engine.start(total)
-        for warning in schedule_warnings(self.config, engine.updater, total):
-            rank_zero_warn(f"SparsityCallback: {warning}")
-        rank_zero_info(f"SparsityCallback: {counts(engine)} of {len(engine.plans)} weight "
-                       f"tensors; {engine.updater.describe(total)}\n"
-                       + engine.plan.table())
+        start_engine(self.engine, trainer, self.config, total, restored is not None)
         self._unused_checked = False
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if scaler is not None:  # gradients are unscaled before on_before_optimizer_step
-            engine.loss_scale = lambda: float(scaler.get_scale())
-        for optimizer in trainer.optimizers:
-            engine.attach(optimizer)
-        keep_masks_out_of_buffer_broadcast(trainer.strategy.model, engine.slots)
         self._fitting = True
 
     # -- steps ----------------------------------------------------------------------------

@@ -19,7 +19,8 @@ tokens: smaller products crashed cuSPARSELt), the forward may multiply a packed 
 weight and, for a transposable mask, the input gradient a packed copy of its transpose; the
 copies are refreshed, values only, at the first forward after any ``torch.optim`` optimizer
 stepped (a global step post-hook counts the steps: torch's fused optimizers do not move a
-parameter's version counter) or the weight was written in place. Each shape and token
+parameter's version counter) or the weight was written in place
+(:mod:`sparse_training.layers.packed_copies`). Each shape and token
 count is timed once, sparse against dense, and the faster path is kept
 (:mod:`sparse_training.kernels.semi_structured.paths`): by wall time for eager training, or
 by GPU time where ``timing = "cuda_graph"`` (a step captured in a CUDA graph pays no host
@@ -42,16 +43,13 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from sparse_training.engine.protocol import CompressedLayer
 from sparse_training.kernels._autograd import AUTOCAST_DTYPES
 from sparse_training.kernels.semi_structured import (
     SPARSE_ROUTE_DTYPES,
     TOKEN_MULTIPLE,
-    PackedWeight,
     PathChoice,
-    choose_paths,
     cusparselt_problem,
     envelope_problem,
     semi_structured_linear,
@@ -64,20 +62,9 @@ from sparse_training.kernels.semi_structured.masks import (
 )
 from sparse_training.kernels.semi_structured.paths import check_timing
 from sparse_training.layers.blocks import transfer
+from sparse_training.layers.packed_copies import PackedCopies, count_optimizer_steps
 from sparse_training.layers.storage import SemiStructuredSlot
 from sparse_training.pieces.masks import pattern_mask
-
-_OPTIMIZER_STEPS = [0]  # optimizer steps taken in this process, once counting starts
-_COUNTING: list = []  # the global hook's handle, registered by the first layer
-
-
-def _count_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-    _OPTIMIZER_STEPS[0] += 1
-
-
-def _weights_changed_marker(weight: Tensor) -> tuple[int, int]:
-    """What changes when the weight may have: (optimizer steps, the weight's version)."""
-    return _OPTIMIZER_STEPS[0], weight._version
 
 
 def _check_arguments(in_features: object, out_features: object, transposable: object) -> None:
@@ -132,8 +119,7 @@ class SemiStructuredLinear(CompressedLayer):
         self.reset_parameters()
         if mask is not None:
             self.set_mask(mask)
-        if not _COUNTING:
-            _COUNTING.append(register_optimizer_step_post_hook(_count_step))
+        count_optimizer_steps()
 
     def slot(self, name: str) -> SemiStructuredSlot:
         """The engine's view of ``weight``: a fixed 2:4 mask the optimizer step enforces."""
@@ -172,9 +158,8 @@ class SemiStructuredLinear(CompressedLayer):
         self.mask.copy_(mask)
         self.mask_unset = False
         self.weight.masked_fill_(~self.mask, 0)
-        self._packs: dict[tuple[torch.dtype, bool], list] = {}  # see _copy
+        self._packed = PackedCopies()
         self._routes: dict[tuple, PathChoice | str] = {}  # by (device, dtype, tokens, timing)
-        self._captured = False  # True once a forward ran under CUDA graph capture
 
     @property
     def timing(self) -> str:
@@ -240,7 +225,7 @@ class SemiStructuredLinear(CompressedLayer):
         route = self.paths(x, dtype)
         packed = packed_t = None  # cuBLAS on the weight as it is: zero where pruned
         if not isinstance(route, str) and (route.forward or route.input_grad):
-            packed, packed_t = self._refreshed(dtype, route)
+            packed, packed_t = self._packed.refreshed(self.weight, self.mask, dtype, route)
         elif not self.masks_gradient:
             return F.linear(x, self.weight, self.bias)
         return semi_structured_linear(x.to(dtype), self.weight,
@@ -254,11 +239,12 @@ class SemiStructuredLinear(CompressedLayer):
         key = (x.device, dtype, x.numel() // self.in_features, self.timing)
         route = self._routes.get(key)
         if route is None:
-            route = self._routes[key] = self.path_problem(x) or self._measure(dtype, key[2])
+            route = self._routes[key] = self.path_problem(x) or self._packed.measure(
+                self.weight, self.mask, dtype, key[2], self.timing, self.transposable)
         return route
 
     def _apply(self, fn, recurse: bool = True) -> SemiStructuredLinear:
-        self._packs, self._routes = {}, {}  # a device or dtype move replaces the weight
+        self._packed.copies, self._routes = {}, {}  # a device or dtype move replaces the weight
         return super()._apply(fn, recurse)
 
     def _compute_dtype(self, x: Tensor) -> torch.dtype:
@@ -281,57 +267,6 @@ class SemiStructuredLinear(CompressedLayer):
                              f"{self.weight.dtype}; cast the input (x.to({self.weight.dtype})) "
                              "or the layer, or run under torch.autocast")
         return x.dtype
-
-    def _copy(self, dtype: torch.dtype, transposed: bool) -> list:
-        """``[packed copy, marker when last packed]`` of W (``transposed``: W^T) in
-        ``dtype``, packed at its first use; kept only while a sparse route uses it."""
-        copy = self._packs.get((dtype, transposed))
-        if copy is None:
-            copy = self._packs[(dtype, transposed)] = self._pack(dtype, transposed)
-        return copy
-
-    def _pack(self, dtype: torch.dtype, transposed: bool) -> list:
-        marker = _weights_changed_marker(self.weight)
-        return [PackedWeight.pack(self.weight.detach(), self.mask, dtype, transposed), marker]
-
-    @torch.compiler.disable
-    @torch.no_grad()
-    def _measure(self, dtype: torch.dtype, tokens: int) -> PathChoice:
-        """The choice for ``tokens``; copies packed to time it are kept only where the
-        choice uses them (a dense choice keeps none)."""
-        made: dict[bool, list] = {}
-
-        def pack(transposed: bool) -> PackedWeight:
-            copy = self._packs.get((dtype, transposed))
-            if copy is None:
-                copy = made[transposed] = self._pack(dtype, transposed)
-            return copy[0]
-
-        choice = choose_paths(self.weight, dtype, tokens, self.timing, pack, self.transposable)
-        for transposed, used in ((False, choice.forward), (True, choice.input_grad)):
-            if used and transposed in made:
-                self._packs[(dtype, transposed)] = made[transposed]
-        return choice
-
-    @torch.compiler.disable
-    @torch.no_grad()
-    def _refreshed(self, dtype: torch.dtype, route: PathChoice
-                   ) -> tuple[PackedWeight | None, PackedWeight | None]:
-        """The packed copies ``route`` uses (None for a cuBLAS product), repacked (values
-        only) if the weights may have changed since they were last packed, and at every call
-        once the layer was captured in a CUDA graph (replays take optimizer steps that no
-        Python sees)."""
-        marker = _weights_changed_marker(self.weight)
-        if torch.cuda.is_current_stream_capturing():  # a sparse route runs on CUDA
-            self._captured = True
-        copies = []
-        for transposed, used in ((False, route.forward), (True, route.input_grad)):
-            copy = self._copy(dtype, transposed) if used else None
-            if copy is not None and (self._captured or copy[1] != marker):
-                copy[0].refresh(self.weight)
-                copy[1] = marker
-            copies.append(None if copy is None else copy[0])
-        return copies[0], copies[1]
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict,
                               strict: bool, missing_keys: list, unexpected_keys: list,

@@ -5,7 +5,6 @@ at setup are given back as they were, and no mask is installed."""
 
 from __future__ import annotations
 
-import copy
 import pickle
 import re
 
@@ -29,25 +28,38 @@ def callback_state(saved: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def sparse_checkpoint(tmp_path_factory):
-    """``sparse_checkpoint(**settings)``: a copy of the checkpoint (read back) of a one-epoch
-    TinyNet fit with those settings; each fit runs once per module, its copies are free to
-    change."""
-    fits = {}
+def saved_fit(tmp_path_factory):
+    """``saved_fit(model_class, **settings)``: the last.ckpt of a one-epoch fit of
+    ``model_class`` with those settings, read back (a copy, free to change), and its path;
+    each fit runs once per module."""
+    paths = {}
 
-    def checkpoint(**settings):
-        key = repr(sorted(settings.items()))
-        if key not in fits:
-            folder = tmp_path_factory.mktemp("sparse")
+    def checkpoint(model_class=TinyNet, **settings):
+        key = (model_class, repr(sorted(settings.items())))
+        if key not in paths:
+            folder = tmp_path_factory.mktemp("fit")
             pl.seed_everything(0, verbose=False)
             trainer = make_trainer([SparsityCallback(**settings),
                                     ModelCheckpoint(dirpath=folder, save_last=True)],
                                    max_epochs=1, enable_checkpointing=True)
-            trainer.fit(TinyNet(), make_loader())
-            fits[key] = torch.load(folder / "last.ckpt", weights_only=False)
-        return copy.deepcopy(fits[key])
+            trainer.fit(model_class(), make_loader())
+            paths[key] = folder / "last.ckpt"
+        return torch.load(paths[key], weights_only=False), paths[key]
 
     return checkpoint
+
+
+def assert_refused_before_any_mask(saved, settings, message, path):
+    """Resuming ``saved`` (written to ``path``) with ``settings`` raises ``message`` as
+    Lightning restores the state, after it loaded the model's weights, before any mask is
+    installed."""
+    torch.save(saved, path)
+    model = TinyNet()
+    with pytest.raises(ValueError, match=message):
+        make_trainer([SparsityCallback(**settings)], max_epochs=2).fit(
+            model, make_loader(), ckpt_path=path)
+    assert all(torch.equal(saved["state_dict"][k], v) for k, v in model.state_dict().items())
+    assert not any(name.endswith("_mask") for name, _ in model.named_buffers())
 
 
 def _drop(masks, name):
@@ -80,20 +92,12 @@ CHECKPOINTS = [  # (change to the saved state, change to the settings, message)
 
 @pytest.mark.parametrize(("mutate", "change", "message"), CHECKPOINTS,
                          ids=[m[:30] for *_, m in CHECKPOINTS])
-def test_checkpoint_errors_come_before_any_mask_changes(sparse_checkpoint, tmp_path, mutate,
-                                                        change, message):
-    settings = GMP_EVERY_2
-    saved = sparse_checkpoint(**settings)
+def test_checkpoint_errors_come_before_any_mask_changes(saved_fit, tmp_path, mutate, change,
+                                                        message):
+    saved, _ = saved_fit(**GMP_EVERY_2)
     mutate(callback_state(saved))
-    torch.save(saved, tmp_path / "bad.ckpt")
-    model = TinyNet()
-    trainer = make_trainer([SparsityCallback(**{**settings, **change})], max_epochs=2)
-    with pytest.raises(ValueError, match=message):
-        trainer.fit(model, make_loader(), ckpt_path=tmp_path / "bad.ckpt")
-    # the state is checked as Lightning restores it, after it loaded the model's weights,
-    # before any mask is installed
-    assert all(torch.equal(saved["state_dict"][k], v) for k, v in model.state_dict().items())
-    assert not any(name.endswith("_mask") for name, _ in model.named_buffers())
+    assert_refused_before_any_mask(saved, {**GMP_EVERY_2, **change}, message,
+                                   tmp_path / "bad.ckpt")
 
 
 class WideHead(BlockNet):
@@ -105,26 +109,13 @@ class WideHead(BlockNet):
                                  nn.Linear(32, 4))
 
 
-@pytest.fixture(scope="module")
-def compressed_checkpoint(tmp_path_factory):
-    """A compress=True fit's last.ckpt (read back) and its path."""
-    folder = tmp_path_factory.mktemp("compressed")
-    pl.seed_everything(0, verbose=False)
-    trainer = make_trainer([SparsityCallback(**BLOCKNET_COMPRESSED),
-                            ModelCheckpoint(dirpath=folder, save_last=True)],
-                           max_epochs=1, enable_checkpointing=True)
-    trainer.fit(BlockNet(), make_loader())
-    return torch.load(folder / "last.ckpt", weights_only=False), folder / "last.ckpt"
-
-
 def _entry(saved, name):
     return callback_state(saved)["compressed"][name]
 
 
-def _flip_bit(saved, name, bit):
-    """Flip one bit of a packed compressed mask: the kept count changes."""
-    bits = _entry(saved, name)["bits"]
-    bits[bit // 8] ^= 1 << (bit % 8)
+def _flip_bit(entry, bit):
+    """Flip one bit of a saved mask entry's packed bits: the kept count changes."""
+    entry["bits"][bit // 8] ^= 1 << (bit % 8)
 
 
 def _swap_blocks(saved, name):
@@ -136,11 +127,11 @@ def _swap_blocks(saved, name):
     entry["bits"] = pack_mask(mask)
 
 
-def _write_truncated(saved, path, source):
+def _write_truncated(path, source):
     path.write_bytes(source.read_bytes()[: source.stat().st_size // 2])
 
 
-def _write_empty(saved, path, source):
+def _write_empty(path, source):
     path.write_bytes(b"")
 
 
@@ -152,7 +143,7 @@ RESUMES = [  # (change to the checkpoint, settings, model class, message)
     (None, dict(compress=False), BlockNet, r"compress=True in the checkpoint, False now"),
     (None, dict(pattern="2:4", sparsity=None), BlockNet,
      r"pattern='block:16x16' in the checkpoint, '2:4' now"),
-    (lambda s: _flip_bit(s, "net.2.values", 0), {}, BlockNet,
+    (lambda s: _flip_bit(_entry(s, "net.2.values"), 0), {}, BlockNet,
      r"compressed mask 'net.2.values' keeps (3|5) blocks; the layer keeps exactly nnz = 4 "
      r"\(corrupted\)"),
     (lambda s: _entry(s, "net.0.values")["bits"].fill_(0xF2), {}, BlockNet,
@@ -179,13 +170,11 @@ RESUMES = [  # (change to the checkpoint, settings, model class, message)
 
 @pytest.mark.parametrize(("mutate", "change", "model_class", "message"), RESUMES,
                          ids=[f"{i}-{m[:28]}" for i, (*_, m) in enumerate(RESUMES)])
-def test_compressed_resume_errors(compressed_checkpoint, tmp_path, mutate, change, model_class,
-                                  message):
+def test_compressed_resume_errors(saved_fit, tmp_path, mutate, change, model_class, message):
     """Every error comes before the first step; the layers compressed at setup are given
     back as the nn.Linear layers they were, with their weights; the others hold their
     weights or those Lightning loaded."""
-    saved, _ = compressed_checkpoint
-    saved = copy.deepcopy(saved)
+    saved, _ = saved_fit(BlockNet, **BLOCKNET_COMPRESSED)
     bad = tmp_path / "bad.ckpt"
     if mutate is not None:
         mutate(saved)
@@ -205,11 +194,10 @@ def test_compressed_resume_errors(compressed_checkpoint, tmp_path, mutate, chang
 
 
 @pytest.mark.parametrize("write", [_write_truncated, _write_empty])
-def test_an_unreadable_checkpoint_is_named_and_the_model_kept(compressed_checkpoint, tmp_path,
-                                                             write):
-    saved, source = compressed_checkpoint
+def test_an_unreadable_checkpoint_is_named_and_the_model_kept(saved_fit, tmp_path, write):
+    _, source = saved_fit(BlockNet, **BLOCKNET_COMPRESSED)
     bad = tmp_path / "bad.ckpt"
-    write(saved, bad, source)
+    write(bad, source)
     model = BlockNet()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises((OSError, RuntimeError, EOFError, pickle.UnpicklingError)) as caught:
@@ -223,11 +211,10 @@ def test_an_unreadable_checkpoint_is_named_and_the_model_kept(compressed_checkpo
 
 
 def test_a_compressed_checkpoint_without_callback_state_resumes_from_its_weights(
-        compressed_checkpoint, tmp_path):
+        saved_fit, tmp_path):
     """No SparsityCallback state (saved without the callback): the compressed layers take
     the blocks the loaded weights hold, and the schedule starts at the resumed step."""
-    saved, _ = compressed_checkpoint
-    saved = copy.deepcopy(saved)
+    saved, _ = saved_fit(BlockNet, **BLOCKNET_COMPRESSED)
     saved.pop("callbacks")
     torch.save(saved, tmp_path / "plain.ckpt")
     model = BlockNet()
@@ -248,9 +235,8 @@ def test_a_missing_checkpoint_is_named_before_any_change():
     assert type(model.net[0]) is nn.Linear
 
 
-
-def _flip_masked(saved, name, bit):
-    callback_state(saved)["masks"][name]["bits"][bit // 8] ^= 1 << (bit % 8)
+def _mask_entry(saved, name):
+    return callback_state(saved)["masks"][name]
 
 
 def _column_broken_2_4() -> torch.Tensor:
@@ -259,13 +245,14 @@ def _column_broken_2_4() -> torch.Tensor:
 
 
 MASKS = [  # (settings of the saved fit, change to its state, message)
-    (GMP_EVERY_2, lambda s: _flip_masked(s, "net.0.weight", 3),
+    (GMP_EVERY_2, lambda s: _flip_bit(_mask_entry(s, "net.0.weight"), 3),
      r"mask 'net.0.weight' keeps \d+ of 512 blocks; sparsity 0.\d+ keeps \d+ \(corrupted\)"),
-    (dict(pattern="block:4x4", sparsity=0.5), lambda s: _flip_masked(s, "net.2.weight", 0),
+    (dict(pattern="block:4x4", sparsity=0.5),
+     lambda s: _flip_bit(_mask_entry(s, "net.2.weight"), 0),
      r"mask 'net.2.weight' is not constant on 4x4 block \(0, 0\): (1|15) of 16 entries kept"),
-    (dict(pattern="2:4"), lambda s: _flip_masked(s, "net.2.weight", 0),
+    (dict(pattern="2:4"), lambda s: _flip_bit(_mask_entry(s, "net.2.weight"), 0),
      r"mask 'net.2.weight' is not 2:4: row 0, blocks 0:4 keep (1|3) \(corrupted\)"),
-    (dict(pattern="2:4:2d"), lambda s: callback_state(s)["masks"]["net.2.weight"].update(
+    (dict(pattern="2:4:2d"), lambda s: _mask_entry(s, "net.2.weight").update(
         bits=_column_broken_2_4()),
      r"mask 'net.2.weight' is not 2:4: column 0, blocks 0:4 keep 4 \(corrupted\)"),
 ]
@@ -273,19 +260,13 @@ MASKS = [  # (settings of the saved fit, change to its state, message)
 
 @pytest.mark.parametrize(("settings", "mutate", "message"), MASKS,
                          ids=[m[:30] for *_, m in MASKS])
-def test_corrupted_masks_at_the_right_length_are_refused(sparse_checkpoint, tmp_path, settings,
-                                                         mutate, message):
+def test_corrupted_masks_at_the_right_length_are_refused(saved_fit, tmp_path, settings, mutate,
+                                                         message):
     """Masks are checked for their pattern's structure and the schedule's exact count
     before any is installed (Lightning has restored the weights by then)."""
-    saved = sparse_checkpoint(**settings)
+    saved, _ = saved_fit(**settings)
     mutate(saved)
-    torch.save(saved, tmp_path / "bad.ckpt")
-    model = TinyNet()
-    with pytest.raises(ValueError, match=message):
-        make_trainer([SparsityCallback(**settings)], max_epochs=2).fit(
-            model, make_loader(), ckpt_path=tmp_path / "bad.ckpt")
-    assert all(torch.equal(saved["state_dict"][k], v) for k, v in model.state_dict().items())
-    assert not any(name.endswith("_mask") for name, _ in model.named_buffers())
+    assert_refused_before_any_mask(saved, settings, message, tmp_path / "bad.ckpt")
 
 
 def test_the_tables_hold_every_case():

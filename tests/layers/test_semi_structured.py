@@ -12,13 +12,15 @@ import torch
 from torch import nn
 
 from sparse_training.kernels.semi_structured import (
+    PackedWeight,
+    PathChoice,
     forward_reference,
     input_grad_reference,
     weight_grad_reference,
 )
 from sparse_training.kernels.semi_structured.ops import SemiStructuredLinearFunction
 from sparse_training.kernels.semi_structured.paths import decide
-from sparse_training.layers import semi_structured
+from sparse_training.layers import packed_copies, semi_structured
 from sparse_training.layers.semi_structured import SemiStructuredLinear
 from sparse_training.pieces.masks import pattern_mask
 
@@ -100,14 +102,14 @@ def test_training_keeps_pruned_weights_zero_and_counts_optimizer_steps():
     torch.manual_seed(0)
     layer = SemiStructuredLinear(32, 16, transposable=True)
     optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2, fused=True)
-    steps = semi_structured._OPTIMIZER_STEPS[0]
+    steps = packed_copies._OPTIMIZER_STEPS[0]
     for _ in range(3):
         optimizer.zero_grad()
         layer(torch.randn(8, 32)).square().mean().backward()
         optimizer.step()
     assert not layer.weight[~layer.mask].any() and layer.weight[layer.mask].all()
     # torch's fused AdamW leaves the version counter alone: the global step count moves
-    assert semi_structured._OPTIMIZER_STEPS[0] == steps + 3
+    assert packed_copies._OPTIMIZER_STEPS[0] == steps + 3
 
 
 @pytest.mark.parametrize("fused", [pytest.param(True, marks=pytest.mark.interpreter), False])
@@ -228,15 +230,15 @@ def test_packed_copies_refresh_after_a_step_and_always_once_captured(monkeypatch
     eager calls after it: replays take optimizer steps that no Python sees."""
     layer = SemiStructuredLinear(32, 16, transposable=True)
     copies = [CountingCopy(), CountingCopy()]
-    marker = semi_structured._weights_changed_marker(layer.weight)
+    marker = packed_copies.weights_changed_marker(layer.weight)
     for transposed, counting in zip((False, True), copies, strict=True):
-        layer._packs[(torch.bfloat16, transposed)] = [counting, marker]
+        layer._packed.copies[(torch.bfloat16, transposed)] = [counting, marker]
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    route = semi_structured.PathChoice(True, False, "sparse forward", {})
+    route = PathChoice(True, False, "sparse forward", {})
 
     def refreshes():
-        layer._refreshed(torch.bfloat16, route)
+        layer._packed.refreshed(layer.weight, layer.mask, torch.bfloat16, route)
         return [c.refreshes for c in copies]
 
     assert refreshes() == [0, 0]  # nothing changed since packing
@@ -353,13 +355,13 @@ def test_a_dense_route_keeps_no_packed_copy_and_a_sparse_one_only_what_it_uses(
     dense(x)
     route = dense.paths(x)
     assert fake_cusparselt.timer.calls == 6 and not (route.forward or route.input_grad)
-    assert dense._packs == {} and held_bytes(dense) == 0
+    assert dense._packed.copies == {} and held_bytes(dense) == 0
     fake_cusparselt.timer = ScriptedTimer([1.0, 0.5, 0.1, 1.0, 2.0, 0.1])  # the forward only
     layer = SemiStructuredLinear(64, 48, transposable=True, dtype=torch.bfloat16)
     layer(x)
     assert fake_cusparselt.timer.calls == 6
-    assert list(layer._packs) == [(torch.bfloat16, False)]
-    packed = layer._packs[(torch.bfloat16, False)][0]
+    assert list(layer._packed.copies) == [(torch.bfloat16, False)]
+    packed = layer._packed.copies[(torch.bfloat16, False)][0]
     assert packed.positions.dtype == torch.uint8 and packed.positions.numel() == 48 * 64 // 2
     assert held_bytes(layer) == 48 * 64 * 2 + 48 * 64 // 2  # the fake's packed size + 0.5 B
 
@@ -435,7 +437,7 @@ def test_a_layout_that_the_values_only_refresh_does_not_write_falls_back_with_a_
     monkeypatch.setattr(torch, "_cslt_compress", reversed_compress)
     layer = SemiStructuredLinear(64, 32, dtype=torch.bfloat16)
     with pytest.warns(UserWarning, match="every optimizer step repacks in full"):
-        packed = semi_structured.PackedWeight.pack(layer.weight, layer.mask, torch.bfloat16)
+        packed = PackedWeight.pack(layer.weight, layer.mask, torch.bfloat16)
     assert not packed.fast and packed.positions is None
 
 
@@ -446,7 +448,7 @@ def test_small_and_odd_token_counts_take_cublas_before_any_packing_or_timing(
     def no_packing(*args, **kwargs):
         raise AssertionError("packed outside the envelope")
 
-    monkeypatch.setattr(semi_structured.PackedWeight, "pack", no_packing)
+    monkeypatch.setattr(PackedWeight, "pack", no_packing)
     torch.manual_seed(0)
     layer = SemiStructuredLinear(64, 32, dtype=torch.bfloat16)
     small = SemiStructuredLinear(32, 16, dtype=torch.bfloat16)

@@ -1,0 +1,80 @@
+"""The engine a fit of :class:`~sparse_training.SparsityCallback` trains with, and its start
+under the Trainer.
+
+The first fit, or a fit of another model, builds a new engine (on the checkpoint's state
+where it resumes one). A later fit of the same model keeps the last fit's engine: resuming
+(``ckpt_path``) restores the checkpoint's masks and schedule, a new Trainer without
+``ckpt_path`` runs the schedule again from its start, beginning with the current masks, and
+the same Trainer fitting on continues where it stopped.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pytorch_lightning as pl
+from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
+
+from sparse_training.callbacks.fit_checks import counts, schedule_warnings
+from sparse_training.engine import SparsityEngine
+from sparse_training.engine.distributed import keep_masks_out_of_buffer_broadcast
+from sparse_training.layers.compress import held_apart
+
+if TYPE_CHECKING:
+    from sparse_training.config import SparsityConfig
+    from sparse_training.engine.plan import SparsityPlan
+
+
+def engine_for_fit(engine: SparsityEngine | None, pl_module: nn.Module,
+                   config: SparsityConfig, plan: SparsityPlan,
+                   restored: dict[str, Any] | None, swapped: set[str],
+                   global_step: int) -> SparsityEngine:
+    """The engine this fit trains ``pl_module`` with (module doc): ``engine``, the last
+    fit's, where it trained ``pl_module``, else a new one on ``restored`` (``engine``
+    detached). ``swapped`` names the layers compressed at this fit's setup: a new engine
+    without a restored state warns of the compressed layers held before them that keep
+    another pattern or count than ``plan`` gives."""
+    if engine is None or not engine.bound_to(pl_module):
+        if restored is None and (apart := held_apart(pl_module, plan, swapped)):
+            rank_zero_warn(f"SparsityCallback: {apart}")
+        if engine is not None:
+            engine.detach()
+        return SparsityEngine(pl_module, config, state=restored, plan=plan)
+    engine.claim()  # another callback may have taken the tensors since
+    if restored is not None:
+        engine.load_state_dict(restored)
+    elif global_step == 0 and engine.updater.last_update is not None:
+        engine.restart()
+        rank_zero_info("SparsityCallback: a new fit runs the schedule again from its "
+                       "start, beginning with the current masks")
+    return engine
+
+
+def start_engine(engine: SparsityEngine, trainer: pl.Trainer, config: SparsityConfig,
+                 total: int | None, restored: bool) -> None:
+    """Start ``engine`` for a fit of ``total`` steps (None: unknown) under ``trainer``: its
+    plan's table and the schedule's warnings said, the loss scale read where AMP scales,
+    every optimizer attached, the masks kept out of the strategy's buffer broadcast.
+
+    Raises:
+        ValueError: the engine selected no weight tensor.
+    """
+    if not engine.slots:
+        raise ValueError("SparsityCallback selected no weight tensor (setup table below)\n"
+                         + engine.plan.table())
+    if trainer.ckpt_path is not None and not restored:
+        rank_zero_warn("SparsityCallback: the checkpoint holds no SparsityCallback state; "
+                       "the schedule starts at the resumed step")
+    engine.start(total)
+    for warning in schedule_warnings(config, engine.updater, total):
+        rank_zero_warn(f"SparsityCallback: {warning}")
+    rank_zero_info(f"SparsityCallback: {counts(engine)} of {len(engine.plans)} weight "
+                   f"tensors; {engine.updater.describe(total)}\n"
+                   + engine.plan.table())
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is not None:  # gradients are unscaled before on_before_optimizer_step
+        engine.loss_scale = lambda: float(scaler.get_scale())
+    for optimizer in trainer.optimizers:
+        engine.attach(optimizer)
+    keep_masks_out_of_buffer_broadcast(trainer.strategy.model, engine.slots)
