@@ -1,16 +1,21 @@
 """Held-out loss against wall-clock time: does sparse training reach dense's quality sooner?
 
-    python3 benchmarks/time_to_quality.py --budget-s 300                 # GPU, every variant
+    python3 benchmarks/time_to_quality.py --budget-s 40 --warm-up-s 3    # GPU, every variant
     python3 benchmarks/time_to_quality.py --variants dense "block 90% static" --seeds 0 1 2
+    python3 benchmarks/time_to_quality.py --variants "block 90% rigl" --lr 3e-4 1e-3  # recipes
     python3 benchmarks/time_to_quality.py --size tiny --budget-s 5 --folder DIR   # CPU check
-    python3 benchmarks/time_to_quality.py --plot benchmarks/results/time_to_quality_*.json
+    python3 benchmarks/time_to_quality.py --plot benchmarks/results/time_to_quality/*.json
+    python3 benchmarks/time_to_quality.py --saved benchmarks/results/time_to_quality/*.json \
+        --wandb offline                                                  # W&B runs from JSON
 
 Each (variant, seed) trains in its own process through the user's path: a
 ``LightningModule`` around HF ``LlamaForCausalLM`` from a config (``--size base``: hidden
 2048, 16 heads, intermediate 5632, ``--layers`` layers; ``tiny``: hidden 64 for CPU checks),
 ``pl.Trainer(precision="bf16-mixed", max_time=budget)``, the user's ``AdamW`` (fused on a
-GPU; linear warm-up, then constant) and ``SparsityCallback``. The corpus is
-:mod:`_corpus`'s (the standard library's Python files by default, BPE tokens). Every
+GPU; linear warm-up over ``--warmup-steps``, then constant ``--lr``) and
+``SparsityCallback``. Several ``--lr`` and ``--warmup-steps`` values try every combination
+with every variant and seed (the recipe search): every tried configuration keeps its
+JSON. The corpus is :mod:`_corpus`'s (the standard library's Python files by default, BPE tokens). Every
 ``--eval-every`` steps the held-out loss over ``--eval-batches`` fixed windows is recorded
 with the wall-clock seconds since training started (evaluation and mask updates included)
 and the tokens seen. Variants (block ``B`` = 128 at base size, 16 tiny):
@@ -19,8 +24,9 @@ and the tokens seen. Variants (block ``B`` = 128 at base size, 16 tiny):
 ``dense``                      no callback
 ``block S% static``            ``B x B`` blocks at sparsity S, random from initialization,
                                compressed (``schedule="constant", score="random"``)
-``block S% rigl`` / ``set``    the same with RigL / SET regrowth every 100 steps until
-                               ``--schedule-steps``, compressed
+``block S% rigl`` / ``set``    (75% and 90% RigL, 90% SET) the same with RigL / SET
+                               regrowth every ``--regrow-every`` steps (``--regrow-fraction``
+                               of the kept blocks) until ``--schedule-steps``, compressed
 ``block 90% gradual``          GMP from dense to 90% over the first half of ``--schedule-steps``,
                                masked-dense (the kept count moves)
 ``block S% wide``              a sparse wider model (Sparse-IFT): hidden and intermediate
@@ -28,17 +34,28 @@ and the tokens seen. Variants (block ``B`` = 128 at base size, 16 tiny):
                                dense's do per step, static and compressed
 =============================  ==============================================================
 
-One JSON per run under ``$OUT`` (default ``benchmarks/results``): the settings, the corpus's
-token counts, the curve, tokens/s, peak memory and parameters kept; ``--plot`` draws the
-held-out loss against wall-clock time, one line per variant (mean over seeds).
+The kernels' first calls compile and autotune them inside the budget; the children run
+with Triton's autotuning cache on disk (``TRITON_CACHE_AUTOTUNING=1``), and
+``--warm-up-s S`` first trains each sparse variant's shapes for S seconds, unrecorded, so
+that the timed runs meet caches as warm as on any machine that ran them before.
+
+One JSON per run under ``$OUT/time_to_quality`` (``$OUT`` default ``benchmarks/results``),
+named by budget and configuration: the settings, the corpus's token counts, the curve,
+tokens/s, peak memory and parameters kept. ``--wandb offline|online|auto`` logs each finished run's curve as a W&B run (from its
+JSON, after its training: the logging costs no training time; ``--saved JSON...`` logs saved
+runs instead of training). ``--plot`` draws the held-out loss against wall-clock time, one
+line per configuration (mean over seeds); ``docs/results/time_to_quality.md`` is generated
+from the committed JSON (``examples/results_pages.py``, tables from :mod:`_quality_report`).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -47,6 +64,7 @@ from pathlib import Path
 
 from _common import at_least, device_name, write_json
 from _corpus import load_corpus
+from _quality_report import plot_runs, read_run
 
 SIZES = {"base": dict(hidden=2048, intermediate=5632, heads=16, kv_heads=16, block=128,
                       seq=1024, batch=8),
@@ -57,8 +75,9 @@ VARIANTS: dict[str, dict | None] = {
     "dense": None,
     "block 75% static": dict(sparsity=0.75, **STATIC),
     "block 90% static": dict(sparsity=0.9, **STATIC),
-    "block 90% rigl": dict(sparsity=0.9, regrow="rigl", frequency=100, **STATIC),
-    "block 90% set": dict(sparsity=0.9, regrow="set", frequency=100, **STATIC),
+    "block 75% rigl": dict(sparsity=0.75, regrow="rigl", **STATIC),
+    "block 90% rigl": dict(sparsity=0.9, regrow="rigl", **STATIC),
+    "block 90% set": dict(sparsity=0.9, regrow="set", **STATIC),
     "block 90% gradual": dict(sparsity=0.9, schedule="gmp", compress=False),
     "block 75% wide": dict(sparsity=0.75, **STATIC),
     "block 90% wide": dict(sparsity=0.9, **STATIC),
@@ -75,6 +94,32 @@ def widths(size: dict, variant: str) -> tuple[int, int]:
     step = math.lcm(size["block"], size["heads"])
     return tuple(max(step, round(size[k] * grow / step) * step)
                  for k in ("hidden", "intermediate"))
+
+
+def sparsity_settings(args: argparse.Namespace) -> dict | None:
+    """The ``SparsityCallback`` settings of ``args.child`` (None: dense): the gradual
+    variant prunes over the first half of ``--schedule-steps``, regrowth stops after them."""
+    settings = VARIANTS[args.child]
+    if settings is None:
+        return None
+    if settings.get("schedule") == "gmp":
+        return {**settings, "end": args.schedule_steps // 2,
+                "frequency": max(1, args.schedule_steps // 40)}
+    if "regrow" in settings:
+        fraction = {} if args.regrow_fraction is None else {"regrow_fraction":
+                                                            args.regrow_fraction}
+        return {**settings, "frequency": args.regrow_every, "regrow_end": args.schedule_steps,
+                **fraction}
+    return dict(settings)
+
+
+def configuration(variant: str, lr: float, warmup_steps: int, args: argparse.Namespace) -> str:
+    """A configuration's name: the variant and its recipe (what the seeds repeat)."""
+    name = f"{variant}, lr {lr:g}, warm-up {warmup_steps}"
+    if "regrow" in (VARIANTS[variant] or {}):
+        fraction = "" if args.regrow_fraction is None else f" x {args.regrow_fraction:g}"
+        name += f", regrow every {args.regrow_every}{fraction}"
+    return name + (", compiled" if args.compile else "")
 
 
 def run_child(args: argparse.Namespace) -> dict:
@@ -158,15 +203,12 @@ def run_child(args: argparse.Namespace) -> dict:
             self.points.append(point)
             print(json.dumps(point), flush=True)
 
-    settings = VARIANTS[args.child]
+    settings = sparsity_settings(args)
     callbacks: list = [curve := Curve()]
     if settings is not None:
-        extra = (dict(end=args.schedule_steps // 2, frequency=max(1, args.schedule_steps // 40))
-                 if settings.get("schedule") == "gmp" else
-                 dict(regrow_end=args.schedule_steps) if "regrow" in settings else {})
         callbacks.append(SparsityCallback(pattern=f"block:{size['block']}x{size['block']}",
                                           deny=["embed_tokens", "lm_head"], seed=args.seed,
-                                          **settings, **extra))
+                                          **settings))
     module = LM()
     if args.compile:
         module.model = torch.compile(module.model)
@@ -179,7 +221,8 @@ def run_child(args: argparse.Namespace) -> dict:
         torch.cuda.reset_peak_memory_stats()
     trainer.fit(module, DataLoader(Windows(), batch_size=None))
     train_s = curve.points[-1]["wall_s"]
-    return {"variant": args.child, "seed": args.seed, "settings": settings,
+    return {"name": configuration(args.child, args.lr, args.warmup_steps, args),
+            "variant": args.child, "seed": args.seed, "settings": settings,
             "hidden": hidden, "intermediate": intermediate, "layers": args.layers,
             "seq": seq, "batch": batch, "lr": args.lr, "warmup_steps": args.warmup_steps,
             "compile": args.compile, "budget_s": args.budget_s, "corpus": corpus.describe(),
@@ -187,32 +230,8 @@ def run_child(args: argparse.Namespace) -> dict:
             "tokens_per_s": trainer.global_step * batch * seq / train_s if train_s else None,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
             "parameters": sum(p.numel() for p in module.parameters()),
+            "nonzero_parameters": sum(int(p.count_nonzero()) for p in module.parameters()),
             "final_held_out_loss": curve.points[-1]["held_out_loss"]}
-
-
-def plot(paths: list[str], out: Path) -> Path:
-    """Held-out loss against wall-clock seconds, one line per variant (mean over seeds)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs: dict[str, list[dict]] = {}
-    for path in paths:
-        row = json.loads(Path(path).read_text())["run"]
-        runs.setdefault(row["variant"], []).append(row)
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    for variant, rows in sorted(runs.items()):
-        points = min(len(r["curve"]) for r in rows)
-        wall = [statistics.fmean(r["curve"][i]["wall_s"] for r in rows) for i in range(points)]
-        loss = [statistics.fmean(r["curve"][i]["held_out_loss"] for r in rows)
-                for i in range(points)]
-        axes.plot(wall, loss, label=f"{variant} ({len(rows)} seed{'s' * (len(rows) > 1)})")
-    axes.set(xlabel="wall-clock seconds of training", ylabel="held-out loss",
-             title="Time to quality")
-    axes.legend()
-    figure.savefig(path := out / "time_to_quality.png", dpi=120, bbox_inches="tight")
-    return path
 
 
 def main() -> None:
@@ -227,17 +246,30 @@ def main() -> None:
                         help="wall-clock seconds of training per run (Lightning's max_time)")
     parser.add_argument("--eval-every", type=at_least(1), default=50)
     parser.add_argument("--eval-batches", type=at_least(1), default=8)
-    parser.add_argument("--lr", type=float, default=3e-4)
-    parser.add_argument("--warmup-steps", type=at_least(1), default=100)
+    parser.add_argument("--lr", type=float, nargs="+", default=[3e-4])
+    parser.add_argument("--warmup-steps", type=at_least(1), nargs="+", default=[100])
+    parser.add_argument("--regrow-every", type=at_least(1), default=100,
+                        help="steps between regrowth updates (rigl, set)")
+    parser.add_argument("--regrow-fraction", type=float, default=None,
+                        help="share of the kept blocks regrowth swaps first (default: the "
+                             "callback's)")
     parser.add_argument("--schedule-steps", type=at_least(2), default=2000,
                         help="the gradual variant prunes over the first half of these steps; "
                              "regrowth stops after them (max_time leaves the length unknown)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--warm-up-s", type=at_least(0), default=0,
+                        help="train each sparse variant this long first, unrecorded: "
+                             "Triton's compile and autotuning caches warm")
     parser.add_argument("--folder", type=Path, default=None,
                         help="corpus folder (default: the standard library)")
     parser.add_argument("--glob", default="**/*.py")
     parser.add_argument("--vocab", type=at_least(0), default=8192, help="BPE size; 0: bytes")
     parser.add_argument("--held-out", type=float, default=0.05)
+    parser.add_argument("--wandb", choices=["off", "offline", "online", "auto"], default="off",
+                        help="log each run's curve to W&B (auto: online with an API key)")
+    parser.add_argument("--wandb-project", default="sparse-training-time-to-quality")
+    parser.add_argument("--saved", nargs="+", metavar="JSON",
+                        help="log saved runs to W&B (--wandb) instead of training")
     parser.add_argument("--plot", nargs="+", metavar="JSON", help="plot saved runs and exit")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -245,34 +277,84 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     if args.plot:
-        print(f"wrote {plot(args.plot, out)}")
+        png = plot_runs([read_run(path) for path in args.plot], out / "time_to_quality.png")
+        print(f"wrote {png}")
         return
-    if args.child:
+    if args.saved:
+        for path in args.saved:
+            log_wandb(json.loads(Path(path).read_text())["run"], args, out)
+        return
+    if args.child:  # one configuration: one value of each list
+        args.lr, args.warmup_steps = args.lr[0], args.warmup_steps[0]
         Path(args.result).write_text(json.dumps(run_child(args)))
         return
     corpus = load_corpus(args.folder, args.glob, args.vocab, args.held_out)  # cached once
     print(f"corpus: {corpus.describe()}", flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    shared = _without(sys.argv[1:], ("--variants", "--seeds"))
-    for variant in args.variants:
-        for seed in args.seeds:
-            result = out / "_run.json"
-            result.unlink(missing_ok=True)
-            proc = subprocess.run([sys.executable, __file__, *shared, "--child", variant,
-                                   "--seed", str(seed), "--result", str(result)],
-                                  capture_output=True, text=True)
-            if not result.exists():
-                print(f"{variant} seed {seed}: FAILED ({proc.returncode}) "
-                      f"{proc.stderr.strip()[-600:]}", flush=True)
-                continue
-            run = json.loads(result.read_text())
-            result.unlink()
-            name = f"time_to_quality_{variant.replace(' ', '_').replace('%', '')}_{seed}.json"
-            write_json(name, {"command": " ".join(sys.argv), "run": run}, out=out,
-                       device=device_name())
-            print(f"{variant} seed {seed}: {run['steps']} steps, final held-out loss "
-                  f"{run['final_held_out_loss']:.4f}, {run['tokens_per_s']:,.0f} tokens/s",
-                  flush=True)
+    folder = out / "time_to_quality"
+    folder.mkdir(parents=True, exist_ok=True)
+    shared = _without(sys.argv[1:], ("--variants", "--seeds", "--lr", "--warmup-steps",
+                                      "--budget-s"))
+    for variant in [v for v in args.variants if VARIANTS[v]] if args.warm_up_s else []:
+        if (run := _child(shared, variant, args.lr[0], args.warmup_steps[0], args.seeds[0],
+                          args.warm_up_s, folder)) is not None:
+            print(f"warmed up {variant}: {run['steps']} steps in {args.warm_up_s} s", flush=True)
+    for variant, lr, warmup, seed in itertools.product(args.variants, args.lr,
+                                                       args.warmup_steps, args.seeds):
+        name = f"{configuration(variant, lr, warmup, args)}, seed {seed}"
+        run = _child(shared, variant, lr, warmup, seed, args.budget_s, folder)
+        if run is None:
+            continue
+        slug = re.sub(r"[^a-z0-9.]+", "_", f"{args.budget_s}s {name}".lower()).strip("_")
+        write_json(f"{slug}.json", {"command": " ".join(sys.argv), "run": run,
+                                    "warmed_up_s": args.warm_up_s},
+                   out=folder, device=device_name())
+        print(f"{name}: {run['steps']} steps, final held-out loss "
+              f"{run['final_held_out_loss']:.4f}, {run['tokens_per_s']:,.0f} tokens/s",
+              flush=True)
+        if args.wandb != "off":
+            log_wandb(run, args, out)
+
+
+def _child(shared: list[str], variant: str, lr: float, warmup: int, seed: int,
+           budget_s: int, folder: Path) -> dict | None:
+    """One configuration trained in a fresh process (Triton's autotuning cache on); its
+    run, or None where it failed (said, with the end of its error)."""
+    result = folder / "_run.json"
+    result.unlink(missing_ok=True)
+    proc = subprocess.run([sys.executable, __file__, *shared, "--child", variant,
+                           "--lr", str(lr), "--warmup-steps", str(warmup), "--seed", str(seed),
+                           "--budget-s", str(budget_s), "--result", str(result)],
+                          capture_output=True, text=True,
+                          env={**os.environ, "TRITON_CACHE_AUTOTUNING": "1"})
+    if not result.exists():
+        print(f"{variant}, lr {lr:g}, warm-up {warmup}, seed {seed}: FAILED "
+              f"({proc.returncode}) {proc.stderr.strip()[-600:]}", flush=True)
+        return None
+    run = json.loads(result.read_text())
+    result.unlink()
+    return run
+
+
+def log_wandb(run: dict, args: argparse.Namespace, out: Path) -> None:
+    """One W&B run (files under ``out/wandb``) with ``run``'s held-out curve against wall
+    seconds, tokens and steps, its settings as the config and its totals as the summary;
+    ``--wandb auto`` is online where W&B has an API key, else offline."""
+    import wandb
+
+    mode = args.wandb
+    if mode == "auto":
+        mode = os.environ.get("WANDB_MODE") or ("online" if wandb.login(prompt=False)
+                                                else "offline")
+    config = {k: v for k, v in run.items() if k != "curve"}
+    group = f"{run['name']}, {run['budget_s']} s"  # a configuration at one budget
+    with wandb.init(project=args.wandb_project, group=group, mode=mode,
+                    name=f"{group}, seed {run['seed']}", config=config,
+                    dir=str(out), reinit="create_new") as logged:
+        logged.define_metric("held_out_loss", step_metric="wall_s")
+        for point in run["curve"]:
+            logged.log(point)
+        logged.summary.update({k: run[k] for k in ("final_held_out_loss", "tokens_per_s",
+                                                   "peak_gib", "steps")})
 
 
 def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:

@@ -6,7 +6,8 @@ so that a page cannot disagree with its data.
     python examples/results_pages.py --check   # exit 1, with a diff, where a page differs
 
 A page marks each generated part with the renderer's name and the JSON files it reads
-(paths relative to the page; several files are read as one list of rows):
+(paths relative to the page; several files are read as one list of rows; a renderer of
+runs names a folder, whose JSON files are the runs):
 
     <!-- generated: squad-table squad_distill/results.json -->
     ...                                       (replaced on every run)
@@ -32,8 +33,12 @@ from omegaconf import OmegaConf
 from reporting import markdown_table, plot_vs_sparsity
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the time-to-quality benchmark's report
+import _quality_report  # noqa: E402
+
 SQUAD_CONFIG = ROOT / "examples" / "configs" / "squad.yaml"  # the runs and seeds of the sweep
-PAGES = [ROOT / "docs" / "results" / "mnist.md", ROOT / "docs" / "results" / "squad.md"]
+PAGES = [ROOT / "docs" / "results" / "mnist.md", ROOT / "docs" / "results" / "squad.md",
+         ROOT / "docs" / "results" / "time_to_quality.md"]
 BLOCK = re.compile(r"(<!-- generated: (?P<renderer>\S+) (?P<files>[^>]*?) -->\n)(?P<body>.*?)"
                    r"(<!-- end generated -->)", re.DOTALL)
 
@@ -108,7 +113,41 @@ def squad_plot(rows: list[dict[str, Any]]) -> str:
     return "![F1 versus sparsity](squad_f1_vs_sparsity.png)" if rows else ""
 
 
-Renderer = tuple[Callable[[Any], str], str]  # (render, what it takes: "content" or "rows")
+TIME_TO_QUALITY_COLUMNS = [
+    ("budget_s", "budget (s)", "d"), ("name", "configuration", ""), ("seeds", "seeds", "d"),
+    ("final", "final held-out loss", ".4f"), ("final_min", "min", ".4f"),
+    ("final_max", "max", ".4f"), ("gap", "vs dense", "+.4f"),
+    ("time_to_baseline_s", "s to dense's final loss", ".1f"),
+    ("time_ratio", "x dense's time", ".2f"), ("tokens_per_s", "tokens/s", ",.0f"),
+    ("speed", "tokens/s vs dense", ".2f"), ("peak_gib", "peak GiB", ".1f"),
+    ("kept_millions", "parameters kept (M)", ".1f"), ("caches", "Triton caches", "")]
+
+
+def time_to_quality_table(runs: list[dict[str, Any]]) -> str:
+    """One line per (budget, configuration) against the best dense one of its budget."""
+    return markdown_table(_quality_report.summarize(runs), TIME_TO_QUALITY_COLUMNS)
+
+
+def time_to_quality_goals(runs: list[dict[str, Any]]) -> str:
+    """The issue's goals on the configurations with 3 seeds."""
+    return markdown_table(_quality_report.goals(_quality_report.summarize(runs)),
+                          [("goal", "goal", ""), ("name", "best configuration", ""),
+                           ("budget_s", "budget (s)", "d"), ("value", "measured", ""),
+                           ("verdict", "verdict", "")])
+
+
+def time_to_quality_where(runs: list[dict[str, Any]]) -> str:
+    """The devices and the corpus the runs measured."""
+    devices = sorted({run["device"] for run in runs})
+    corpus = runs[0]["corpus"] if runs else {}
+    return (f"Runs: {len(runs)} on {', '.join(devices)}; corpus: "
+            f"{corpus.get('train_files')} training files ({corpus.get('train_tokens'):,} "
+            f"tokens), {corpus.get('held_out_files')} held-out files "
+            f"({corpus.get('held_out_tokens'):,} tokens), BPE vocabulary "
+            f"{corpus.get('vocab'):,}." if runs else "Not run yet.")
+
+
+Renderer = tuple[Callable[[Any], str], str]  # (render, what it takes: content, rows, runs)
 RENDERERS: dict[str, Renderer] = {
     "mnist": (mnist_tables, "content"),
     "mnist-summary": (mnist_summary, "content"),
@@ -116,14 +155,21 @@ RENDERERS: dict[str, Renderer] = {
     "squad-goals": (squad_goals, "rows"),
     "squad-left": (squad_left_to_run, "rows"),
     "squad-plot": (squad_plot, "rows"),
+    "time-to-quality-table": (time_to_quality_table, "runs"),
+    "time-to-quality-goals": (time_to_quality_goals, "runs"),
+    "time-to-quality-where": (time_to_quality_where, "runs"),
 }
 
 
 def load(page: Path, files: str, takes: str) -> Any:
-    """The JSON a block names: one file's content, or the rows of all its files."""
+    """The JSON a block names: one file's content, the rows of all its files, or the runs
+    of one folder's files."""
     paths = [page.parent / name for name in files.split()]
-    if missing := [str(path) for path in paths if not path.is_file()]:
+    exists = Path.is_dir if takes == "runs" else Path.is_file
+    if missing := [str(path) for path in paths if not exists(path)]:
         raise FileNotFoundError(f"{page.name} renders from {missing}, which do not exist")
+    if takes == "runs":
+        return [run for path in paths for run in _quality_report.read_runs(path)]
     if takes == "content":
         (path,) = paths
         return json.loads(path.read_text())
@@ -149,6 +195,7 @@ PLOTS = {  # PNG beside the pages -> (its JSON, how to draw it)
     "mnist_accuracy_vs_sparsity.png": "mnist/results.json",
     "squad_f1_vs_sparsity.png": "squad_distill/results.json",
     "squad_scores.png": "squad_distill/results.json",
+    "time_to_quality.png": "../../benchmarks/results/time_to_quality",
 }
 # the scores compared, per pattern: panel -> score -> its runs (examples/configs/squad.yaml);
 # squad_f1_vs_sparsity.png plots every other run
@@ -179,7 +226,9 @@ SCORE_COLORS = {"magnitude": "tab:grey", "movement": "tab:orange", "soft movemen
 
 def draw(png: Path, source: Path) -> None:
     """The plot of a results file, as its sweep draws it."""
-    if png.name.startswith("mnist"):
+    if png.name == "time_to_quality.png":
+        _quality_report.plot_runs(_quality_report.read_runs(source), png)
+    elif png.name.startswith("mnist"):
         content = json.loads(source.read_text())
         plot_vs_sparsity(png, mnist_report.accuracy_series(content["rows"]),
                          metric="test accuracy", title="MNIST LeNet-300-100",

@@ -14,6 +14,70 @@ from conftest import script_env
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "time_to_quality.py"
 sys.path.insert(0, str(SCRIPT.parent))
 from _corpus import corpus_files, is_held_out, load_corpus  # noqa: E402
+from _quality_report import goals, summarize, time_to_reach  # noqa: E402
+
+EXAMPLES = SCRIPT.parents[1] / "examples"
+
+
+def run(name: str, seed: int, losses: list[float], seconds_per_point: float = 10.0,
+        tokens_per_s: float = 100.0, budget: int = 40) -> dict:
+    """A run as time_to_quality.py records it, with evaluations every 10 steps."""
+    curve = [{"step": 10 * i, "wall_s": seconds_per_point * i, "tokens": 80 * i,
+              "held_out_loss": loss} for i, loss in enumerate(losses)]
+    return {"name": name, "variant": name.partition(",")[0], "seed": seed, "budget_s": budget,
+            "curve": curve, "final_held_out_loss": losses[-1], "tokens_per_s": tokens_per_s,
+            "peak_gib": 1.0, "nonzero_parameters": 2_000_000, "warmed_up_s": 3,
+            "device": "test"}
+
+
+def test_time_to_reach_is_linear_between_evaluations_and_none_where_never():
+    curve = run("dense", 0, [5.0, 4.0, 3.0, 2.5])["curve"]
+    assert time_to_reach(curve, 3.5) == pytest.approx(15.0)
+    assert time_to_reach(curve, 3.0) == pytest.approx(20.0)
+    assert time_to_reach(curve, 2.5) == pytest.approx(30.0)
+    assert time_to_reach(curve, 2.4) is None
+
+
+def test_each_budget_is_measured_against_its_best_dense_configuration():
+    runs = [run("dense, lr 1", seed, [5.0, 4.0, 3.0 + 0.1 * seed]) for seed in range(3)]
+    runs += [run("dense, lr 2", 0, [5.0, 4.5, 3.5])]  # worse: not the baseline
+    runs += [run("block 90% static, lr 1", seed, [5.0, 3.2, 2.9 - 0.01 * seed],
+                 tokens_per_s=150.0) for seed in range(3)]
+    runs += [run("dense, lr 1", 0, [5.0, 2.0], budget=50)]  # another budget, its own baseline
+    lines = {(line["budget_s"], line["name"]): line for line in summarize(runs)}
+    dense, sparse = lines[40, "dense, lr 1"], lines[40, "block 90% static, lr 1"]
+    assert dense["final"] == pytest.approx(3.1) and dense["seeds"] == 3
+    assert sparse["baseline"] == lines[40, "dense, lr 2"]["baseline"] == "dense, lr 1"
+    assert sparse["gap"] == pytest.approx(2.89 - 3.1)
+    assert sparse["speed"] == pytest.approx(1.5)
+    # the mean curve 5.0, 3.2, 2.89 reaches 3.1 at 10 + 10 * 0.1 / 0.31 s; dense took 20 s
+    assert sparse["time_to_baseline_s"] == pytest.approx(10 + 10 * 0.1 / 0.31)
+    assert sparse["time_ratio"] == pytest.approx((10 + 10 * 0.1 / 0.31) / 20)
+    assert lines[40, "dense, lr 2"]["time_ratio"] is None  # never reaches 3.1
+    assert lines[50, "dense, lr 1"]["gap"] == 0.0
+    assert lines[40, "dense, lr 1"]["caches"] is None and sparse["caches"] == "warm"
+    time_goal, lower_goal = goals(summarize(runs))
+    assert time_goal["verdict"] == "met" and time_goal["value"] == "0.66x"
+    # gap 0.21 > the larger seed range (dense's 0.2): met
+    assert lower_goal["verdict"] == "met"
+
+
+@pytest.mark.parametrize(("sparse_finals", "verdict"), [
+    ([2.95, 2.96, 2.97], "partly"),  # below every dense seed, gap 0.11 < dense's range 0.2
+    ([2.9, 3.05, 3.3], "MISSED"),    # ranges overlap
+])
+def test_the_lower_loss_goal_weighs_the_seed_spread(sparse_finals, verdict):
+    runs = [run("dense, lr 1", seed, [5.0, 4.0, 3.0 + 0.1 * seed]) for seed in range(3)]
+    runs += [run("block 90% static, lr 1", seed, [5.0, 4.2, final])
+             for seed, final in enumerate(sparse_finals)]
+    time_goal, lower_goal = goals(summarize(runs))
+    assert lower_goal["verdict"].startswith(verdict)
+    assert time_goal["verdict"] == "MISSED"  # 3.1 reached late: 0.94x, 0.99x of 20 s
+
+
+def test_goals_need_three_seeds_of_each():
+    runs = [run("dense, lr 1", 0, [5.0, 3.0]), run("block 90% static, lr 1", 0, [5.0, 2.0])]
+    assert goals(summarize(runs))[0]["verdict"].startswith("not run")
 
 
 def folder(tmp_path: Path, files: int = 12) -> Path:
@@ -53,12 +117,14 @@ def test_tiny_runs_write_curves_by_wall_clock_and_a_plot(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), "--size", "tiny", "--layers", "1",
                            "--budget-s", "2", "--vocab", "0", "--folder", str(src),
                            "--held-out", "0.3", "--eval-every", "3", "--eval-batches", "1",
-                           "--warmup-steps", "2", "--variants", *variants],
+                           "--warmup-steps", "2", "--warm-up-s", "1", "--variants", *variants],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    runs = {r["variant"]: r for r in (json.loads(p.read_text())["run"]
-                                      for p in out.glob("time_to_quality_*.json"))}
+    saved = sorted((out / "time_to_quality").glob("*.json"))
+    assert [json.loads(p.read_text())["warmed_up_s"] for p in saved] == [1, 1]  # unrecorded
+    runs = {r["variant"]: r for r in (json.loads(p.read_text())["run"] for p in saved)}
     assert sorted(runs) == sorted(variants)
+    assert "warmed up block 75% wide" in done.stdout
     for run in runs.values():
         curve = run["curve"]
         assert curve[0]["step"] == 0 and curve[-1]["step"] == run["steps"] >= 1
@@ -70,7 +136,21 @@ def test_tiny_runs_write_curves_by_wall_clock_and_a_plot(tmp_path):
     assert (wide["hidden"], wide["intermediate"]) == (2 * dense["hidden"],
                                                       2 * dense["intermediate"])
     plotted = subprocess.run([sys.executable, str(SCRIPT), "--plot",
-                              *map(str, out.glob("time_to_quality_*.json"))],
+                              *map(str, (out / "time_to_quality").glob("*.json"))],
                              env=env, capture_output=True, text=True, timeout=120)
     assert plotted.returncode == 0, plotted.stderr[-2000:]
     assert (out / "time_to_quality.png").stat().st_size > 0
+    dense_json = next(p for p in saved if p.name.startswith("2s_dense"))
+    logged = subprocess.run([sys.executable, str(SCRIPT), "--saved", str(dense_json),
+                             "--wandb", "offline"], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert logged.returncode == 0, logged.stderr[-2000:]
+    sys.path.insert(0, str(EXAMPLES))
+    from reporting import read_offline_run
+
+    (run_dir,) = (out / "wandb").glob("offline-run-*")
+    wandb_run = read_offline_run(run_dir)
+    assert wandb_run["_name"] == f"{dense['name']}, 2 s, seed 0"
+    assert wandb_run["final_held_out_loss"] == dense["final_held_out_loss"]
+    assert wandb_run["held_out_loss"] == dense["curve"][-1]["held_out_loss"]
+    assert wandb_run["_config"]["variant"] == "dense"

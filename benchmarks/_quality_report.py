@@ -1,0 +1,161 @@
+"""The results of ``time_to_quality.py``: runs grouped into configurations (mean over seeds),
+each against the best dense configuration of its budget, the issue's two goals, and the
+plot of held-out loss against wall-clock time. Used by ``time_to_quality.py --plot`` and by
+``examples/results_pages.py`` (``docs/results/time_to_quality.md``)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+TIME_GOAL = 0.75  # a sparse configuration reaches dense's final loss in <= this x dense's time
+
+
+def read_run(path: Path) -> dict:
+    """The run a JSON file of ``time_to_quality.py`` holds, with the seconds of unrecorded
+    warm-up its sweep ran first (``warmed_up_s``, 0: Triton's caches cold) and the device
+    it ran on."""
+    saved = json.loads(Path(path).read_text())
+    return {**saved["run"], "warmed_up_s": saved.get("warmed_up_s", 0),
+            "device": saved["environment"]["device"]}
+
+
+def read_runs(folder: Path) -> list[dict]:
+    """The runs of the JSON files in ``folder``, sorted by file name."""
+    return [read_run(path) for path in sorted(Path(folder).glob("*.json"))]
+
+
+def mean_curve(runs: list[dict]) -> list[dict]:
+    """The seeds' curves averaged point by point (the points are at the same steps; the
+    shortest curve sets the length): ``wall_s``, ``tokens`` and ``held_out_loss``."""
+    points = min(len(run["curve"]) for run in runs)
+    return [{key: statistics.fmean(run["curve"][i][key] for run in runs)
+             for key in ("wall_s", "tokens", "held_out_loss")} for i in range(points)]
+
+
+def time_to_reach(curve: list[dict], target: float) -> float | None:
+    """The wall-clock seconds at which ``curve`` first reaches ``target`` (linear between
+    evaluations), or None where it never does."""
+    for before, after in zip(curve, curve[1:], strict=False):
+        if after["held_out_loss"] <= target:
+            drop = before["held_out_loss"] - after["held_out_loss"]
+            share = (before["held_out_loss"] - target) / drop if drop > 0 else 1.0
+            return before["wall_s"] + share * (after["wall_s"] - before["wall_s"])
+    return None
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """One line per (budget, configuration): its seeds' final held-out losses (mean,
+    range, standard deviation), tokens/s, peak memory, parameters kept, and against the
+    dense configuration of its budget with the lowest mean final loss (the baseline): the
+    gap of the final losses, its tokens/s as a multiple of the baseline's (``speed``) and
+    the time its mean curve takes to reach the baseline's final loss, as a share of the
+    baseline's wall-clock time."""
+    groups: dict[tuple[int, str], list[dict]] = {}
+    for run in runs:
+        groups.setdefault((run["budget_s"], run["name"]), []).append(run)
+    lines = []
+    for (budget, name), group in sorted(groups.items()):
+        finals = [run["final_held_out_loss"] for run in group]
+        curve = mean_curve(group)
+        lines.append({
+            "budget_s": budget, "name": name, "variant": group[0]["variant"],
+            "seeds": len(group), "final": statistics.fmean(finals),
+            "final_min": min(finals), "final_max": max(finals),
+            "final_std": statistics.stdev(finals) if len(finals) > 1 else None,
+            "wall_s": curve[-1]["wall_s"], "curve": curve,
+            "tokens_per_s": statistics.fmean(run["tokens_per_s"] for run in group),
+            "peak_gib": statistics.fmean(run["peak_gib"] for run in group)
+            if all(run["peak_gib"] is not None for run in group) else None,
+            "kept_millions": group[0]["nonzero_parameters"] / 1e6,
+            "caches": None if group[0]["variant"] == "dense"  # no Triton kernels
+            else "warm" if all(run["warmed_up_s"] for run in group) else "cold",
+            "device": group[0]["device"]})
+    for budget in {line["budget_s"] for line in lines}:
+        dense = [line for line in lines if line["budget_s"] == budget
+                 and line["variant"] == "dense"]
+        if not dense:
+            continue
+        baseline = min(dense, key=lambda line: line["final"])
+        for line in (line for line in lines if line["budget_s"] == budget):
+            reached = time_to_reach(line["curve"], baseline["final"])
+            line.update(baseline=baseline["name"], gap=line["final"] - baseline["final"],
+                        speed=line["tokens_per_s"] / baseline["tokens_per_s"],
+                        time_to_baseline_s=reached,
+                        time_ratio=None if reached is None else reached / baseline["wall_s"])
+    return lines
+
+
+def goals(lines: list[dict]) -> list[dict]:
+    """The issue's goals on the configurations with 3 seeds or more, each against its
+    baseline (also of 3 seeds or more): the best sparse time to dense's final loss (goal:
+    <= :data:`TIME_GOAL` x dense's time), and the best sparse final loss against dense's, by
+    more than the seed spread (the larger range, max - min, of the two)."""
+    by_name = {(line["budget_s"], line["name"]): line for line in lines}
+    sparse = [line for line in lines if line["variant"] != "dense" and line["seeds"] >= 3
+              and "baseline" in line
+              and by_name[(line["budget_s"], line["baseline"])]["seeds"] >= 3]
+    if not sparse:
+        return [{"goal": "both", "verdict": "not run: no sparse configuration and dense "
+                                            "baseline with 3 seeds"}]
+    fastest = min(sparse, key=lambda line: line["time_ratio"] or float("inf"))
+    best = min(sparse, key=lambda line: line["gap"])
+    dense = by_name[(best["budget_s"], best["baseline"])]
+    spread = max(best["final_max"] - best["final_min"], dense["final_max"] - dense["final_min"])
+    ratio = fastest["time_ratio"]
+    if -best["gap"] > spread:
+        lower = "met"
+    elif best["final_max"] < dense["final_min"]:
+        lower = "partly: every sparse seed ends below every dense seed, but the mean gap " \
+                "is within the larger range"
+    else:
+        lower = "MISSED"
+    return [{"goal": f"time to dense's final loss <= {TIME_GOAL} x dense's time",
+             "name": fastest["name"], "budget_s": fastest["budget_s"],
+             "value": "not reached" if ratio is None else f"{ratio:.2f}x",
+             "verdict": "MISSED" if ratio is None or ratio > TIME_GOAL else "met"},
+            {"goal": "final loss below dense's by more than the seed spread",
+             "name": best["name"], "budget_s": best["budget_s"],
+             "value": f"{best['gap']:+.3f} (spread {spread:.3f})", "verdict": lower}]
+
+
+def plot_runs(runs: list[dict], png: Path) -> Path:
+    """Held-out loss against wall-clock seconds, a panel per budget, a line per
+    configuration (the mean over its seeds; shaded: their range)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = summarize(runs)
+    budgets = sorted({line["budget_s"] for line in lines})
+    figure, axes = plt.subplots(1, len(budgets), figsize=(7 * len(budgets), 7),
+                                squeeze=False)
+    for axis, budget in zip(axes[0], budgets, strict=True):
+        for line in (line for line in lines if line["budget_s"] == budget):
+            group = [run for run in runs
+                     if (run["budget_s"], run["name"]) == (budget, line["name"])]
+            wall = [point["wall_s"] for point in line["curve"]]
+            drawn = axis.plot(wall, [point["held_out_loss"] for point in line["curve"]],
+                              lw=2 if line["variant"] == "dense" else 1.3,
+                              label=f"{line['name']} ({line['seeds']} seed"
+                                    f"{'s' * (line['seeds'] > 1)})")
+            if len(group) > 1:
+                losses = [[run["curve"][i]["held_out_loss"] for run in group]
+                          for i in range(len(wall))]
+                axis.fill_between(wall, [min(v) for v in losses], [max(v) for v in losses],
+                                  color=drawn[0].get_color(), alpha=0.15)
+        shown = [line["curve"] for line in lines if line["budget_s"] == budget]
+        low = min(point["held_out_loss"] for curve in shown for point in curve)
+        high = max(curve[len(curve) // 4]["held_out_loss"] for curve in shown)
+        axis.set(xlabel="wall-clock seconds of training", ylabel="held-out loss",
+                 title=f"budget {budget} s", ylim=(low - 0.05, max(high, low + 0.1)))
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12))
+    figure.suptitle("Time to quality: held-out loss by wall clock")
+    figure.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(png, dpi=110)
+    plt.close(figure)
+    return png
