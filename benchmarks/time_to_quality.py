@@ -29,6 +29,11 @@ and the tokens seen. Variants (block ``B`` = 128 at base size, 16 tiny):
                                of the kept blocks) until ``--schedule-steps``, compressed
 ``block 90% gradual``          GMP from dense to 90% over the first half of ``--schedule-steps``,
                                masked-dense (the kept count moves)
+``block 90% gradual, then      the same until GMP ends, then a second ``fit`` (same process,
+compressed``                   same clock) trains the kept blocks compressed: a new callback
+                               with ``schedule="oneshot", score="magnitude", compress=True``
+                               keeps the nonzero blocks; the optimizer state and its warm-up
+                               start again
 ``block S% wide``              a sparse wider model (Sparse-IFT): hidden and intermediate
                                widened by ``1/sqrt(1 - S)`` so its Linear layers cost what
                                dense's do per step, static and compressed
@@ -79,9 +84,15 @@ VARIANTS: dict[str, dict | None] = {
     "block 90% rigl": dict(sparsity=0.9, regrow="rigl", **STATIC),
     "block 90% set": dict(sparsity=0.9, regrow="set", **STATIC),
     "block 90% gradual": dict(sparsity=0.9, schedule="gmp", compress=False),
+    "block 90% gradual, then compressed": dict(sparsity=0.9, schedule="gmp", compress=False),
     "block 75% wide": dict(sparsity=0.75, **STATIC),
     "block 90% wide": dict(sparsity=0.9, **STATIC),
 }
+# once the gradual schedule has pruned to its sparsity, a second fit trains the blocks it
+# kept (the nonzero ones: the largest) as compressed layers
+THEN_COMPRESSED = {"block 90% gradual, then compressed": dict(schedule="oneshot",
+                                                              score="magnitude",
+                                                              compress=True)}
 
 
 def widths(size: dict, variant: str) -> tuple[int, int]:
@@ -174,18 +185,25 @@ def run_child(args: argparse.Namespace) -> dict:
 
         def __init__(self):
             self.points: list[dict] = []
+            self.offset = 0  # the steps of earlier fits (a second fit counts on)
 
         def on_train_start(self, trainer, module):
+            if self.points:
+                self.offset = self.points[-1]["step"]
+                return
             self.start = time.perf_counter()
             self.evaluate(trainer, module)
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            if trainer.global_step % args.eval_every == 0:
+            if self.step(trainer) % args.eval_every == 0:
                 self.evaluate(trainer, module)
 
         def on_train_end(self, trainer, module):
-            if not self.points or self.points[-1]["step"] != trainer.global_step:
+            if not self.points or self.points[-1]["step"] != self.step(trainer):
                 self.evaluate(trainer, module)
+
+        def step(self, trainer) -> int:
+            return self.offset + trainer.global_step
 
         @torch.no_grad()
         def evaluate(self, trainer, module):
@@ -197,37 +215,46 @@ def run_child(args: argparse.Namespace) -> dict:
             module.train()
             if gpu:
                 torch.cuda.synchronize()
-            point = {"step": trainer.global_step, "wall_s": time.perf_counter() - self.start,
-                     "tokens": trainer.global_step * batch * seq,
+            point = {"step": self.step(trainer), "wall_s": time.perf_counter() - self.start,
+                     "tokens": self.step(trainer) * batch * seq,
                      "held_out_loss": statistics.fmean(losses)}
             self.points.append(point)
             print(json.dumps(point), flush=True)
 
-    settings = sparsity_settings(args)
-    callbacks: list = [curve := Curve()]
-    if settings is not None:
-        callbacks.append(SparsityCallback(pattern=f"block:{size['block']}x{size['block']}",
-                                          deny=["embed_tokens", "lm_head"], seed=args.seed,
-                                          **settings))
+    settings, curve = sparsity_settings(args), Curve()
+    phases = [settings] + ([{"sparsity": settings["sparsity"], **THEN_COMPRESSED[args.child]}]
+                           if args.child in THEN_COMPRESSED else [])
+
+    def fit(phase: dict | None, seconds: float, steps: int = -1) -> None:
+        """One ``fit`` of ``module`` for ``seconds`` (or ``steps``), the curve counting on."""
+        callbacks: list = [curve]
+        if phase is not None:
+            callbacks.append(SparsityCallback(
+                pattern=f"block:{size['block']}x{size['block']}", seed=args.seed,
+                deny=["embed_tokens", "lm_head"], **phase))
+        pl.Trainer(accelerator="gpu" if gpu else "cpu", devices=1, precision="bf16-mixed",
+                   max_time={"seconds": seconds}, max_steps=steps, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=0,
+                   ).fit(module, DataLoader(Windows(), batch_size=None))
+
     module = LM()
     if args.compile:
         module.model = torch.compile(module.model)
-    trainer = pl.Trainer(accelerator="gpu" if gpu else "cpu", devices=1,
-                         precision="bf16-mixed", max_time={"seconds": args.budget_s},
-                         max_steps=-1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=callbacks, num_sanity_val_steps=0)
     if gpu:
         torch.cuda.reset_peak_memory_stats()
-    trainer.fit(module, DataLoader(Windows(), batch_size=None))
-    train_s = curve.points[-1]["wall_s"]
+    fit(phases[0], args.budget_s, settings["end"] if len(phases) > 1 else -1)
+    if len(phases) > 1 and (left := args.budget_s - (time.perf_counter() - curve.start)) > 1:
+        fit(phases[1], left)
+    train_s, steps = curve.points[-1]["wall_s"], curve.points[-1]["step"]
     return {"name": configuration(args.child, args.lr, args.warmup_steps, args),
-            "variant": args.child, "seed": args.seed, "settings": settings,
+            "variant": args.child, "seed": args.seed,
+            "settings": settings if len(phases) == 1 else phases,
             "hidden": hidden, "intermediate": intermediate, "layers": args.layers,
             "seq": seq, "batch": batch, "lr": args.lr, "warmup_steps": args.warmup_steps,
             "compile": args.compile, "budget_s": args.budget_s, "corpus": corpus.describe(),
-            "curve": curve.points, "steps": trainer.global_step,
-            "tokens_per_s": trainer.global_step * batch * seq / train_s if train_s else None,
+            "curve": curve.points, "steps": steps,
+            "tokens_per_s": steps * batch * seq / train_s if train_s else None,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
             "parameters": sum(p.numel() for p in module.parameters()),
             "nonzero_parameters": sum(int(p.count_nonzero()) for p in module.parameters()),

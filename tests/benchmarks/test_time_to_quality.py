@@ -113,15 +113,16 @@ def test_the_split_is_by_path_hash_and_the_tokens_are_cached(tmp_path):
 def test_tiny_runs_write_curves_by_wall_clock_and_a_plot(tmp_path):
     src, out = folder(tmp_path), tmp_path / "out"
     env = script_env(OUT=str(out), SPARSE_TRAINING_CACHE=str(tmp_path / "cache"))
-    variants = ["dense", "block 75% wide"]
+    variants = ["dense", "block 75% wide", "block 90% gradual, then compressed"]
     done = subprocess.run([sys.executable, str(SCRIPT), "--size", "tiny", "--layers", "1",
                            "--budget-s", "2", "--vocab", "0", "--folder", str(src),
                            "--held-out", "0.3", "--eval-every", "3", "--eval-batches", "1",
-                           "--warmup-steps", "2", "--warm-up-s", "1", "--variants", *variants],
+                           "--warmup-steps", "2", "--warm-up-s", "1", "--schedule-steps", "4",
+                           "--variants", *variants],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     saved = sorted((out / "time_to_quality").glob("*.json"))
-    assert [json.loads(p.read_text())["warmed_up_s"] for p in saved] == [1, 1]  # unrecorded
+    assert [json.loads(p.read_text())["warmed_up_s"] for p in saved] == [1] * 3  # unrecorded
     runs = {r["variant"]: r for r in (json.loads(p.read_text())["run"] for p in saved)}
     assert sorted(runs) == sorted(variants)
     assert "warmed up block 75% wide" in done.stdout
@@ -133,6 +134,13 @@ def test_tiny_runs_write_curves_by_wall_clock_and_a_plot(tmp_path):
         assert curve[-1]["tokens"] == run["steps"] * run["batch"] * run["seq"]
         assert run["final_held_out_loss"] == curve[-1]["held_out_loss"]
     dense, wide = runs["dense"], runs["block 75% wide"]
+    # pruned to 90% by GMP over 2 steps, masked-dense, then a second fit trains it compressed:
+    # the curve counts on across the two fits, and the kept blocks are all it stores
+    gradual = runs["block 90% gradual, then compressed"]
+    assert [phase["compress"] for phase in gradual["settings"]] == [False, True]
+    assert gradual["steps"] > 2 and gradual["parameters"] < dense["parameters"]
+    steps = [p["step"] for p in gradual["curve"]]
+    assert steps == sorted(set(steps))
     assert (wide["hidden"], wide["intermediate"]) == (2 * dense["hidden"],
                                                       2 * dense["intermediate"])
     plotted = subprocess.run([sys.executable, str(SCRIPT), "--plot",
