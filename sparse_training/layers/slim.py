@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from sparse_training.engine.protocol import CompressedLayer, LayerForm
-from sparse_training.engine.sharding import copy_whole, full
+from sparse_training.engine.sharding import copy_whole, full, gather_rows, shard_rows
 from sparse_training.engine.slots import state_tensors
 from sparse_training.layers.blocks import transfer
 from sparse_training.layers.storage import CompressedSlot
@@ -286,21 +286,27 @@ class SlimSlot(CompressedSlot):
         rows = (sources[:, None] * layer.band + torch.arange(layer.band, device=new.device)
                 ).flatten()
         moved = [self.param, *([self.param.grad] if self.param.grad is not None else []),
-                 *(s for o in optimizers for s in state_tensors(o, self.param)), *carried]
+                 *(s for o in optimizers for s in state_tensors(o, self.param))]
         if layer.bias is not None and layer.axis == ROWS:  # the kept outputs' bias too
             moved += [layer.bias, *([layer.bias.grad] if layer.bias.grad is not None else []),
                       *(s for o in optimizers for s in state_tensors(o, layer.bias))]
+        # sharded tensors (FSDP2): each gathered whole, moved alike on every rank, and each
+        # rank keeps its slice; the carried tensors hold the local shard's rows
         for tensor in moved:
-            _move_bands(tensor, rows, layer.axis if tensor.dim() > 1 else 0)
+            copy_whole(tensor, _moved_bands(full(tensor), rows,
+                                            layer.axis if tensor.dim() > 1 else 0))
+        for value in carried:
+            value.copy_(shard_rows(_moved_bands(gather_rows(value, self.param), rows,
+                                                layer.axis), self.param))
         layer.band_mask.copy_(new)
 
 
-def _move_bands(tensor: Tensor, rows: Tensor, axis: int) -> None:
+def _moved_bands(tensor: Tensor, rows: Tensor, axis: int) -> Tensor:
     """``tensor``'s slices along ``axis`` rearranged to ``rows`` (-1 based: zero)."""
     gathered = tensor.index_select(axis, rows.clamp(min=0))
     shape = [1] * tensor.dim()
     shape[axis] = -1
-    tensor.copy_(torch.where((rows >= 0).view(shape), gathered, 0))
+    return torch.where((rows >= 0).view(shape), gathered, 0)
 
 
 

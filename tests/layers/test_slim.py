@@ -286,3 +286,52 @@ def test_moving_bands_keeps_what_stays_and_zeroes_what_is_new():
     assert not optimizer.state[layer.weight]["exp_avg"][2:].any()
     with pytest.raises(ValueError, match="a mask of 1 bands for a layer of 2"):
         slot.set_mask(torch.tensor([[True], [False], [False], [False]]))
+
+
+@pytest.mark.skipif(not (torch.distributed.is_available()
+                         and torch.distributed.is_gloo_available()),
+                    reason="needs torch.distributed with gloo")
+@pytest.mark.parametrize("axis", [ROWS, COLUMNS])
+def test_moving_the_bands_of_a_sharded_layer_moves_what_the_plain_layer_moves(tmp_path, axis):
+    """FSDP2 (a world of 1 over gloo: the weights are DTensors): weights, bias, gradients,
+    optimizer state and a carried tensor move as the unsharded layer's do."""
+    from torch.distributed.fsdp import fully_shard
+
+    from sparse_training.engine.sharding import full
+
+    dist = torch.distributed
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        layers, optimizers, carried = [], [], []
+        for sharded in (False, True):
+            torch.manual_seed(4)
+            layer = SlimLinear.from_dense(nn.Linear(6, 8), axis, 2,
+                                          torch.tensor([1, 1, 0] if axis == COLUMNS
+                                                       else [1, 1, 0, 0]).bool())
+            if sharded:
+                fully_shard(layer)
+            optimizer = torch.optim.Adam(layer.parameters())
+            layer(torch.randn(3, 4 if axis == COLUMNS else 6)).sum().backward()
+            optimizer.step()
+            local = layer.weight.to_local() if sharded else layer.weight
+            value = torch.arange(float(local.numel())).view_as(local)  # carried: local rows
+            layer.slot("w").set_mask(torch.tensor([[False, True, True]] if axis == COLUMNS
+                                                  else [[False], [True], [True], [False]]),
+                                     [optimizer], carried=[value])
+            layers.append(layer)
+            optimizers.append(optimizer)
+            carried.append(value)
+        plain, sharded = layers
+        assert plain.band_mask.tolist() == sharded.band_mask.tolist()
+        for a, b in ((plain.weight, sharded.weight), (plain.bias, sharded.bias),
+                     (plain.weight.grad, sharded.weight.grad)):
+            torch.testing.assert_close(full(b), a)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(full(optimizers[1].state[sharded.weight][key]),
+                                       optimizers[0].state[plain.weight][key])
+        torch.testing.assert_close(carried[1], carried[0])
+        assert plain.weight[2:].abs().sum() == 0 if axis == ROWS else \
+            plain.weight[:, 2:].abs().sum() == 0
+    finally:
+        dist.destroy_process_group()
