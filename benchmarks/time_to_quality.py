@@ -64,6 +64,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -250,7 +251,8 @@ def run_child(args: argparse.Namespace) -> dict:
     return {"name": configuration(args.child, args.lr, args.warmup_steps, args),
             "variant": args.child, "seed": args.seed,
             "settings": settings if len(phases) == 1 else phases,
-            "hidden": hidden, "intermediate": intermediate, "layers": args.layers,
+            "size": args.size, "hidden": hidden, "intermediate": intermediate,
+            "layers": args.layers,
             "seq": seq, "batch": batch, "lr": args.lr, "warmup_steps": args.warmup_steps,
             "compile": args.compile, "budget_s": args.budget_s, "corpus": corpus.describe(),
             "curve": curve.points, "steps": steps,
@@ -309,7 +311,7 @@ def main() -> None:
         return
     if args.saved:
         for path in args.saved:
-            log_wandb(json.loads(Path(path).read_text())["run"], args, out)
+            log_wandb(read_run(path), args, out)
         return
     if args.child:  # one configuration: one value of each list
         args.lr, args.warmup_steps = args.lr[0], args.warmup_steps[0]
@@ -321,19 +323,22 @@ def main() -> None:
     folder.mkdir(parents=True, exist_ok=True)
     shared = _without(sys.argv[1:], ("--variants", "--seeds", "--lr", "--warmup-steps",
                                       "--budget-s"))
+    warmed = {}  # variant -> seconds of unrecorded training that ran first
     for variant in [v for v in args.variants if VARIANTS[v]] if args.warm_up_s else []:
         if (run := _child(shared, variant, args.lr[0], args.warmup_steps[0], args.seeds[0],
-                          args.warm_up_s, folder)) is not None:
+                          args.warm_up_s, args)) is not None:
+            warmed[variant] = args.warm_up_s
             print(f"warmed up {variant}: {run['steps']} steps in {args.warm_up_s} s", flush=True)
     for variant, lr, warmup, seed in itertools.product(args.variants, args.lr,
                                                        args.warmup_steps, args.seeds):
         name = f"{configuration(variant, lr, warmup, args)}, seed {seed}"
-        run = _child(shared, variant, lr, warmup, seed, args.budget_s, folder)
+        run = _child(shared, variant, lr, warmup, seed, args.budget_s, args)
         if run is None:
             continue
-        slug = re.sub(r"[^a-z0-9.]+", "_", f"{args.budget_s}s {name}".lower()).strip("_")
+        slug = re.sub(r"[^a-z0-9.]+", "_", f"{args.budget_s}s {args.size} {args.layers} layers "
+                                           f"{name}".lower()).strip("_")
         write_json(f"{slug}.json", {"command": " ".join(sys.argv), "run": run,
-                                    "warmed_up_s": args.warm_up_s},
+                                    "warmed_up_s": warmed.get(variant, 0)},
                    out=folder, device=device_name())
         print(f"{name}: {run['steps']} steps, final held-out loss "
               f"{run['final_held_out_loss']:.4f}, {run['tokens_per_s']:,.0f} tokens/s",
@@ -343,23 +348,32 @@ def main() -> None:
 
 
 def _child(shared: list[str], variant: str, lr: float, warmup: int, seed: int,
-           budget_s: int, folder: Path) -> dict | None:
-    """One configuration trained in a fresh process (Triton's autotuning cache on); its
-    run, or None where it failed (said, with the end of its error)."""
-    result = folder / "_run.json"
-    result.unlink(missing_ok=True)
-    proc = subprocess.run([sys.executable, __file__, *shared, "--child", variant,
-                           "--lr", str(lr), "--warmup-steps", str(warmup), "--seed", str(seed),
-                           "--budget-s", str(budget_s), "--result", str(result)],
-                          capture_output=True, text=True,
-                          env={**os.environ, "TRITON_CACHE_AUTOTUNING": "1"})
-    if not result.exists():
-        print(f"{variant}, lr {lr:g}, warm-up {warmup}, seed {seed}: FAILED "
-              f"({proc.returncode}) {proc.stderr.strip()[-600:]}", flush=True)
-        return None
-    run = json.loads(result.read_text())
-    result.unlink()
-    return run
+           budget_s: int, args: argparse.Namespace) -> dict | None:
+    """One configuration trained in a fresh process (Triton's autotuning cache on), given
+    ``budget_s`` and :data:`CHILD_MARGIN_S` more to start and finish; its run, or None
+    where it failed or overran (said, with the end of its error)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        result = Path(scratch) / "run.json"
+        command = [sys.executable, __file__, *shared, "--child", variant, "--lr", str(lr),
+                   "--warmup-steps", str(warmup), "--seed", str(seed), "--budget-s",
+                   str(budget_s), "--result", str(result)]
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True,
+                                  timeout=budget_s + CHILD_MARGIN_S,
+                                  env={**os.environ, "TRITON_CACHE_AUTOTUNING": "1"})
+            error = f"({proc.returncode}) {proc.stderr.strip()[-600:]}"
+        except subprocess.TimeoutExpired:
+            error = f"(still running {budget_s + CHILD_MARGIN_S} s after its start: stopped)"
+        if not result.exists():
+            print(f"{configuration(variant, lr, warmup, args)}, seed {seed}: FAILED {error}",
+                  flush=True)
+            return None
+        return json.loads(result.read_text())
+
+
+CHILD_MARGIN_S = 300
+"""Seconds a run may take beyond its budget: imports, the corpus, the model, the first and
+last evaluations (about 35 s on an H200 host) and a compiled model's warm-up."""
 
 
 def log_wandb(run: dict, args: argparse.Namespace, out: Path) -> None:

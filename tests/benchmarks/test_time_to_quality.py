@@ -27,7 +27,8 @@ def run(name: str, seed: int, losses: list[float], seconds_per_point: float = 10
     return {"name": name, "variant": name.partition(",")[0], "seed": seed, "budget_s": budget,
             "curve": curve, "final_held_out_loss": losses[-1], "tokens_per_s": tokens_per_s,
             "peak_gib": 1.0, "nonzero_parameters": 2_000_000, "warmed_up_s": 3,
-            "device": "test"}
+            "device": "test", "size": "tiny", "hidden": 64, "intermediate": 128, "layers": 1,
+            "seq": 8, "batch": 10}
 
 
 def test_time_to_reach_is_linear_between_evaluations_and_none_where_never():
@@ -36,6 +37,35 @@ def test_time_to_reach_is_linear_between_evaluations_and_none_where_never():
     assert time_to_reach(curve, 3.0) == pytest.approx(20.0)
     assert time_to_reach(curve, 2.5) == pytest.approx(30.0)
     assert time_to_reach(curve, 2.4) is None
+    assert time_to_reach(curve, 6.0) == 0.0  # there from the start
+    assert time_to_reach(run("dense", 0, [5.0, 6.0, 5.5])["curve"], 5.8) == 0.0
+
+
+def test_seeds_that_stop_at_different_steps_average_on_shared_steps_and_their_ends():
+    """max_time ends each seed at its own step: one more evaluation for one seed must not
+    cut the others' ends off; the mean curve ends at the mean final loss, which the
+    baseline then reaches at its end."""
+    runs = [run("dense, lr 1", 0, [5.0, 4.0, 3.0, 2.4]), run("dense, lr 1", 1, [5.0, 4.0, 2.6]),
+            run("block 90% static, lr 1", 0, [5.0, 3.0, 2.0]),
+            run("block 90% static, lr 1", 0, [9.0, 8.0], budget=40) | {"layers": 2}]
+    lines = {(line["name"], line["model"]): line for line in summarize(runs)}
+    dense = lines["dense, lr 1", "tiny, 1 layers, 10x8"]
+    assert dense["final"] == pytest.approx(2.5)
+    assert [p["held_out_loss"] for p in dense["curve"]] == pytest.approx([5.0, 4.0, 2.5])
+    assert [p["wall_s"] for p in dense["curve"]] == pytest.approx([0.0, 10.0, 25.0])
+    assert dense["time_ratio"] == pytest.approx(1.0)
+    # another model at the same budget and name: its own line, no baseline
+    other = lines["block 90% static, lr 1", "tiny, 2 layers, 10x8"]
+    assert other["seeds"] == 1 and "baseline" not in other
+
+
+def test_the_time_goal_says_when_no_sparse_configuration_reaches_dense():
+    runs = [run("dense, lr 1", seed, [5.0, 3.0]) for seed in range(3)]
+    runs += [run("block 90% static, lr 1", seed, [5.0, 4.0]) for seed in range(3)]
+    runs += [run("block 75% static, lr 1", seed, [5.0, 3.5]) for seed in range(3)]
+    time_goal, lower_goal = goals(summarize(runs))
+    assert (time_goal["name"], time_goal["verdict"]) == ("none reaches it", "MISSED")
+    assert lower_goal["name"] == "block 75% static, lr 1" and lower_goal["verdict"] == "MISSED"
 
 
 def test_each_budget_is_measured_against_its_best_dense_configuration():
@@ -122,7 +152,10 @@ def test_tiny_runs_write_curves_by_wall_clock_and_a_plot(tmp_path):
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     saved = sorted((out / "time_to_quality").glob("*.json"))
-    assert [json.loads(p.read_text())["warmed_up_s"] for p in saved] == [1] * 3  # unrecorded
+    warmed = {(c := json.loads(p.read_text()))["run"]["variant"]: c["warmed_up_s"]
+              for p in saved}
+    assert warmed == {"dense": 0, "block 75% wide": 1,  # the warm-up itself is unrecorded
+                      "block 90% gradual, then compressed": 1}
     runs = {r["variant"]: r for r in (json.loads(p.read_text())["run"] for p in saved)}
     assert sorted(runs) == sorted(variants)
     assert "warmed up block 75% wide" in done.stdout
@@ -148,7 +181,7 @@ def test_tiny_runs_write_curves_by_wall_clock_and_a_plot(tmp_path):
                              env=env, capture_output=True, text=True, timeout=120)
     assert plotted.returncode == 0, plotted.stderr[-2000:]
     assert (out / "time_to_quality.png").stat().st_size > 0
-    dense_json = next(p for p in saved if p.name.startswith("2s_dense"))
+    dense_json = next(p for p in saved if p.name.startswith("2s_tiny_1_layers_dense"))
     logged = subprocess.run([sys.executable, str(SCRIPT), "--saved", str(dense_json),
                              "--wandb", "offline"], env=env, capture_output=True, text=True,
                             timeout=300)
