@@ -39,10 +39,12 @@ compressed``                   same clock) trains the kept blocks compressed: a 
                                dense's do per step, static and compressed
 =============================  ==============================================================
 
-The kernels' first calls compile and autotune them inside the budget; the children run
-with Triton's autotuning cache on disk (``TRITON_CACHE_AUTOTUNING=1``), and
-``--warm-up-s S`` first trains each sparse variant's shapes for S seconds, unrecorded, so
-that the timed runs meet caches as warm as on any machine that ran them before.
+The kernels' first calls compile and autotune them inside the budget (and
+``torch.compile`` its graphs); the children run with Triton's autotuning cache on disk
+(``TRITON_CACHE_AUTOTUNING=1``), and ``--warm-up-s S`` first trains each variant that
+compiles kernels (the sparse ones; every one with ``--compile``) for S seconds, unrecorded,
+so that the timed runs meet Triton's and Inductor's disk caches as warm as on any machine
+that ran them before.
 
 One JSON per run under ``$OUT/time_to_quality`` (``$OUT`` default ``benchmarks/results``),
 named by budget and configuration: the settings, the corpus's token counts, the curve,
@@ -287,8 +289,8 @@ def main() -> None:
                              "regrowth stops after them (max_time leaves the length unknown)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--warm-up-s", type=at_least(0), default=0,
-                        help="train each sparse variant this long first, unrecorded: "
-                             "Triton's compile and autotuning caches warm")
+                        help="train each variant that compiles kernels this long first, "
+                             "unrecorded: Triton's and Inductor's disk caches warm")
     parser.add_argument("--folder", type=Path, default=None,
                         help="corpus folder (default: the standard library)")
     parser.add_argument("--glob", default="**/*.py")
@@ -324,7 +326,8 @@ def main() -> None:
     shared = _without(sys.argv[1:], ("--variants", "--seeds", "--lr", "--warmup-steps",
                                       "--budget-s"))
     warmed = {}  # variant -> seconds of unrecorded training that ran first
-    for variant in [v for v in args.variants if VARIANTS[v]] if args.warm_up_s else []:
+    compiling = [v for v in args.variants if VARIANTS[v] or args.compile]
+    for variant in compiling if args.warm_up_s else []:
         if (run := _child(shared, variant, args.lr[0], args.warmup_steps[0], args.seeds[0],
                           args.warm_up_s, args)) is not None:
             warmed[variant] = args.warm_up_s
