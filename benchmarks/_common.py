@@ -254,6 +254,19 @@ def write_json(name: str, payload: dict, out: str | os.PathLike | None = None,
     return path
 
 
+def fraction_in(low: float, high: float, closed_high: bool = False):
+    """An argparse type: a float in ``(low, high)`` (``(low, high]`` with ``closed_high``)."""
+    def parse(text: str) -> float:
+        value = float(text)
+        if not (low < value < high or closed_high and value == high):
+            raise argparse.ArgumentTypeError(
+                f"must be a number in ({low:g}, {high:g}{']' if closed_high else ')'}, "
+                f"got {text}")
+        return value
+
+    return parse
+
+
 def at_least(low: int):
     """An argparse type: an int >= ``low``."""
     def parse(text: str) -> int:

@@ -70,7 +70,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import at_least, device_name, write_json
+from _common import at_least, device_name, fraction_in, write_json
 from _corpus import load_corpus
 from _quality_report import plot_runs, read_run
 
@@ -277,11 +277,12 @@ def main() -> None:
                         help="wall-clock seconds of training per run (Lightning's max_time)")
     parser.add_argument("--eval-every", type=at_least(1), default=50)
     parser.add_argument("--eval-batches", type=at_least(1), default=8)
-    parser.add_argument("--lr", type=float, nargs="+", default=[3e-4])
+    parser.add_argument("--lr", type=fraction_in(0, 1), nargs="+", default=[3e-4])
     parser.add_argument("--warmup-steps", type=at_least(1), nargs="+", default=[100])
     parser.add_argument("--regrow-every", type=at_least(1), default=100,
                         help="steps between regrowth updates (rigl, set)")
-    parser.add_argument("--regrow-fraction", type=float, default=None,
+    parser.add_argument("--regrow-fraction", type=fraction_in(0, 1, closed_high=True),
+                        default=None,
                         help="share of the kept blocks regrowth swaps first (default: the "
                              "callback's)")
     parser.add_argument("--schedule-steps", type=at_least(2), default=2000,
@@ -295,7 +296,8 @@ def main() -> None:
                         help="corpus folder (default: the standard library)")
     parser.add_argument("--glob", default="**/*.py")
     parser.add_argument("--vocab", type=at_least(0), default=8192, help="BPE size; 0: bytes")
-    parser.add_argument("--held-out", type=float, default=0.05)
+    parser.add_argument("--held-out", type=fraction_in(0, 1), default=0.05,
+                        help="share of the files held out (by a hash of their path)")
     parser.add_argument("--wandb", choices=["off", "offline", "online", "auto"], default="off",
                         help="log each run's curve to W&B (auto: online with an API key)")
     parser.add_argument("--wandb-project", default="sparse-training-time-to-quality")

@@ -195,3 +195,15 @@ def test_tiny_runs_write_curves_by_wall_clock_and_a_plot(tmp_path):
     assert wandb_run["final_held_out_loss"] == dense["final_held_out_loss"]
     assert wandb_run["held_out_loss"] == dense["curve"][-1]["held_out_loss"]
     assert wandb_run["_config"]["variant"] == "dense"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--lr", "-1"], "argument --lr: must be a number in (0, 1), got -1"),
+    (["--regrow-fraction", "1.5"], "argument --regrow-fraction: must be a number in (0, 1]"),
+    (["--held-out", "0"], "argument --held-out: must be a number in (0, 1), got 0"),
+])
+def test_bad_settings_are_refused_before_anything_runs(tmp_path, args, message):
+    done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                          env=script_env(OUT=str(tmp_path)), timeout=120)
+    assert done.returncode == 2 and message in done.stderr
+    assert not any(tmp_path.iterdir())  # nothing written
