@@ -8,6 +8,7 @@ name                  model                                                     
 ``vit-base``          ``ViTForImageClassification(ViTConfig())``, 1000 classes    64 images
 ``gpt2``              ``GPT2LMHeadModel(GPT2Config())`` (124M, ``Conv1D``)         8 x 1024
 ``opt-350m``          ``OPTForCausalLM``, OPT-350m's shape                        8 x 1024
+``t5-base``           ``T5ForConditionalGeneration``, T5-base's shape             16 x (512 + 128)
 ``decoder-1.5b``      ``LlamaForCausalLM``, Qwen2-1.5B's shape, ``--layers``       4 x 2048
 ``llama``             ``LlamaForCausalLM``, Llama-3-8B's shape, ``--layers``       4 x 2048
 ``tiny``, ``tiny-*``  the same families a few features wide, for CPU checks       -
@@ -127,6 +128,25 @@ def _opt(tiny: bool) -> Callable[[int, str], tuple[Any, dict]]:
     return build
 
 
+def _t5(tiny: bool) -> Callable[[int, str], tuple[Any, dict]]:
+    def build(layers: int, device: str):
+        import torch
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        config, (batch, source, target) = (
+            T5Config(d_model=64, d_ff=128, d_kv=16, num_layers=2, num_heads=4, vocab_size=256,
+                     decoder_start_token_id=0, pad_token_id=0),
+            (2, 32, 8)) if tiny else (
+            T5Config(d_model=768, d_ff=3072, d_kv=64, num_layers=12, num_heads=12,
+                     vocab_size=32128, decoder_start_token_id=0, pad_token_id=0),
+            (16, 512, 128))
+        with torch.device(device):
+            model = T5ForConditionalGeneration(config)
+        return model, {"input_ids": _ids(config.vocab_size, batch, source),
+                       "labels": _ids(config.vocab_size, batch, target)}
+    return build
+
+
 _DECODER_DENY = ("embed_tokens", "lm_head")
 MODELS: dict[str, E2EModel] = {
     "bert-base": E2EModel(_bert(False), ("embeddings", "qa_outputs"), 64),
@@ -137,10 +157,13 @@ MODELS: dict[str, E2EModel] = {
     "tiny-gpt2": E2EModel(_gpt2(True), ("wte", "wpe", "lm_head"), 16),
     "opt-350m": E2EModel(_opt(False), ("embed", "lm_head", "project"), 64),
     "tiny-opt": E2EModel(_opt(True), ("embed", "lm_head", "project"), 16),
+    "t5-base": E2EModel(_t5(False), ("shared", "lm_head"), 64),
+    "tiny-t5": E2EModel(_t5(True), ("shared", "lm_head"), 16),
     "decoder-1.5b": E2EModel(_llama("decoder-1.5b"), _DECODER_DENY, 64),
     "llama": E2EModel(_llama("llama"), _DECODER_DENY, 128),
     "tiny-llama": E2EModel(_llama("tiny-llama"), _DECODER_DENY, 16),
 }
 # the attention modules of every family (BERT/ViT "attention", GPT-2 "attn", Llama/OPT
-# "self_attn"): the heads override of the heads+neurons variants
-ATTENTION = "attention|attn"
+# "self_attn", T5 "SelfAttention"/"EncDecAttention"): the heads override of the
+# heads+neurons variants
+ATTENTION = "(?i)attention|attn"

@@ -269,12 +269,13 @@ def test_the_benchmarks_refuse_bad_arguments_before_running(refusals, script, me
 @pytest.mark.slow
 def test_several_families_with_slim_rows_and_a_budget(tmp_path):
     """``--model`` takes several families (one JSON each); the heads+neurons row trains
-    SlimLinear layers; the ratio against the best dense row is there; ``--budget-s 0``
-    starts none and says so."""
+    SlimLinear layers (T5: its FFNs; its heads, which share one relative position bias, stay
+    masked-dense); the ratio against the best dense row is there; ``--budget-s 0`` starts
+    none and says so."""
     env = script_env(OUT=str(tmp_path))
     variants = ["dense fused", "heads+neurons 50% compressed"]
     done = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny-vit", "tiny-llama",
-                           "--steps", "2", "--warmup", "1", "--variants", *variants],
+                           "tiny-t5", "--steps", "2", "--warmup", "1", "--variants", *variants],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for model, tokens in (("tiny-vit", 4 * 17), ("tiny-llama", 2 * 32)):
@@ -284,6 +285,11 @@ def test_several_families_with_slim_rows_and_a_budget(tmp_path):
         assert slim["compressed_layers"] == {"SlimLinear": 12 if model == "tiny-vit" else 4 * 7}
         assert slim["masked_dense_tensors"] == 0 and slim["tokens"] == tokens
         assert slim["speedup_best"] == pytest.approx(rows["dense fused"]["ms"] / slim["ms"])
+    t5 = {r["variant"]: r for r in
+          json.loads((tmp_path / "e2e_step_tiny-t5.json").read_text())["rows"]}
+    slim = t5["heads+neurons 50% compressed"]
+    # 2 encoder and 2 decoder FFNs (wi, wo) shrink; q/k/v/o of 6 attention modules stay
+    assert slim["compressed_layers"] == {"SlimLinear": 8} and slim["masked_dense_tensors"] == 24
     assert "vs best" in done.stdout
     out = tmp_path / "budget"
     skipped = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny-vit", "--steps", "1",
