@@ -1,7 +1,8 @@
 """Held-out loss against wall-clock time: does sparse training reach dense's quality sooner?
 
     python3 benchmarks/time_to_quality.py --budget-s 40 --warm-up-s 3    # GPU, every variant
-    python3 benchmarks/time_to_quality.py --variants dense "block 90% static" --seeds 0 1 2
+    python3 benchmarks/time_to_quality.py --variants dense "block 90% static" --seeds 0 1 2 \
+        --same-process                          # one process: no ~30 s start-up per run
     python3 benchmarks/time_to_quality.py --variants "block 90% rigl" --lr 3e-4 1e-3  # recipes
     python3 benchmarks/time_to_quality.py --size tiny --budget-s 5 --folder DIR   # CPU check
     python3 benchmarks/time_to_quality.py --plot benchmarks/results/time_to_quality/*.json
@@ -40,7 +41,7 @@ compressed``                   same clock) trains the kept blocks compressed: a 
 =============================  ==============================================================
 
 The kernels' first calls compile and autotune them inside the budget (and
-``torch.compile`` its graphs); the children run with Triton's autotuning cache on disk
+``torch.compile`` its graphs); every run goes with Triton's autotuning cache on disk
 (``TRITON_CACHE_AUTOTUNING=1``), and ``--warm-up-s S`` first trains each variant that
 compiles kernels (the sparse ones; every one with ``--compile``) for S seconds, unrecorded,
 so that the timed runs meet Triton's and Inductor's disk caches as warm as on any machine
@@ -304,11 +305,15 @@ def main() -> None:
     parser.add_argument("--saved", nargs="+", metavar="JSON",
                         help="log saved runs to W&B (--wandb) instead of training")
     parser.add_argument("--plot", nargs="+", metavar="JSON", help="plot saved runs and exit")
+    parser.add_argument("--same-process", action="store_true",
+                        help="train every run in this process (no start-up per run; no "
+                             "timeout): the default is a fresh process per run")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     out = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
+    os.environ["TRITON_CACHE_AUTOTUNING"] = "1"  # before Triton loads, here and in children
     if args.plot:
         png = plot_runs([read_run(path) for path in args.plot], out / "time_to_quality.png")
         print(f"wrote {png}")
@@ -343,7 +348,8 @@ def main() -> None:
         slug = re.sub(r"[^a-z0-9.]+", "_", f"{args.budget_s}s {args.size} {args.layers} layers "
                                            f"{name}".lower()).strip("_")
         write_json(f"{slug}.json", {"command": " ".join(sys.argv), "run": run,
-                                    "warmed_up_s": warmed.get(variant, 0)},
+                                    "warmed_up_s": warmed.get(variant, 0),
+                                    "same_process": args.same_process},
                    out=folder, device=device_name())
         print(f"{name}: {run['steps']} steps, final held-out loss "
               f"{run['final_held_out_loss']:.4f}, {run['tokens_per_s']:,.0f} tokens/s",
@@ -354,9 +360,11 @@ def main() -> None:
 
 def _child(shared: list[str], variant: str, lr: float, warmup: int, seed: int,
            budget_s: int, args: argparse.Namespace) -> dict | None:
-    """One configuration trained in a fresh process (Triton's autotuning cache on), given
-    ``budget_s`` and :data:`CHILD_MARGIN_S` more to start and finish; its run, or None
-    where it failed or overran (said, with the end of its error)."""
+    """One configuration trained in a fresh process, given ``budget_s`` and
+    :data:`CHILD_MARGIN_S` more to start and finish (or in this one, ``--same-process``);
+    its run, or None where it failed or overran (said, with the end of its error)."""
+    if args.same_process:
+        return _in_this_process(variant, lr, warmup, seed, budget_s, args)
     with tempfile.TemporaryDirectory() as scratch:
         result = Path(scratch) / "run.json"
         command = [sys.executable, __file__, *shared, "--child", variant, "--lr", str(lr),
@@ -364,8 +372,7 @@ def _child(shared: list[str], variant: str, lr: float, warmup: int, seed: int,
                    str(budget_s), "--result", str(result)]
         try:
             proc = subprocess.run(command, capture_output=True, text=True,
-                                  timeout=budget_s + CHILD_MARGIN_S,
-                                  env={**os.environ, "TRITON_CACHE_AUTOTUNING": "1"})
+                                  timeout=budget_s + CHILD_MARGIN_S)
             error = f"({proc.returncode}) {proc.stderr.strip()[-600:]}"
         except subprocess.TimeoutExpired:
             error = f"(still running {budget_s + CHILD_MARGIN_S} s after its start: stopped)"
@@ -374,6 +381,28 @@ def _child(shared: list[str], variant: str, lr: float, warmup: int, seed: int,
                   flush=True)
             return None
         return json.loads(result.read_text())
+
+
+def _in_this_process(variant: str, lr: float, warmup: int, seed: int, budget_s: int,
+                     args: argparse.Namespace) -> dict | None:
+    """One configuration trained in this process: no start-up per run (imports, CUDA,
+    about 30 s of an H200 host's), no timeout; its memory freed after."""
+    import gc
+
+    import torch
+
+    settings = {**vars(args), "child": variant, "lr": lr, "warmup_steps": warmup, "seed": seed,
+                "budget_s": budget_s}
+    try:
+        return run_child(argparse.Namespace(**settings))
+    except Exception as error:  # noqa: BLE001 (said; the sweep goes on, as with a process)
+        print(f"{configuration(variant, lr, warmup, args)}, seed {seed}: FAILED "
+              f"{type(error).__name__}: {error}", flush=True)
+        return None
+    finally:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 CHILD_MARGIN_S = 300

@@ -207,3 +207,23 @@ def test_bad_settings_are_refused_before_anything_runs(tmp_path, args, message):
                           env=script_env(OUT=str(tmp_path)), timeout=120)
     assert done.returncode == 2 and message in done.stderr
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.slow
+def test_same_process_runs_every_configuration_in_one_process(tmp_path):
+    src, out = folder(tmp_path), tmp_path / "out"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--size", "tiny", "--layers", "1",
+                           "--budget-s", "1", "--vocab", "0", "--folder", str(src),
+                           "--held-out", "0.3", "--eval-every", "3", "--eval-batches", "1",
+                           "--warmup-steps", "2", "--same-process", "--seeds", "0", "1",
+                           "--variants", "dense", "block 90% static"],
+                          env=script_env(OUT=str(out), SPARSE_TRAINING_CACHE=str(tmp_path / "c")),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    saved = [json.loads(p.read_text()) for p in (out / "time_to_quality").glob("*.json")]
+    assert sorted((s["run"]["variant"], s["run"]["seed"]) for s in saved) == [
+        ("block 90% static", 0), ("block 90% static", 1), ("dense", 0), ("dense", 1)]
+    assert all(s["same_process"] and s["run"]["steps"] >= 1 for s in saved)
+    dense = [s["run"]["parameters"] for s in saved if s["run"]["variant"] == "dense"]
+    sparse = [s["run"]["parameters"] for s in saved if s["run"]["variant"] != "dense"]
+    assert max(sparse) < min(dense)  # each run builds its own model: nothing carried over
