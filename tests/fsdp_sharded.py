@@ -6,7 +6,8 @@ Each rank writes, per optimizer step, its whole masks' checksums and counts, a h
 whole parameters, and whether every pruned weight and optimizer moment of its local shards
 is zero. RigL and the compressed runs also run one epoch, save a sharded (distributed)
 checkpoint and resume from it for the second; the slim run's full state dict is saved and
-loaded back into the sharded model.
+loaded back into the sharded model. The compressed run also records every collective each
+rank issued after its first step, and those sparse_training issued (none expected).
 
     python tests/fsdp_sharded.py OUT_DIR [cpu|gpu]   # Lightning relaunches it for rank 1
 
@@ -22,7 +23,9 @@ import hashlib
 import json
 import os
 import sys
-from collections import OrderedDict
+import sysconfig
+import traceback
+from collections import Counter, OrderedDict
 from pathlib import Path
 
 # Before anything imports Triton (Lightning does), which fixes the mode at decoration:
@@ -35,10 +38,12 @@ import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
 from pytorch_lightning.callbacks import Callback  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import SaveAndStop, exit_skipping_teardown, make_loader  # noqa: E402
 
+import sparse_training  # noqa: E402
 from sparse_training import SparsityCallback, SparsityConfig, SparsityEngine  # noqa: E402
 from sparse_training.engine.distributed import mask_checksum  # noqa: E402
 from sparse_training.engine.protocol import CompressedLayer  # noqa: E402
@@ -215,6 +220,71 @@ class Recorder(Callback):
             "kinds": [plan.kind for plan in engine.plans if plan.selected]})
 
 
+PACKAGE = str(Path(sparse_training.__file__).parent) + os.sep
+_TORCH = str(Path(torch.__file__).parent) + os.sep
+_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
+
+
+def _issuer(stack: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
+    """The innermost frame outside torch and the standard library: the code that issued
+    the op (FSDP2's hooks answer to the module call or ``backward`` that ran them)."""
+    for frame in reversed(stack):
+        name = frame.filename
+        if not (name.startswith((_TORCH, "<frozen")) or (
+                name.startswith(_STDLIB) and "-packages" + os.sep not in name)):
+            return frame
+    return None
+
+
+class _Collectives(TorchDispatchMode):
+    """Counts every op of the ``c10d`` (``dist.*``: FSDP2's all-gathers and
+    reduce-scatters) and ``_c10d_functional`` (DTensor redistribution, ``full_tensor``)
+    namespaces by its issuer (:func:`_issuer`), and keeps those sparse_training issued.
+    A frame of sparse_training anywhere on the stack is not enough: the engine's optimizer
+    pre-hook runs Lightning's closure, so forward and backward sit below it. The
+    Recorder's own gathers (``Recorder.record``) are left out."""
+
+    def __init__(self, watch: CollectiveWatch) -> None:
+        super().__init__()
+        self.watch = watch
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional"):
+            stack = traceback.extract_stack()[:-1]
+            if not any(f.name == "record" and f.filename == __file__ for f in stack):
+                op, issuer = f"{func.namespace}.{func._opname}", _issuer(stack)
+                where = f"{Path(issuer.filename).name}:{issuer.name}" if issuer else "?"
+                self.watch.total[f"{op} from {where}"] += 1
+                if issuer is not None and issuer.filename.startswith(PACKAGE):
+                    self.watch.from_sparse_training.append({"op": op, "stack": [
+                        f"{f.filename[len(PACKAGE):]}:{f.lineno}:{f.name}" for f in stack
+                        if f.filename.startswith(PACKAGE)][-6:]})
+        return func(*args, **(kwargs or {}))
+
+
+class CollectiveWatch(Callback):
+    """Every collective a rank issues from the end of the first optimizer step (step 0
+    prunes) to the end of training: forward, backward, the optimizer step and the
+    callbacks' step hooks, through :class:`_Collectives`."""
+
+    def __init__(self) -> None:
+        self.total, self.from_sparse_training, self.mode = Counter(), [], None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.mode is None and trainer.global_step >= 1:
+            self.mode = _Collectives(self)
+            self.mode.__enter__()
+
+    def on_train_end(self, trainer, pl_module):
+        if self.mode is not None:
+            self.mode.__exit__(None, None, None)
+            self.mode = None
+
+    def summary(self) -> dict:
+        return {"total": sum(self.total.values()), "ops": dict(self.total),
+                "from_sparse_training": self.from_sparse_training}
+
+
 def fit(settings: dict, loader, callbacks=(), ckpt_path=None, accelerator="cpu",
         widths: tuple[int, ...] = (16, 32, 24, 5), built_in_configure_model: bool = False,
         net: type[ShardedNet] = ShardedNet, **trainer_args) -> Recorder:
@@ -355,7 +425,10 @@ def main(out: Path, accelerator: str) -> None:
         accelerator=accelerator).rows
     compressed = {"settings": RUNS["compressed"], "widths": WIDTHS["compressed"],
                   "accelerator": accelerator}
-    results["compressed"] = fit(**compressed, loader=make_loader(n=128)).rows
+    watch = CollectiveWatch()
+    results["compressed"] = fit(**compressed, loader=make_loader(n=128),
+                                callbacks=[watch]).rows
+    results["compressed collectives"] = watch.summary()
     results["compressed in configure_model"] = fit(
         **compressed, loader=make_loader(n=128), built_in_configure_model=True).rows
     results["compressed-stopped"] = fit(

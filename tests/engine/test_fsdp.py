@@ -190,6 +190,19 @@ def test_compressed_values_sharded_along_kept_blocks_train_and_resume_exactly(sh
         assert _logical(rank["compressed-resumed"]) == _logical(rank["compressed"][4:])
 
 
+def test_compressed_training_steps_issue_no_collectives_of_their_own(sharded):
+    """After the first step, a training step of compressed layers with fixed blocks
+    (forward, backward, optimizer step and the callback's hooks) issues only FSDP2's own
+    collectives: none of the c10d or functional-collective ops a TorchDispatchMode sees on
+    either rank was issued by sparse_training (its innermost frame outside torch), and
+    FSDP2's all-gathers and reduce-scatters show the count works."""
+    (rank0, rank1), _ = sharded
+    for rank in (rank0, rank1):
+        seen = rank["compressed collectives"]
+        assert seen["total"] > 0, seen  # FSDP2's all-gathers and reduce-scatters
+        assert seen["from_sparse_training"] == [], seen["from_sparse_training"][:5]
+
+
 def test_compressed_blocks_moved_by_rigl_across_shards_as_in_one_process(sharded):
     """RigL on compressed layers whose values are sharded: at each update every rank gathers
     the values, gradients and AdamW moments, moves the blocks alike and keeps its slice. The
