@@ -58,13 +58,12 @@ def time_to_reach(curve: list[dict], target: float) -> float | None:
 
 
 def summarize(runs: list[dict]) -> list[dict]:
-    """One line per (budget, model size, configuration): its seeds' final held-out losses (mean,
-    range, standard deviation), tokens/s, peak memory, parameters kept, and against the
-    dense configuration of its budget and model with the lowest mean final loss (the
-    baseline): the
-    gap of the final losses, its tokens/s as a multiple of the baseline's (``speed``) and
-    the time its mean curve takes to reach the baseline's final loss, as a share of the
-    baseline's wall-clock time."""
+    """One line per (budget, model size, configuration), with its ``runs``: its seeds'
+    final held-out losses (mean, range, standard deviation), tokens/s, peak memory,
+    parameters kept, and against the dense configuration of its budget and model with the
+    lowest mean final loss (the baseline): the gap of the final losses, its tokens/s as a
+    multiple of the baseline's (``speed``) and the time its mean curve takes to reach the
+    baseline's final loss, as a share of the baseline's wall-clock time."""
     groups: dict[tuple, list[dict]] = {}
     for run in runs:
         groups.setdefault((run["budget_s"], _model(run), run["name"]), []).append(run)
@@ -74,6 +73,7 @@ def summarize(runs: list[dict]) -> list[dict]:
         curve = mean_curve(group)
         lines.append({
             "budget_s": budget, "model": model, "name": name, "variant": group[0]["variant"],
+            "runs": group,
             "seeds": len(group), "final": statistics.fmean(finals),
             "final_min": min(finals), "final_max": max(finals),
             "final_std": statistics.stdev(finals) if len(finals) > 1 else None,
@@ -158,16 +158,14 @@ def plot_runs(runs: list[dict], png: Path) -> Path:
                                 squeeze=False)
     for axis, budget in zip(axes[0], budgets, strict=True):
         for line in (line for line in lines if line["budget_s"] == budget):
-            group = [run for run in runs if (run["budget_s"], _model(run), run["name"])
-                     == (budget, line["model"], line["name"])]
             wall = [point["wall_s"] for point in line["curve"]]
             drawn = axis.plot(wall, [point["held_out_loss"] for point in line["curve"]],
                               lw=2 if line["variant"] == "dense" else 1.3,
                               label=f"{line['name']} ({line['seeds']} seed"
                                     f"{'s' * (line['seeds'] > 1)})")
-            if len(group) > 1:
+            if line["seeds"] > 1:
                 losses = [[point["held_out_loss"] for point in points]
-                          for points in aligned(group)]
+                          for points in aligned(line["runs"])]
                 axis.fill_between(wall, [min(v) for v in losses], [max(v) for v in losses],
                                   color=drawn[0].get_color(), alpha=0.15)
         shown = [line["curve"] for line in lines if line["budget_s"] == budget]

@@ -2,7 +2,7 @@
 
     python3 benchmarks/time_to_quality.py --budget-s 40 --warm-up-s 3    # GPU, every variant
     python3 benchmarks/time_to_quality.py --variants dense "block 90% static" --seeds 0 1 2 \
-        --same-process                          # one process: no ~30 s start-up per run
+        --same-process                          # one process: no start-up per run
     python3 benchmarks/time_to_quality.py --variants "block 90% rigl" --lr 3e-4 1e-3  # recipes
     python3 benchmarks/time_to_quality.py --size tiny --budget-s 5 --folder DIR   # CPU check
     python3 benchmarks/time_to_quality.py --plot benchmarks/results/time_to_quality/*.json
@@ -363,8 +363,17 @@ def _child(shared: list[str], variant: str, lr: float, warmup: int, seed: int,
     """One configuration trained in a fresh process, given ``budget_s`` and
     :data:`CHILD_MARGIN_S` more to start and finish (or in this one, ``--same-process``);
     its run, or None where it failed or overran (said, with the end of its error)."""
-    if args.same_process:
-        return _in_this_process(variant, lr, warmup, seed, budget_s, args)
+    train = _in_this_process if args.same_process else _in_a_process
+    run, error = train(shared, variant, lr, warmup, seed, budget_s, args)
+    if run is None:
+        print(f"{configuration(variant, lr, warmup, args)}, seed {seed}: FAILED {error}",
+              flush=True)
+    return run
+
+
+def _in_a_process(shared: list[str], variant: str, lr: float, warmup: int, seed: int,
+                  budget_s: int, args: argparse.Namespace) -> tuple[dict | None, str]:
+    """(its run or None, what went wrong) of one configuration in a fresh process."""
     with tempfile.TemporaryDirectory() as scratch:
         result = Path(scratch) / "run.json"
         command = [sys.executable, __file__, *shared, "--child", variant, "--lr", str(lr),
@@ -376,17 +385,13 @@ def _child(shared: list[str], variant: str, lr: float, warmup: int, seed: int,
             error = f"({proc.returncode}) {proc.stderr.strip()[-600:]}"
         except subprocess.TimeoutExpired:
             error = f"(still running {budget_s + CHILD_MARGIN_S} s after its start: stopped)"
-        if not result.exists():
-            print(f"{configuration(variant, lr, warmup, args)}, seed {seed}: FAILED {error}",
-                  flush=True)
-            return None
-        return json.loads(result.read_text())
+        return (json.loads(result.read_text()) if result.exists() else None), error
 
 
-def _in_this_process(variant: str, lr: float, warmup: int, seed: int, budget_s: int,
-                     args: argparse.Namespace) -> dict | None:
-    """One configuration trained in this process: no start-up per run (imports, CUDA,
-    about 30 s of an H200 host's), no timeout; its memory freed after."""
+def _in_this_process(shared: list[str], variant: str, lr: float, warmup: int, seed: int,
+                     budget_s: int, args: argparse.Namespace) -> tuple[dict | None, str]:
+    """(its run or None, what went wrong) of one configuration in this process: no
+    start-up per run (imports, CUDA), no timeout; its memory freed after."""
     import gc
 
     import torch
@@ -394,11 +399,9 @@ def _in_this_process(variant: str, lr: float, warmup: int, seed: int, budget_s: 
     settings = {**vars(args), "child": variant, "lr": lr, "warmup_steps": warmup, "seed": seed,
                 "budget_s": budget_s}
     try:
-        return run_child(argparse.Namespace(**settings))
+        return run_child(argparse.Namespace(**settings)), ""
     except Exception as error:  # noqa: BLE001 (said; the sweep goes on, as with a process)
-        print(f"{configuration(variant, lr, warmup, args)}, seed {seed}: FAILED "
-              f"{type(error).__name__}: {error}", flush=True)
-        return None
+        return None, f"{type(error).__name__}: {error}"
     finally:
         gc.collect()
         if torch.cuda.is_available():
@@ -407,7 +410,7 @@ def _in_this_process(variant: str, lr: float, warmup: int, seed: int, budget_s: 
 
 CHILD_MARGIN_S = 300
 """Seconds a run may take beyond its budget: imports, the corpus, the model, the first and
-last evaluations (about 35 s on an H200 host) and a compiled model's warm-up."""
+last evaluations and a compiled model's warm-up."""
 
 
 def log_wandb(run: dict, args: argparse.Namespace, out: Path) -> None:
