@@ -71,7 +71,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import at_least, device_name, fraction_in, write_json
+from _common import at_least, device_name, fraction_in, results_dir, write_json
 from _corpus import load_corpus
 from _quality_report import plot_runs, read_run
 
@@ -312,7 +312,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    out = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
+    out = results_dir()
     os.environ["TRITON_CACHE_AUTOTUNING"] = "1"  # before Triton loads, here and in children
     if args.plot:
         png = plot_runs([read_run(path) for path in args.plot], out / "time_to_quality.png")

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from sparse_training.layers.block_sparse import BlockSparseLinear
+from sparse_training.layers.blocks import transfer
 from sparse_training.layers.semi_structured import SemiStructuredLinear
 from sparse_training.layers.slim import SlimLinear
 
@@ -27,13 +27,7 @@ def as_linear(conv: nn.Module) -> nn.Linear:
     linear = nn.utils.skip_init(nn.Linear, weight.shape[0], weight.shape[1],
                                 bias=conv.bias is not None, device=weight.device,
                                 dtype=weight.dtype)
-    with torch.no_grad():
-        linear.weight.copy_(weight.T)
-        if conv.bias is not None:
-            linear.bias.copy_(conv.bias)
-    linear.weight.requires_grad_(weight.requires_grad)
-    if conv.bias is not None:
-        linear.bias.requires_grad_(conv.bias.requires_grad)
+    transfer(linear.weight, weight.T, weight.requires_grad, linear.bias, conv.bias)
     return linear
 
 
@@ -59,13 +53,8 @@ class InputFirst:
         linear = super().to_dense()
         conv = Conv1D(linear.out_features, linear.in_features)
         conv.to(device=linear.weight.device, dtype=linear.weight.dtype)
-        with torch.no_grad():
-            conv.weight.copy_(linear.weight.T)
-            if linear.bias is not None:
-                conv.bias.copy_(linear.bias)
-        conv.weight.requires_grad_(linear.weight.requires_grad)
-        if linear.bias is not None:
-            conv.bias.requires_grad_(linear.bias.requires_grad)
+        transfer(conv.weight, linear.weight.T, linear.weight.requires_grad, conv.bias,
+                 linear.bias)
         return conv
 
 

@@ -285,11 +285,9 @@ class SlimSlot(CompressedSlot):
         sources = old_position[new.nonzero().flatten()]  # per new band: its old slot or -1
         rows = (sources[:, None] * layer.band + torch.arange(layer.band, device=new.device)
                 ).flatten()
-        moved = [self.param, *([self.param.grad] if self.param.grad is not None else []),
-                 *(s for o in optimizers for s in state_tensors(o, self.param))]
+        moved = _with_state(self.param, optimizers)
         if layer.bias is not None and layer.axis == ROWS:  # the kept outputs' bias too
-            moved += [layer.bias, *([layer.bias.grad] if layer.bias.grad is not None else []),
-                      *(s for o in optimizers for s in state_tensors(o, layer.bias))]
+            moved += _with_state(layer.bias, optimizers)
         # sharded tensors (FSDP2): each gathered whole, moved alike on every rank, and each
         # rank keeps its slice; the carried tensors hold the local shard's rows
         for tensor in moved:
@@ -299,6 +297,12 @@ class SlimSlot(CompressedSlot):
             value.copy_(shard_rows(_moved_bands(gather_rows(value, self.param), rows,
                                                 layer.axis), self.param))
         layer.band_mask.copy_(new)
+
+
+def _with_state(param: Tensor, optimizers: Iterable[Optimizer]) -> list[Tensor]:
+    """``param``, its gradient where it has one, and its state in ``optimizers``."""
+    return [param, *([param.grad] if param.grad is not None else []),
+            *(s for o in optimizers for s in state_tensors(o, param))]
 
 
 def _moved_bands(tensor: Tensor, rows: Tensor, axis: int) -> Tensor:
