@@ -14,10 +14,12 @@ TIME_GOAL = 0.75  # a sparse configuration reaches dense's final loss in <= this
 
 def read_run(path: Path) -> dict:
     """The run a JSON file of ``time_to_quality.py`` holds, with the seconds of unrecorded
-    warm-up its sweep ran first (``warmed_up_s``, 0: Triton's caches cold) and the device
-    it ran on."""
+    warm-up its sweep ran first (``warmed_up_s``, 0: Triton's caches cold), whether it
+    shared its process with the sweep's other runs (``same_process``) and the device it
+    ran on."""
     saved = json.loads(Path(path).read_text())
     return {**saved["run"], "warmed_up_s": saved.get("warmed_up_s", 0),
+            "same_process": saved.get("same_process", False),
             "device": saved["environment"]["device"]}
 
 
@@ -84,6 +86,7 @@ def summarize(runs: list[dict]) -> list[dict]:
             "kept_millions": group[0]["nonzero_parameters"] / 1e6,
             "caches": None if group[0]["variant"] == "dense"  # no Triton kernels
             else "warm" if all(run["warmed_up_s"] for run in group) else "cold",
+            "process": _process(group),
             "device": group[0]["device"]})
     for setting in {(line["budget_s"], line["model"]) for line in lines}:
         alike = [line for line in lines if (line["budget_s"], line["model"]) == setting]
@@ -100,6 +103,13 @@ def summarize(runs: list[dict]) -> list[dict]:
     return lines
 
 
+def _process(group: list[dict]) -> str:
+    """Where the seeds of a configuration ran: ``shared`` (one process with the sweep's
+    other runs: no start-up per run), ``own`` (a fresh process each) or ``mixed``."""
+    shared = {run["same_process"] for run in group}
+    return "mixed" if len(shared) > 1 else "shared" if shared.pop() else "own"
+
+
 def _model(run: dict) -> str:
     """The model size a run trained, in words (``base, 4 layers, 8x1024``): a wide
     variant widens its size's model, and is measured against its dense."""
@@ -107,24 +117,29 @@ def _model(run: dict) -> str:
 
 
 def goals(lines: list[dict]) -> list[dict]:
-    """The issue's goals on the configurations with 3 seeds or more, each against its
-    baseline (also of 3 seeds or more): the best sparse time to dense's final loss (goal:
+    """The issue's goals for each (budget, model) that has a sparse configuration and its
+    dense baseline with 3 seeds or more: the best sparse time to dense's final loss (goal:
     <= :data:`TIME_GOAL` x dense's time), and the best sparse final loss against dense's, by
     more than the seed spread (the larger range, max - min, of the two)."""
     by_name = {(line["budget_s"], line["model"], line["name"]): line for line in lines}
-
-    def baseline(line: dict) -> dict:
-        return by_name[(line["budget_s"], line["model"], line["baseline"])]
-
-    sparse = [line for line in lines if line["variant"] != "dense" and line["seeds"] >= 3
-              and "baseline" in line and baseline(line)["seeds"] >= 3]
-    if not sparse:
+    settled: dict[tuple, list[dict]] = {}
+    for line in lines:
+        if line["variant"] != "dense" and line["seeds"] >= 3 and "baseline" in line and \
+                by_name[(line["budget_s"], line["model"], line["baseline"])]["seeds"] >= 3:
+            settled.setdefault((line["budget_s"], line["model"]), []).append(line)
+    if not settled:
         return [{"goal": "both", "verdict": "not run: no sparse configuration and dense "
                                             "baseline with 3 seeds"}]
+    return [goal for (budget, model), sparse in sorted(settled.items())
+            for goal in _setting_goals(sparse, by_name[(budget, model, sparse[0]["baseline"])])]
+
+
+def _setting_goals(sparse: list[dict], dense: dict) -> list[dict]:
+    """The two goals of one (budget, model): ``sparse`` lines against their ``dense``."""
+    where = {"budget_s": dense["budget_s"], "model": dense["model"], "baseline": dense["name"]}
     reached = [line for line in sparse if line["time_ratio"] is not None]
     fastest = min(reached, key=lambda line: line["time_ratio"]) if reached else None
     best = min(sparse, key=lambda line: line["gap"])
-    dense = baseline(best)
     spread = max(best["final_max"] - best["final_min"], dense["final_max"] - dense["final_min"])
     if -best["gap"] > spread:
         lower = "met"
@@ -135,17 +150,17 @@ def goals(lines: list[dict]) -> list[dict]:
         lower = "MISSED"
     time_goal = f"time to dense's final loss <= {TIME_GOAL} x dense's time"
     return [{"goal": time_goal, "name": "none reaches it", "value": "not reached",
-             "verdict": "MISSED"} if fastest is None else
-            {"goal": time_goal, "name": fastest["name"], "budget_s": fastest["budget_s"],
+             "verdict": "MISSED", **where} if fastest is None else
+            {"goal": time_goal, "name": fastest["name"], **where,
              "value": f"{fastest['time_ratio']:.2f}x",
              "verdict": "met" if fastest["time_ratio"] <= TIME_GOAL else "MISSED"},
             {"goal": "final loss below dense's by more than the seed spread",
-             "name": best["name"], "budget_s": best["budget_s"],
+             "name": best["name"], **where,
              "value": f"{best['gap']:+.3f} (spread {spread:.3f})", "verdict": lower}]
 
 
 def plot_runs(runs: list[dict], png: Path) -> Path:
-    """Held-out loss against wall-clock seconds, a panel per budget, a line per
+    """Held-out loss against wall-clock seconds, a panel per (budget, model), a line per
     configuration (the mean over its seeds; shaded: their range)."""
     import matplotlib
 
@@ -153,11 +168,11 @@ def plot_runs(runs: list[dict], png: Path) -> Path:
     import matplotlib.pyplot as plt
 
     lines = summarize(runs)
-    budgets = sorted({line["budget_s"] for line in lines})
-    figure, axes = plt.subplots(1, len(budgets), figsize=(7 * len(budgets), 7),
-                                squeeze=False)
-    for axis, budget in zip(axes[0], budgets, strict=True):
-        for line in (line for line in lines if line["budget_s"] == budget):
+    panels = sorted({(line["budget_s"], line["model"]) for line in lines})
+    figure, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 7), squeeze=False)
+    for axis, panel in zip(axes[0], panels, strict=True):
+        shown = [line for line in lines if (line["budget_s"], line["model"]) == panel]
+        for line in shown:
             wall = [point["wall_s"] for point in line["curve"]]
             drawn = axis.plot(wall, [point["held_out_loss"] for point in line["curve"]],
                               lw=2 if line["variant"] == "dense" else 1.3,
@@ -168,11 +183,12 @@ def plot_runs(runs: list[dict], png: Path) -> Path:
                           for points in aligned(line["runs"])]
                 axis.fill_between(wall, [min(v) for v in losses], [max(v) for v in losses],
                                   color=drawn[0].get_color(), alpha=0.15)
-        shown = [line["curve"] for line in lines if line["budget_s"] == budget]
-        low = min(point["held_out_loss"] for curve in shown for point in curve)
-        high = max(curve[len(curve) // 4]["held_out_loss"] for curve in shown)
+        curves = [line["curve"] for line in shown]
+        low = min(point["held_out_loss"] for curve in curves for point in curve)
+        high = max(curve[len(curve) // 4]["held_out_loss"] for curve in curves)
         axis.set(xlabel="wall-clock seconds of training", ylabel="held-out loss",
-                 title=f"budget {budget} s", ylim=(low - 0.05, max(high, low + 0.1)))
+                 title=f"budget {panel[0]} s; {panel[1]}",
+                 ylim=(low - 0.05, max(high, low + 0.1)))
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12))
     figure.suptitle("Time to quality: held-out loss by wall clock")

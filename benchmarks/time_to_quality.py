@@ -9,14 +9,17 @@
     python3 benchmarks/time_to_quality.py --saved benchmarks/results/time_to_quality/*.json \
         --wandb offline                                                  # W&B runs from JSON
 
-Each (variant, seed) trains in its own process through the user's path: a
-``LightningModule`` around HF ``LlamaForCausalLM`` from a config (``--size base``: hidden
-2048, 16 heads, intermediate 5632, ``--layers`` layers; ``tiny``: hidden 64 for CPU checks),
-``pl.Trainer(precision="bf16-mixed", max_time=budget)``, the user's ``AdamW`` (fused on a
-GPU; linear warm-up over ``--warmup-steps``, then constant ``--lr``) and
+Each (variant, seed) trains in its own process (all in this one with ``--same-process``)
+through the user's path: a ``LightningModule`` around HF ``LlamaForCausalLM`` from a config
+(``--size base``: hidden 2048, 16 heads, intermediate 5632; ``large``: Llama-3-8B's layer
+shapes, hidden 4096, 32 heads, 8 key-value heads, intermediate 14336; ``--layers`` layers;
+``tiny``: hidden 64 for CPU checks), ``pl.Trainer(precision="bf16-mixed",
+max_time=budget)``, the user's ``AdamW`` (fused on a GPU; linear warm-up over
+``--warmup-steps``, then constant ``--lr``) and
 ``SparsityCallback``. Several ``--lr`` and ``--warmup-steps`` values try every combination
 with every variant and seed (the recipe search): every tried configuration keeps its
-JSON. The corpus is :mod:`_corpus`'s (the standard library's Python files by default, BPE tokens). Every
+JSON. The corpus is :mod:`_corpus`'s (the standard library's Python files by default, BPE
+tokens). Every
 ``--eval-every`` steps the held-out loss over ``--eval-batches`` fixed windows is recorded
 with the wall-clock seconds since training started (evaluation and mask updates included)
 and the tokens seen. Variants (block ``B`` = 128 at base size, 16 tiny):
@@ -49,10 +52,11 @@ that ran them before.
 
 One JSON per run under ``$OUT/time_to_quality`` (``$OUT`` default ``benchmarks/results``),
 named by budget and configuration: the settings, the corpus's token counts, the curve,
-tokens/s, peak memory and parameters kept. ``--wandb offline|online|auto`` logs each finished run's curve as a W&B run (from its
-JSON, after its training: the logging costs no training time; ``--saved JSON...`` logs saved
-runs instead of training). ``--plot`` draws the held-out loss against wall-clock time, one
-line per configuration (mean over seeds); ``docs/results/time_to_quality.md`` is generated
+tokens/s, peak memory and parameters kept. ``--wandb offline|online|auto`` logs each
+finished run's curve as a W&B run (from its JSON, after its training: the logging costs no
+training time; ``--saved JSON...`` logs saved runs instead of training). ``--plot`` draws
+the held-out loss against wall-clock time, a panel per (budget, model), one line per
+configuration (mean over seeds); ``docs/results/time_to_quality.md`` is generated
 from the committed JSON (``examples/results_pages.py``, tables from :mod:`_quality_report`).
 """
 
@@ -77,6 +81,8 @@ from _quality_report import plot_runs, read_run
 
 SIZES = {"base": dict(hidden=2048, intermediate=5632, heads=16, kv_heads=16, block=128,
                       seq=1024, batch=8),
+         "large": dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, block=128,
+                       seq=1024, batch=8),  # Llama-3-8B's layer shapes
          "tiny": dict(hidden=64, intermediate=128, heads=4, kv_heads=4, block=16, seq=32,
                       batch=4)}
 STATIC = dict(schedule="constant", score="random", compress=True)

@@ -114,25 +114,29 @@ def squad_plot(rows: list[dict[str, Any]]) -> str:
 
 
 TIME_TO_QUALITY_COLUMNS = [
-    ("budget_s", "budget (s)", "d"), ("name", "configuration", ""), ("seeds", "seeds", "d"),
+    ("budget_s", "budget (s)", "d"), ("model", "model", ""), ("name", "configuration", ""),
+    ("seeds", "seeds", "d"),
     ("final", "final held-out loss", ".4f"), ("final_min", "min", ".4f"),
     ("final_max", "max", ".4f"), ("gap", "vs dense", "+.4f"),
     ("time_to_baseline_s", "s to dense's final loss", ".1f"),
     ("time_ratio", "x dense's time", ".2f"), ("tokens_per_s", "tokens/s", ",.0f"),
     ("speed", "tokens/s vs dense", ".2f"), ("peak_gib", "peak GiB", ".1f"),
-    ("kept_millions", "parameters kept (M)", ".1f"), ("caches", "Triton caches", "")]
+    ("kept_millions", "parameters kept (M)", ".1f"), ("caches", "Triton caches", ""),
+    ("process", "process", "")]
 
 
 def time_to_quality_table(runs: list[dict[str, Any]]) -> str:
-    """One line per (budget, configuration) against the best dense one of its budget."""
+    """One line per (budget, model, configuration) against the best dense configuration of
+    its budget and model."""
     return markdown_table(_quality_report.summarize(runs), TIME_TO_QUALITY_COLUMNS)
 
 
 def time_to_quality_goals(runs: list[dict[str, Any]]) -> str:
-    """The issue's goals on the configurations with 3 seeds."""
+    """The issue's goals per (budget, model) on the configurations with 3 seeds."""
     return markdown_table(_quality_report.goals(_quality_report.summarize(runs)),
-                          [("goal", "goal", ""), ("name", "best configuration", ""),
-                           ("budget_s", "budget (s)", "d"), ("value", "measured", ""),
+                          [("budget_s", "budget (s)", "d"), ("model", "model", ""),
+                           ("goal", "goal", ""), ("name", "best configuration", ""),
+                           ("baseline", "against", ""), ("value", "measured", ""),
                            ("verdict", "verdict", "")])
 
 

@@ -27,7 +27,7 @@ def run(name: str, seed: int, losses: list[float], seconds_per_point: float = 10
     return {"name": name, "variant": name.partition(",")[0], "seed": seed, "budget_s": budget,
             "curve": curve, "final_held_out_loss": losses[-1], "tokens_per_s": tokens_per_s,
             "peak_gib": 1.0, "nonzero_parameters": 2_000_000, "warmed_up_s": 3,
-            "device": "test", "size": "tiny", "hidden": 64, "intermediate": 128, "layers": 1,
+            "same_process": False, "device": "test", "size": "tiny", "hidden": 64, "intermediate": 128, "layers": 1,
             "seq": 8, "batch": 10}
 
 
@@ -103,6 +103,25 @@ def test_the_lower_loss_goal_weighs_the_seed_spread(sparse_finals, verdict):
     time_goal, lower_goal = goals(summarize(runs))
     assert lower_goal["verdict"].startswith(verdict)
     assert time_goal["verdict"] == "MISSED"  # 3.1 reached late: 0.94x, 0.99x of 20 s
+
+
+def test_each_model_has_its_own_goals_against_its_own_dense():
+    """A sparse line wins against the dense of its own model only: a larger model's sparse
+    run beating its own dense says nothing about the smaller model's comparison."""
+    large = {"size": "large", "hidden": 128}
+    runs = [run("dense, lr 1", seed, [5.0, 4.0, 3.0]) for seed in range(3)]
+    runs += [run("block 90% static, lr 1", seed, [5.0, 4.5, 3.2]) for seed in range(3)]
+    runs += [run("dense, lr 1", seed, [6.0, 5.0, 4.0]) | large for seed in range(3)]
+    runs += [run("block 90% static, lr 1", seed, [6.0, 3.5, 3.4 + 0.01 * seed],
+                 tokens_per_s=300.0) | large | {"same_process": seed > 0} for seed in range(3)]
+    rows = goals(summarize(runs))
+    assert [(row["model"], row["verdict"]) for row in rows] == [
+        ("large, 1 layers, 10x8", "met"), ("large, 1 layers, 10x8", "met"),
+        ("tiny, 1 layers, 10x8", "MISSED"), ("tiny, 1 layers, 10x8", "MISSED")]
+    assert {row["baseline"] for row in rows} == {"dense, lr 1"}
+    lines = {(line["model"], line["variant"]): line for line in summarize(runs)}
+    assert lines["large, 1 layers, 10x8", "block 90% static"]["process"] == "mixed"
+    assert lines["tiny, 1 layers, 10x8", "dense"]["process"] == "own"
 
 
 def test_goals_need_three_seeds_of_each():
