@@ -68,7 +68,7 @@ def summarize(runs: list[dict]) -> list[dict]:
     baseline's final loss, as a share of the baseline's wall-clock time."""
     groups: dict[tuple, list[dict]] = {}
     for run in runs:
-        groups.setdefault((run["budget_s"], _model(run), run["name"]), []).append(run)
+        groups.setdefault((run["budget_s"], model_of(run), run["name"]), []).append(run)
     lines = []
     for (budget, model, name), group in sorted(groups.items()):
         finals = [run["final_held_out_loss"] for run in group]
@@ -110,7 +110,7 @@ def _process(group: list[dict]) -> str:
     return "mixed" if len(shared) > 1 else "shared" if shared.pop() else "own"
 
 
-def _model(run: dict) -> str:
+def model_of(run: dict) -> str:
     """The model size a run trained, in words (``base, 4 layers, 8x1024``): a wide
     variant widens its size's model, and is measured against its dense."""
     return f"{run['size']}, {run['layers']} layers, {run['batch']}x{run['seq']}"

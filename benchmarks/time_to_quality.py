@@ -77,7 +77,7 @@ from pathlib import Path
 
 from _common import at_least, device_name, fraction_in, results_dir, write_json
 from _corpus import load_corpus
-from _quality_report import plot_runs, read_run
+from _quality_report import model_of, plot_runs, read_run
 
 SIZES = {"base": dict(hidden=2048, intermediate=5632, heads=16, kv_heads=16, block=128,
                       seq=1024, batch=8),
@@ -430,7 +430,7 @@ def log_wandb(run: dict, args: argparse.Namespace, out: Path) -> None:
         mode = os.environ.get("WANDB_MODE") or ("online" if wandb.login(prompt=False)
                                                 else "offline")
     config = {k: v for k, v in run.items() if k != "curve"}
-    group = f"{run['name']}, {run['budget_s']} s"  # a configuration at one budget
+    group = f"{run['name']}, {model_of(run)}, {run['budget_s']} s"  # at one budget
     with wandb.init(project=args.wandb_project, group=group, mode=mode,
                     name=f"{group}, seed {run['seed']}", config=config,
                     dir=str(out), reinit="create_new") as logged:

@@ -210,7 +210,7 @@ def test_tiny_runs_write_curves_by_wall_clock_and_a_plot(tmp_path):
 
     (run_dir,) = (out / "wandb").glob("offline-run-*")
     wandb_run = read_offline_run(run_dir)
-    assert wandb_run["_name"] == f"{dense['name']}, 2 s, seed 0"
+    assert wandb_run["_name"] == f"{dense['name']}, tiny, 1 layers, 4x32, 2 s, seed 0"
     assert wandb_run["final_held_out_loss"] == dense["final_held_out_loss"]
     assert wandb_run["held_out_loss"] == dense["curve"][-1]["held_out_loss"]
     assert wandb_run["_config"]["variant"] == "dense"
