@@ -181,6 +181,8 @@ def run_child(args: argparse.Namespace) -> dict:
                 self.model = LlamaForCausalLM(config)
 
         def training_step(self, ids, batch_idx):
+            # HF shifts the labels itself: a window's first seq tokens, seq - 1 predictions
+            # (its last token is unused, and kept so the recorded runs' windows reproduce)
             return self.model(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss
 
         def configure_optimizers(self):
