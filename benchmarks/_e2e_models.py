@@ -10,6 +10,8 @@ name                  model                                                     
 ``opt-350m``          ``OPTForCausalLM``, OPT-350m's shape                        8 x 1024
 ``t5-base``           ``T5ForConditionalGeneration``, T5-base's shape             16 x (512 + 128)
 ``decoder-1.5b``      ``LlamaForCausalLM``, Qwen2-1.5B's shape, ``--layers``       4 x 2048
+``decoder-2048``      ``LlamaForCausalLM``, ``time_to_quality.py``'s base model    8 x 1024
+                      (hidden 2048, vocabulary 8192), ``--layers``
 ``llama``             ``LlamaForCausalLM``, Llama-3-8B's shape, ``--layers``       4 x 2048
 ``tiny``, ``tiny-*``  the same families a few features wide, for CPU checks       -
 ====================  =========================================================  ===========
@@ -34,6 +36,7 @@ class E2EModel:
 # hidden, intermediate, heads, KV heads, vocabulary; (batch, sequence) per step
 LLAMA_SHAPES = {"llama": ((4096, 14336, 32, 8, 32000), (4, 2048)),
                 "decoder-1.5b": ((1536, 8960, 12, 2, 32000), (4, 2048)),
+                "decoder-2048": ((2048, 5632, 16, 16, 8192), (8, 1024)),
                 "tiny-llama": ((128, 256, 4, 2, 256), (2, 32))}
 
 
@@ -160,6 +163,7 @@ MODELS: dict[str, E2EModel] = {
     "t5-base": E2EModel(_t5(False), ("shared", "lm_head"), 64),
     "tiny-t5": E2EModel(_t5(True), ("shared", "lm_head"), 16),
     "decoder-1.5b": E2EModel(_llama("decoder-1.5b"), _DECODER_DENY, 64),
+    "decoder-2048": E2EModel(_llama("decoder-2048"), _DECODER_DENY, 128),
     "llama": E2EModel(_llama("llama"), _DECODER_DENY, 128),
     "tiny-llama": E2EModel(_llama("tiny-llama"), _DECODER_DENY, 16),
 }

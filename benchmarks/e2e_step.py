@@ -10,7 +10,8 @@
 
 Models (:mod:`_e2e_models`, HF models from their configs, random init): ``bert-base`` (QA,
 32 x 384 tokens), ``vit-base`` (64 images), ``gpt2`` (8 x 1024), ``opt-350m`` (8 x 1024),
-``decoder-1.5b`` (Qwen2-1.5B-shaped Llama, ``--layers``, 4 x 2048) and ``llama``
+``decoder-1.5b`` (Qwen2-1.5B-shaped Llama, ``--layers``, 4 x 2048), ``decoder-2048``
+(``time_to_quality.py``'s base model, ``--layers``, 8 x 1024) and ``llama``
 (Llama-3-8B-shaped, ``--layers``, 4 x 2048), with ``tiny``/``tiny-*`` twins for CPU checks;
 ``--model`` takes several, run in turn, one JSON each. Embeddings and task heads are denied.
 Every variant is a
@@ -244,7 +245,7 @@ def main() -> None:
     parser.add_argument("--model", nargs="+", choices=list(MODELS), default=["bert-base"],
                         help="one or more models, run in turn (one JSON each)")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers of the Llama-"
-                        "shaped models (llama, decoder-1.5b)")
+                        "shaped models (llama, decoder-1.5b, decoder-2048)")
     parser.add_argument("--steps", type=at_least(1), default=20)
     parser.add_argument("--warmup", type=at_least(0), default=8)
     parser.add_argument("--variants", nargs="*", help="names (default: every base variant)")
