@@ -135,7 +135,7 @@ def _heads(name: str, module: nn.Module, views: dict[str, tuple | None],
     width = rows[0] // 3 if fused else rows[0]  # the query projection's outputs
     if (fused and rows[0] % 3) or views[out][1] != width:
         return
-    size = head_size or _own_head_size(module, width)
+    size = head_size or own_head_size(module, width)
     where = f"attention {name or 'model'!r}"
     if size is None:
         raise ValueError(f"{where}: cannot read its head size (none of the attributes "
@@ -162,7 +162,7 @@ def _heads(name: str, module: nn.Module, views: dict[str, tuple | None],
     yield ties
 
 
-def _own_head_size(module: nn.Module, width: int) -> int | None:
+def own_head_size(module: nn.Module, width: int) -> int | None:
     """The head size an attention module states, or its query outputs over its heads."""
     config = getattr(module, "config", None)
     for source in (module, config):

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from sparse_training.engine.plan import SparsityPlan
 from sparse_training.engine.selection import TensorPlan
-from sparse_training.engine.structure import find_units
+from sparse_training.engine.structure import find_units, own_head_size
 from sparse_training.layers.slim import DENSE_HEAD_COUNTS
 from sparse_training.pieces.masks import as_matrix, kept_count
 from sparse_training.pieces.units import ROWS, UnitTie, unit_masks
@@ -57,15 +57,27 @@ def head_counts(attention: nn.Module, names: list[str] | None = None) -> dict[st
             if isinstance(value := getattr(attention, name, None), int)}
 
 
-def heads_problem(attention: nn.Module, kept: int, units: int) -> str | None:
+def heads_problem(attention: nn.Module, kept: int, units: int, band: int,
+                  width: int) -> str | None:
     """Why the heads of ``attention`` cannot shrink to ``kept`` of its ``units``, or None:
-    its ``forward`` cannot be read, reads a head count that is not an int attribute or
-    that ``kept / units`` does not scale to a whole number, or the module holds a relative
+    a unit (``band`` key/value features of the ``width`` query outputs) is not whole heads
+    of the module's own size (``"head:D"`` with D no multiple of it: the slimmer module
+    would split the kept features into heads of its own size across units), its
+    ``forward`` cannot be read, reads a head count that is not an int attribute or that
+    ``kept / units`` does not scale to a whole number, or the module holds a relative
     attention bias per head (T5: layer 0's bias serves every layer)."""
     kind = type(attention).__name__
     if hasattr(attention, "relative_attention_bias") or hasattr(
             attention, "has_relative_attention_bias"):
         return f"{kind} has a relative attention bias per head, shared across layers"
+    own = own_head_size(attention, width)
+    if own is None:
+        return (f"{kind}'s own head size cannot be read, so units of {band} features "
+                f"cannot be checked to be whole heads")
+    if band % own:
+        return (f"units of {band} features split {kind}'s heads of {own}, which a slimmer "
+                f"module would regroup; removing whole heads takes 'head' or 'head:D' with "
+                f"D a multiple of {own}")
     try:
         read = _counts_read(attention)
     except (OSError, TypeError):
@@ -162,9 +174,10 @@ def _group_problem(model: nn.Module, group: str, rows: Sequence[Entry],
         return f"{where}: sparsity {target:g} prunes no {kind}"
     if {row.tie.axis for _, row, _, _ in rows} != {0, 1}:
         return f"{where}: no projection on both sides of the units"
-    if kind == "head":
+    if kind == "head":  # key/value bands: a unit's head size; query bands: its group's
+        sizes = [row.tie.size for _, row, _, _ in rows if row.tie.axis == ROWS]
         return heads_problem(model.get_submodule(group), kept_count(tie.units, target),
-                             tie.units)
+                             tie.units, min(sizes), max(sizes) * tie.units)
     return None
 
 

@@ -178,6 +178,30 @@ def test_slim_models_compute_what_masked_dense_ones_do(family):
                                    expected.last_hidden_state, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("head_size", [4, 16])
+def test_units_of_part_heads_stay_masked_dense_and_of_several_heads_shrink(head_size):
+    """``"head:D"`` on BERT's heads of 8: D = 4 would leave the slimmer attention grouping
+    half-heads of different heads into one, so those layers stay masked-dense, saying why;
+    D = 16 (two heads a unit) shrinks, and computes what the masked-dense model does."""
+    config = SparsityConfig(pattern="neuron", sparsity=0.5, schedule="oneshot",
+                            overrides={"attention": {"pattern": f"head:{head_size}"}},
+                            compress="auto", deny=["embed", "pooler"])
+    model, masked = hf_model("bert"), hf_model("bert")
+    SparsityEngine(masked, config).prune()
+    rows, plan = compress_selected(model, SparsityPlan.build(model, config))
+    SparsityEngine(model, config, plan=plan.bound(model)).prune()
+    query = {r.name: r for r in rows}["encoder.layer.0.attention.self.query"]
+    if head_size == 4:
+        assert query.layer is None
+        assert "units of 4 features split BertSelfAttention's heads of 8" in query.decision
+    else:
+        assert isinstance(query.layer, SlimLinear)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**hf_inputs("bert")).last_hidden_state,
+                                   masked(**hf_inputs("bert")).last_hidden_state,
+                                   rtol=0, atol=1e-10)
+
+
 def test_a_group_shrinks_only_whole_and_says_which_member_cannot():
     config = SparsityConfig(**HEADS_AND_NEURONS, compress="auto",
                             deny=["embed", "pooler", r"layer\.0\.attention\.output"])
@@ -206,12 +230,18 @@ def test_heads_problem_reads_the_forward_for_head_counts():
     class RelativeBias(ReadsCount):
         has_relative_attention_bias = False
 
-    assert heads_problem(ReadsCount(), 2, 4) is None
+    class StatesItsSize(ReadsCount):
+        head_dim = 8
+
+    assert heads_problem(ReadsCount(), 2, 4, 8, 32) is None
     assert head_counts(ReadsCount()) == {"num_heads": 4}
-    assert "does not scale to 1 of 3 heads" in heads_problem(ReadsCount(), 1, 3)
+    assert "does not scale to 1 of 3 heads" in heads_problem(StatesItsSize(), 1, 3, 8, 24)
+    assert "units of 4 features split ReadsCount's heads of 8" in heads_problem(
+        ReadsCount(), 4, 8, 4, 32)
+    assert "own head size cannot be read" in heads_problem(nn.Identity(), 2, 4, 8, 32)
     assert "reads self.n_heads, which is not an int head count" in heads_problem(
-        ReadsOther(), 2, 4)
-    assert "relative attention bias per head" in heads_problem(RelativeBias(), 2, 4)
+        ReadsOther(), 2, 4, 8, 32)
+    assert "relative attention bias per head" in heads_problem(RelativeBias(), 2, 4, 8, 32)
 
 
 class TinyBert(pl.LightningModule):
