@@ -216,12 +216,15 @@ def expanded(layer: BlockSparseLinear) -> torch.Tensor:
 
 
 def assert_same_training(model, trainer, other, other_trainer):
-    """Two BlockNet fits hold bit-for-bit equal weights, compressed layers' masks (of
-    ``net.0`` and ``net.2``) and optimizer state."""
+    """Two BlockNet fits hold bit-for-bit equal weights, masks of ``net.0`` and ``net.2``
+    (a compressed layer's, or a masked-dense one's ``weight_mask``) and optimizer state."""
     assert_same_fit(model, trainer, other, other_trainer)
-    masks = [m.mask if hasattr(m, "mask") else m.block_mask for m in model.net[:3:2]]
-    other_masks = [m.mask if hasattr(m, "mask") else m.block_mask for m in other.net[:3:2]]
-    assert all(torch.equal(a, b) for a, b in zip(masks, other_masks, strict=True))
+
+    def masks(fitted):
+        return [next(getattr(m, name) for name in ("mask", "block_mask", "weight_mask")
+                     if hasattr(m, name)) for m in fitted.net[:3:2]]
+
+    assert all(torch.equal(a, b) for a, b in zip(masks(model), masks(other), strict=True))
 
 
 def second_derivative(layer: nn.Module, weight: str):

@@ -126,6 +126,8 @@ class SparsityCallback(Callback):
         self._compressing: tuple[nn.Module, pl.Trainer, torch.device,
                                  torch.dtype | None] | None = None
         self._plan: SparsityPlan | None = None  # this fit's, built once, followed by swaps
+        self._compress_ran = False  # compress() swapped this fit's layers (setup or
+        # configure_model); a resumed fit may then have given them back to its checkpoint
 
     @classmethod
     def from_config(cls, source: str | Path | Mapping[str, Any]) -> SparsityCallback:
@@ -168,6 +170,7 @@ class SparsityCallback(Callback):
         takes the blocks its loaded weight holds, and this callback's state the exact
         masks; a state saved with other settings is refused then, before any step."""
         self._restored = None  # a state Lightning restores comes after setup, for this run
+        self._compress_ran = False
         if stage != "fit":
             return
         if problem := self._overlap(trainer, pl_module):
@@ -221,6 +224,7 @@ class SparsityCallback(Callback):
         rows, self._plan = compress_selected(
             pl_module, self._plan_for(pl_module), device, dtype, progress=rank_zero_info,
             agree=functools.partial(trainer.strategy.broadcast, src=0))
+        self._compress_ran = True
         # kept until the optimizers are checked at fit start, to put back if they are wrong
         self._swapped += [(name, before[name]) for name, module in pl_module.named_modules()
                           if isinstance(module, CompressedLayer) and before.get(name) is not
@@ -267,7 +271,7 @@ class SparsityCallback(Callback):
             problem = str(error)
         if problem:
             raise ValueError(f"SparsityCallback: {problem}")
-        if self.config.compress is True and not any(
+        if self.config.compress is True and not self._compress_ran and plan.masked and not any(
                 isinstance(m, CompressedLayer) for m in pl_module.modules()):
             raise ValueError("SparsityCallback: compress=True but the model had no weights at "
                              "setup and configure_model compressed none of the layers it "

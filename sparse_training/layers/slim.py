@@ -194,8 +194,8 @@ class SlimLinear(CompressedLayer):
         count = int(self.band_mask.sum())
         if int(held.sum()) > count:
             error_msgs.append(
-                f"{prefix or 'SlimLinear'}: the loaded weight is nonzero in {int(held.sum())} "
-                f"bands of {self.band} {AXES[self.axis]}, the layer keeps {count} (a checkpoint "
+                f"{prefix.rstrip('.') or 'SlimLinear'}: the loaded weight is nonzero in "
+                f"{int(held.sum())} bands of {self.band} {AXES[self.axis]}, the layer keeps {count} (a checkpoint "
                 f"of another sparsity, or of a dense run; densify the model to load it)")
             return
         free = (~held).nonzero().flatten()[: count - int(held.sum())]  # empty bands to fill

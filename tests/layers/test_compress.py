@@ -18,6 +18,7 @@ from sparse_training import (
     sparsify,
 )
 from sparse_training.engine.plan import SparsityPlan
+from sparse_training.engine.protocol import CompressedLayer
 from sparse_training.layers import auto_paths
 from sparse_training.layers.auto_paths import Timing
 from sparse_training.layers.compress import compress_selected
@@ -286,14 +287,27 @@ def test_compress_true_on_layers_the_kernels_cannot_take_names_each_reason():
     assert type(model.net[0]) is nn.Linear
 
 
-def test_compress_true_and_auto_resume_each_other(tmp_path):
+@pytest.mark.parametrize("saved, now", [(True, "auto"), ("auto", True)])
+def test_compress_true_and_auto_resume_each_other(tmp_path, saved, now):
     """On resume the checkpoint decides which layers are compressed: a compress=True
     checkpoint resumed with compress='auto' (which on the CPU would compress nothing) is
-    the uninterrupted run."""
-    uninterrupted = fit(2)
-    fit(1, callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)])
-    resumed = fit(2, ckpt_path=tmp_path / "last.ckpt", init_seed=1, compress="auto")
+    the uninterrupted run, and so is an 'auto' one (every layer masked-dense here) resumed
+    with compress=True, whose layers go back to ``nn.Linear`` to follow it."""
+    uninterrupted = fit(2, compress=saved)
+    fit(1, callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)], compress=saved)
+    resumed = fit(2, ckpt_path=tmp_path / "last.ckpt", init_seed=1, compress=now)
     assert_same_training(*uninterrupted, *resumed)
+    compressed = any(isinstance(m, CompressedLayer) for m in resumed[0].modules())
+    assert compressed == (saved is True)
+
+
+def test_compress_true_on_a_model_with_no_selectable_weight_says_so():
+    """Not the message for models that build their layers in configure_model."""
+    model = BlockNet()
+    model.net = nn.Sequential(nn.LayerNorm(16), nn.ReLU())
+    callback = SparsityCallback(pattern="block:16x16", sparsity=0.5, compress=True)
+    with pytest.raises(ValueError, match="selected no weight tensor"):
+        make_trainer([callback], max_epochs=1).fit(model, loader())
 
 
 class PreSparsified(BlockNet):

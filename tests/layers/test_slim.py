@@ -91,6 +91,9 @@ def test_loading_a_weight_nonzero_in_more_bands_than_kept_names_the_layer():
     layer = SlimLinear(8, 6, ROWS, 2, torch.tensor([True, False, False]))
     with pytest.raises(RuntimeError, match="nonzero in 3 bands of 2 rows, the layer keeps 1"):
         layer.load_state_dict(nn.Linear(8, 6).state_dict())
+    held = nn.Sequential(layer)
+    with pytest.raises(RuntimeError, match=r"\t0: the loaded weight is nonzero in 3 bands"):
+        held.load_state_dict(nn.Sequential(nn.Linear(8, 6)).state_dict())  # the layer's name
 
 
 @pytest.mark.parametrize("args,message", [
