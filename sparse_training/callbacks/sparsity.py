@@ -66,11 +66,11 @@ class SparsityCallback(Callback):
     ``configure_model``, so layers built there count) the weight tensors are selected, a
     mask buffer is registered beside each selected one and the plan's table is logged with
     the resolved mask-update steps. Masks are updated at the start of the optimizer steps
-    the schedule names; gradients are masked in ``on_before_optimizer_step`` (after AMP unscaling, before
-    gradient clipping), where regrowth also reads the dense gradients; pruned weights are
-    zeroed after every optimizer step that ran. Under ``ModelParallelStrategy`` (FSDP2,
-    ``fully_shard`` in ``configure_model``) the masks are those of the whole tensors and
-    each rank enforces its shard (:mod:`sparse_training.engine.sharding`); ``FSDPStrategy``
+    the schedule names; gradients are masked in ``on_before_optimizer_step`` (after AMP
+    unscaling, before gradient clipping), where regrowth also reads the dense gradients;
+    pruned weights are zeroed after every optimizer step that ran. Under
+    ``ModelParallelStrategy`` (FSDP2, ``fully_shard`` in ``configure_model``) the masks
+    are those of the whole tensors and each rank enforces its shard (:mod:`sparse_training.engine.sharding`); ``FSDPStrategy``
     (FSDP1) is refused. The masks and the schedule's progress go into Lightning's
     checkpoints as this callback's state; the model's ``state_dict`` stays plain. ``fit``
     ends with a one-line summary.

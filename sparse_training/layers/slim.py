@@ -195,8 +195,9 @@ class SlimLinear(CompressedLayer):
         if int(held.sum()) > count:
             error_msgs.append(
                 f"{prefix.rstrip('.') or 'SlimLinear'}: the loaded weight is nonzero in "
-                f"{int(held.sum())} bands of {self.band} {AXES[self.axis]}, the layer keeps {count} (a checkpoint "
-                f"of another sparsity, or of a dense run; densify the model to load it)")
+                f"{int(held.sum())} bands of {self.band} {AXES[self.axis]}, the layer keeps "
+                f"{count} (a checkpoint of another sparsity, or of a dense run; densify the "
+                f"model to load it)")
             return
         free = (~held).nonzero().flatten()[: count - int(held.sum())]  # empty bands to fill
         self.band_mask.copy_(held.index_fill(0, free, True))
