@@ -70,10 +70,10 @@ class SparsityCallback(Callback):
     unscaling, before gradient clipping), where regrowth also reads the dense gradients;
     pruned weights are zeroed after every optimizer step that ran. Under
     ``ModelParallelStrategy`` (FSDP2, ``fully_shard`` in ``configure_model``) the masks
-    are those of the whole tensors and each rank enforces its shard (:mod:`sparse_training.engine.sharding`); ``FSDPStrategy``
-    (FSDP1) is refused. The masks and the schedule's progress go into Lightning's
-    checkpoints as this callback's state; the model's ``state_dict`` stays plain. ``fit``
-    ends with a one-line summary.
+    are those of the whole tensors and each rank enforces its shard
+    (:mod:`sparse_training.engine.sharding`); ``FSDPStrategy`` (FSDP1) is refused. The
+    masks and the schedule's progress go into Lightning's checkpoints as this callback's
+    state; the model's ``state_dict`` stays plain. ``fit`` ends with a one-line summary.
 
     A later ``fit`` with the same callback: resuming (``ckpt_path``) restores the
     checkpoint's masks and schedule; a new Trainer without ``ckpt_path`` runs the
