@@ -277,8 +277,10 @@ class SparsityCallback(Callback):
                              "setup and configure_model compressed none of the layers it "
                              "built: call SparsityCallback.compress(self) there, before "
                              "fully_shard (or use compress='auto' or False)")
-        total = trainer.estimated_stepping_batches  # -1: no training batches (validation only)
-        total = None if math.isinf(total) else max(int(total), 0)
+        # inf: max_epochs=-1; -1: an iterable of unknown length under max_epochs (Lightning
+        # returns max_steps): the length is unknown either way, and fractions are refused
+        total = trainer.estimated_stepping_batches
+        total = None if math.isinf(total) or total < 0 else int(total)
         if problem := fit_problem(self.config, plan, optimizers, total, restored):
             raise ValueError(f"SparsityCallback: {problem}")
         self.engine = engine_for_fit(self.engine, pl_module, self.config, plan, restored,

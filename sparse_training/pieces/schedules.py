@@ -57,7 +57,8 @@ def to_steps(value: Step, total_steps: int | None) -> int:
         return value
     if total_steps is None:
         raise ValueError(f"{value!r} is a fraction of training, but the training length is "
-                         f"unknown; set max_steps or max_epochs, or give steps as ints")
+                         f"unknown; set max_steps (or max_epochs, where the training data has a "
+                         f"length), or give steps as ints")
     return int(value * total_steps + 0.5)
 
 

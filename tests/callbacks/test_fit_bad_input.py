@@ -122,6 +122,25 @@ def test_setup_errors_come_before_any_change(settings, model_class, trainer_kwar
     assert all(m.all() for m in masks)  # at most the all-kept masks of a first callback
 
 
+class Batches(torch.utils.data.IterableDataset):
+    """make_loader's batches with no length: Lightning cannot count an epoch's steps."""
+
+    def __iter__(self):
+        return iter(make_loader())
+
+
+@pytest.mark.parametrize("settings", [dict(GMP), dict(schedule="oneshot", start=0.5),
+                                      dict(schedule="constant", regrow="rigl")])
+def test_fractions_of_an_iterable_of_unknown_length_are_refused(settings):
+    """Under max_epochs an iterable's length is unknown (Lightning's estimate is -1), so
+    a fraction of training (a default end, start=0.5, RigL's regrow_end) is refused, not
+    resolved to step 0."""
+    trainer = make_trainer([SparsityCallback(**settings)], max_epochs=2)
+    with pytest.raises(ValueError, match=r"is a fraction of training, but the training "
+                                         r"length is unknown; set max_steps"):
+        trainer.fit(TinyNet(), torch.utils.data.DataLoader(Batches(), batch_size=None))
+
+
 def test_a_callback_used_outside_one_fit_is_refused():
     with pytest.raises(RuntimeError, match="callback.state_key. must be unique"):
         make_trainer([SparsityCallback("2:4"), SparsityCallback("1:4")])  # Lightning's check
