@@ -232,6 +232,23 @@ class SparsityEngine(SlotSet):
         if self.updater.masks_gradients and clipping:
             attached.zero_pruned_gradients()
 
+    def zero_pruned_gradients(self, optimizer: Optimizer) -> None:
+        """Zero the pruned positions' gradients of the tensors ``optimizer`` trains now, for
+        code that reads gradients before the step does (manual optimization's
+        ``clip_gradients`` before ``opt.step()``); a no-op where the updater keeps dense
+        gradients (SR-STE).
+
+        Raises:
+            RuntimeError: ``optimizer`` is not attached to this engine.
+        """
+        attached = self._attached.get(optimizer)
+        if attached is None:
+            raise RuntimeError(f"zero_pruned_gradients got a {type(optimizer).__name__} that "
+                               f"is not attached to this SparsityEngine (under Lightning, "
+                               f"pass the torch optimizer: self.optimizers().optimizer)")
+        if self.updater.masks_gradients:
+            attached.zero_pruned_gradients()
+
     def on_step_end(self) -> None:
         """After the batch, whether or not the optimizer step ran."""
         self.updater.on_step_end(self)

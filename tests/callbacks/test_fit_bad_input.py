@@ -23,7 +23,14 @@ from pytorch_lightning.callbacks import BackboneFinetuning, Callback
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sparse_training import SparsityCallback, densify, make_permanent, sparsify
+from sparse_training import (
+    SparsityCallback,
+    SparsityConfig,
+    SparsityEngine,
+    densify,
+    make_permanent,
+    sparsify,
+)
 
 GMP = dict(pattern="unstructured", sparsity=0.5, schedule="gmp")
 
@@ -403,6 +410,34 @@ class TwoOptimizers(pl.LightningModule):
     def configure_optimizers(self):
         return [torch.optim.AdamW(self.net.parameters()),
                 torch.optim.Adagrad(self.head.parameters())]
+
+
+class ClipsBeforeTheStep(TwoOptimizers):
+    """Manual optimization that reads the sparse layer's gradients before ``opt.step()``,
+    after masking them the way docs/enforcement.md says."""
+
+    def training_step(self, batch, batch_idx):
+        sparse, dense = self.optimizers()
+        sparse.zero_grad()
+        dense.zero_grad()
+        self.manual_backward(self.head(self.net(batch[0])).pow(2).mean())
+        callback = next(c for c in self.trainer.callbacks if isinstance(c, SparsityCallback))
+        callback.engine.zero_pruned_gradients(sparse.optimizer)
+        self.pruned_gradients = self.net.weight.grad[~self.net.weight_mask].abs().sum()
+        self.clip_gradients(sparse, gradient_clip_val=0.1)
+        sparse.step()
+        dense.step()
+
+
+def test_manual_optimization_masks_the_gradients_before_clipping_them():
+    model = ClipsBeforeTheStep()
+    make_trainer([SparsityCallback(pattern="2:4", deny=["head"])], max_steps=2).fit(
+        model, make_loader(n=32))
+    assert model.pruned_gradients == 0
+    engine = SparsityEngine(nn.Sequential(nn.Linear(16, 8)), SparsityConfig(pattern="2:4"))
+    with pytest.raises(RuntimeError, match=r"not attached to this SparsityEngine \(under "
+                                           r"Lightning, pass the torch optimizer"):
+        engine.zero_pruned_gradients(torch.optim.SGD(engine.model.parameters(), lr=0.1))
 
 
 def test_fused_true_asks_only_the_optimizers_of_sparse_weights():
