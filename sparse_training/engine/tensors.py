@@ -164,7 +164,9 @@ def _join(prefix: str, name: str) -> str:
 
 
 def find_weight_tensors(model: nn.Module) -> list[WeightTensor]:
-    """Every weight-like tensor of ``model``, in module order, ties merged by identity.
+    """Every weight-like tensor of ``model`` (2-D or more, not a bias whatever its shape:
+    ``nn.MultiheadAttention``'s ``bias_k``/``bias_v``), in module order, ties merged by
+    identity.
 
     Raises:
         ValueError: a parametrized weight whose stored originals are ambiguous, or a
@@ -178,7 +180,8 @@ def find_weight_tensors(model: nn.Module) -> list[WeightTensor]:
             continue  # its originals are listed under their forward names
         _check_initialized(module_name, module)
         entries = [(_join(module_name, attr), attr, (module, attr), False)
-                   for attr, p in module._parameters.items() if p is not None and p.dim() >= 2]
+                   for attr, p in module._parameters.items()
+                   if p is not None and p.dim() >= 2 and not attr.startswith("bias")]
         entries += [(name, attr, (module.parametrizations[attr], original), True)
                     for name, attr, original in _parametrized(module_name, module)]
         for name, attr, store, is_parametrized in entries:

@@ -116,3 +116,13 @@ def test_a_resume_on_another_path_is_refused_naming_the_tensors(tmp_path):
         SparsityEngine(fresh, SparsityConfig(**BLOCKS, compress="auto"), state=state)
     assert not any(name.endswith("_mask") for name, _ in fresh.named_buffers())
     assert torch.is_tensor(state["compressed"]["net.0.values"]["bits"])
+
+
+def test_a_bias_is_no_weight_whatever_its_shape():
+    """nn.MultiheadAttention's bias_k and bias_v are (1, 1, E): not pruned like weights."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"attn": nn.MultiheadAttention(32, 4, add_bias_kv=True)})
+    engine = SparsityEngine(model, SparsityConfig("unstructured", sparsity=0.5))
+    engine.prune()
+    assert [s.name for s in engine.slots] == ["attn.in_proj_weight", "attn.out_proj.weight"]
+    assert model["attn"].bias_k.count_nonzero() == model["attn"].bias_v.count_nonzero() == 32
