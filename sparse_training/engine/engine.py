@@ -119,6 +119,10 @@ class SparsityEngine(SlotSet):
                                  f"(to_empty() and initialize it) before masks are made")
             if problem := slot.existing_mask_problem():
                 raise ValueError(f"{where}: {problem}")
+            if getattr(slot.module, "sparse", False) is True:  # nn.Embedding(sparse=True)
+                raise ValueError(f"{where} has sparse gradients (sparse=True), whose pruned "
+                                 f"positions a mask cannot zero; build it with sparse=False, "
+                                 f"or deny the tensor")
             if any(isinstance(hook, torch.nn.utils.prune.BasePruningMethod)
                    for hook in slot.module._forward_pre_hooks.values()):
                 raise ValueError(f"{where} is pruned by torch.nn.utils.prune (a forward "

@@ -44,6 +44,15 @@ class OnlyEmbedding(TinyNet):
         return self.net(batch[1]).sum()
 
 
+class SparseEmbedding(OnlyEmbedding):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Embedding(16, 4, sparse=True))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)  # takes sparse gradients
+
+
 class PlusOne(nn.Module):
     def forward(self, x):
         return x + 1
@@ -93,6 +102,8 @@ SETUP = [  # (callbacks' settings, model, trainer settings, message)
      "0.75 is a fraction of training, but the training length is unknown|training length is "
      "unknown"),
     ([dict()], OnlyEmbedding, {}, "(?s)selected no weight tensor .*type Embedding not in"),
+    ([dict(pattern="unstructured", sparsity=0.5, layer_types=["Embedding"])], SparseEmbedding,
+     {}, r"tensor 'net.0.weight' \(Embedding\) has sparse gradients \(sparse=True\)"),
     ([dict()], Parametrized, {},
      r"tensor 'net.2.weight' \(Linear\) is parametrized \(PlusOne\) so that zeros at random "
      r"positions in its original do not stay zeros of the weight; use an N:M pattern"),
@@ -457,4 +468,4 @@ def test_a_fit_without_training_steps_still_runs(trainer_kwargs):
 def test_the_tables_hold_every_case():
     """Guards against a row lost in an edit: the exact size of every table here."""
     sizes = [len(SETUP), len(FIT_START), len(MID_FIT), len(FIT_HANDLED)]
-    assert sizes == [14, 6, 5, 3], sizes
+    assert sizes == [15, 6, 5, 3], sizes
