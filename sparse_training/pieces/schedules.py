@@ -247,10 +247,23 @@ def register_schedule(cls: type[Schedule]) -> type[Schedule]:
 
 
 def schedule_settings(schedule: Schedule) -> dict[str, Any]:
-    """The flat settings a schedule piece stands for (its class registered by name)."""
+    """The flat settings a schedule piece stands for (its class registered by name).
+
+    Raises:
+        ValueError: a piece those settings do not rebuild (an option of its own class,
+            such as a ``power``, that checkpoints and the config's flat settings cannot
+            carry): it would train with the option's default.
+    """
     register_schedule(type(schedule))
-    return {"schedule": schedule.name, "start": schedule.start, "end": schedule.end,
-            "frequency": schedule.frequency}
+    settings = {"schedule": schedule.name, "start": schedule.start, "end": schedule.end,
+                "frequency": schedule.frequency}
+    rebuilt = parse_schedule(*settings.values())
+    if rebuilt != schedule:
+        raise ValueError(f"schedule={schedule!r}: its flat settings (start, end, frequency) "
+                         f"rebuild {rebuilt!r}; an option of its own class cannot be carried "
+                         f"through checkpoints: make it the class's default (a subclass per "
+                         f"value)")
+    return settings
 
 
 def parse_schedule(name: str, start: Step = 0, end: Step | None = None,

@@ -87,6 +87,27 @@ def test_a_users_schedule_is_registered_by_name_and_read_back():
         register_schedule(int)
 
 
+@dataclass(frozen=True)
+class Powered(Gradual):
+    """A ramp of p^power: an option of its own, which the flat settings cannot carry."""
+
+    name: ClassVar[str] = "powered-test"
+    power: float = 1.0
+
+    def ramp(self, progress: float) -> float:
+        return progress ** self.power
+
+
+def test_a_piece_with_an_option_the_flat_settings_lose_is_refused():
+    """Not trained silently with the option's default (power 1.0 instead of 3.0)."""
+    with pytest.raises(ValueError, match=r"schedule=Powered\(.*power=3.0\): its flat settings "
+                                         r"\(start, end, frequency\) rebuild Powered\(.*"
+                                         r"power=1.0\)"):
+        SparsityConfig(**UNSTRUCTURED, schedule=Powered(start=0, end=10, power=3.0))
+    config = SparsityConfig(**UNSTRUCTURED, schedule=Powered(start=0, end=10))  # the default
+    assert config.parsed_schedule == Powered(start=0, end=10)
+
+
 def test_the_callback_takes_pieces_and_checkpoints_plain_settings():
     sparse = SparsityCallback(**UNSTRUCTURED, schedule=GMP(start=0, end=4, frequency=2))
     make_trainer([sparse], max_epochs=1).fit(TinyNet(), make_loader(80))  # 5 steps
