@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.weight_norm import WeightNorm
 from torch.optim import Optimizer
 
 from sparse_training.config import SparsityConfig
@@ -64,7 +65,8 @@ class SparsityEngine(SlotSet):
 
     Raises:
         ValueError: from selection, for a selected tensor that cannot be masked (on the
-            meta device, a parametrization that does not keep zeros, a foreign
+            meta device, a parametrization that does not keep zeros, the ``weight_g`` or
+            ``weight_v`` of old-style ``torch.nn.utils.weight_norm``, a foreign
             ``<name>_mask`` attribute, held by another live engine), a compressed layer
             whose mask is not set (meta, or after ``to_empty()``), or for a state that
             does not fit; always before any weight or mask changes.
@@ -128,6 +130,16 @@ class SparsityEngine(SlotSet):
                 raise ValueError(f"{where} is pruned by torch.nn.utils.prune (a forward "
                                  f"pre-hook multiplies it by another mask); call "
                                  f"torch.nn.utils.prune.remove(module, name) first")
+            if norm := next((h for h in slot.module._forward_pre_hooks.values()
+                             if isinstance(h, WeightNorm) and slot.tensor.store[1] in
+                             (f"{h.name}_g", f"{h.name}_v")), None):
+                raise ValueError(f"{where} belongs to the old-style torch.nn.utils.weight_norm "
+                                 f"of layer {slot.name.rpartition('.')[0]!r}: a forward "
+                                 f"pre-hook recomputes {norm.name!r} from {norm.name}_g and "
+                                 f"{norm.name}_v, so a mask on either is not the forward "
+                                 f"weight's sparsity; call torch.nn.utils.remove_weight_norm "
+                                 f"on the layer first, use torch.nn.utils.parametrizations."
+                                 f"weight_norm (with an N:M pattern), or deny the layer")
             if problem := zeros_problem(slot.tensor, whole_rows=not slot.plan.pattern.is_nm):
                 kind = type(slot.tensor.store[0][0]).__name__
                 raise ValueError(f"{where} is parametrized ({kind}) so that {problem}; use an "

@@ -14,9 +14,10 @@ dimensions, tied ones once), in this order:
 5. ``dense_ratio``: the first fraction of the eligible *blocks* stays dense, a block
    being the repeated unit that owns the tensor (the name up to its first numeric part:
    ``encoder.layer.0`` for BERT, ``net.2`` in a ``Sequential``; a module outside any, a
-   task head or a pooler, is one block); compressed layers that rules 1-3 would leave
-   eligible count as the blocks they are in, so the same blocks stay dense before and
-   after compression;
+   task head or a pooler, is one block; a tied tensor counts in the first repeated unit
+   among its names, else as its last name's module: GPT-2's ``wte``/``lm_head`` as the
+   head, after the layers); compressed layers that rules 1-3 would leave eligible count as
+   the blocks they are in, so the same blocks stay dense before and after compression;
 6. **units**: under a unit pattern (``"head"``, ``"neuron"``) a tensor is selected when it
    is a member of a recognized attention or FFN block
    (:func:`~sparse_training.engine.structure.find_units`): it takes the block pattern of
@@ -137,6 +138,14 @@ def block_of(name: str) -> str:
         if part.isdigit():
             return ".".join(parts[: i + 1])
     return ".".join(parts[:-1])
+
+
+def tensor_block(tensor: WeightTensor) -> str:
+    """The ``dense_ratio`` block of a (possibly tied) tensor: the first repeated unit among
+    its names (:func:`block_of`), else its last name's module, so that an embedding tied to
+    an LM head counts as the head (``lm_head``), a block after the layers."""
+    in_unit = [n for n in tensor.names if any(p.isdigit() for p in n.split(".")[:-1])]
+    return block_of((in_unit or tensor.names[-1:])[0])
 
 
 def searched_names(tensor: WeightTensor) -> tuple[str, ...]:
@@ -338,8 +347,11 @@ def plan_tensors(
     _check_regexes_reach("overrides", list(overrides), tensors, rows, reached,
                          set().union(*(used for _, used in settings.values())))
 
-    # the same blocks before and after compression, in model order
-    blocks = list(dict.fromkeys(block_of(tensors[i].name) for i in counted))
+    # the same blocks before and after compression, in model order; a tied tensor counted
+    # as a later name's module (an LM head) comes after the rest, as that module does
+    order = sorted(counted, key=lambda i: (tensor_block(tensors[i]) != block_of(tensors[i].name),
+                                           i))
+    blocks = list(dict.fromkeys(tensor_block(tensors[i]) for i in order))
     dense_blocks = set(blocks[: math.floor(dense_ratio * len(blocks) + 0.5)])
     following: list[int] = []  # selected tensors that take the model-wide target
     named: set[int] = set()
@@ -350,9 +362,9 @@ def plan_tensors(
         layer_pattern = override.pattern or pattern
         if override_regex is not None or _first_match(allow, tensor.names) is not None:
             named.add(index)
-        if override_regex is None and block_of(tensor.name) in dense_blocks:
+        if override_regex is None and tensor_block(tensor) in dense_blocks:
             rows[index] = row(tensor, False, f"dense_ratio {dense_ratio}: block "
-                              f"{block_of(tensor.name)!r} is one of the first "
+                              f"{tensor_block(tensor)!r} is one of the first "
                               f"{len(dense_blocks)} of {len(blocks)} blocks")
         elif override.sparsity == 0.0:
             rows[index] = row(tensor, False, f"override {override_regex!r}: sparsity 0")

@@ -182,11 +182,20 @@ def test_make_permanent_folds_and_removes_masks():
     assert (model[0].weight == 0).float().mean() == 0.5
 
 
-def test_torch_prune_and_foreign_mask_attributes_are_refused():
+def test_torch_prune_old_weight_norm_and_foreign_mask_attributes_are_refused():
     model = mlp()
     torch.nn.utils.prune.l1_unstructured(model[0], "weight", amount=0.5)
     with pytest.raises(ValueError, match=r"'0.weight_orig' .* torch.nn.utils.prune"):
         SparsityEngine(model, SparsityConfig("2:4"))
+    old_style = mlp()
+    torch.nn.utils.weight_norm(old_style[0])  # weight_g, weight_v; weight set by a pre-hook
+    before = {k: v.clone() for k, v in old_style.state_dict().items()}
+    with pytest.raises(ValueError, match=r"'0.weight_g' \(Linear\) belongs to the old-style "
+                       r"torch.nn.utils.weight_norm of layer '0': .* call torch.nn.utils."
+                       r"remove_weight_norm on the layer first"):
+        SparsityEngine(old_style, SparsityConfig("unstructured", sparsity=0.5))
+    assert not any(name.endswith("_mask") for name, _ in old_style.named_buffers())
+    assert all(torch.equal(v, before[k]) for k, v in old_style.state_dict().items())
     other = mlp()
     other[2].register_buffer("weight_mask", torch.ones(3))
     with pytest.raises(ValueError, match=r"'weight_mask' \(torch.float32, \(3,\)\) is not a bool"):

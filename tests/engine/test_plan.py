@@ -126,3 +126,47 @@ def test_a_bias_is_no_weight_whatever_its_shape():
     engine.prune()
     assert [s.name for s in engine.slots] == ["attn.in_proj_weight", "attn.out_proj.weight"]
     assert model["attn"].bias_k.count_nonzero() == model["attn"].bias_v.count_nonzero() == 32
+
+
+def tied_lm(family: str) -> tuple[nn.Module, str, str]:
+    """A four-layer LM whose head shares the embedding's weight: the model, its first
+    layer's block and the tied tensor's (the head's) block."""
+    torch.manual_seed(0)
+    if family == "torch":
+        model = nn.ModuleDict(dict(embed=nn.Embedding(16, 8), layers=nn.Sequential(
+            *(nn.Linear(8, 8) for _ in range(4))), head=nn.Linear(8, 16, bias=False)))
+        model["head"].weight = model["embed"].weight
+        return model, "layers.0", "head"
+    t = pytest.importorskip("transformers")
+    if family == "gpt2":
+        return t.GPT2LMHeadModel(t.GPT2Config(
+            n_embd=32, n_layer=4, n_head=4, vocab_size=64, n_positions=16, bos_token_id=0,
+            eos_token_id=0)), "transformer.h.0", "lm_head"
+    return t.BertForMaskedLM(t.BertConfig(
+        hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64,
+        vocab_size=64, max_position_embeddings=16)), "bert.encoder.layer.0", \
+        "cls.predictions.decoder"
+
+
+@pytest.mark.parametrize("family", ["torch", "gpt2", "bert"])
+def test_dense_ratio_counts_a_tied_lm_head_after_the_layers(family):
+    """The embedding tied to the LM head comes first in model order but counts as the head,
+    a block after the layers: dense_ratio 0.2 of 5 blocks (BERT's 6, with its head's
+    transform) keeps the first layer dense, 0.8 every block but the head."""
+    model, first_layer, head = tied_lm(family)
+    count = 6 if family == "bert" else 5
+    plan = SparsityPlan.build(model, SparsityConfig("unstructured", sparsity=0.8,
+                                                    dense_ratio=0.2))
+    tied = next(row for row in plan.rows if len(row.names) > 1)
+    assert tied.selected, tied.reason
+    dense = [row for row in plan.rows if not row.selected and "dense_ratio" in row.reason]
+    assert dense and all(row.name.startswith(first_layer + ".") for row in dense)
+    assert f"block {first_layer!r} is one of the first 1 of {count} blocks" in dense[0].reason
+    plan = SparsityPlan.build(model, SparsityConfig("unstructured", sparsity=0.8,
+                                                    dense_ratio=0.8))
+    tied = next(row for row in plan.rows if len(row.names) > 1)
+    assert tied.selected and not any(row.selected for row in plan.rows if row is not tied)
+    plan = SparsityPlan.build(model, SparsityConfig("unstructured", sparsity=0.8,
+                                                    dense_ratio=0.95))
+    tied = next(row for row in plan.rows if len(row.names) > 1)
+    assert f"block {head!r} is one of the first {count} of {count} blocks" in tied.reason
