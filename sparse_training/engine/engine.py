@@ -244,7 +244,8 @@ class SparsityEngine(SlotSet):
         if len(optimizer.param_groups) != attached.groups:  # groups added since attach
             attached.use(_of_optimizer(self.slots, optimizer), len(optimizer.param_groups))
             attached.start(optimizer, self.updater.dense_state)
-        self.updater.before_step(self, attached.slots, step)
+        if not attached.repeating:  # once a step, not at an optimizer's re-evaluation
+            self.updater.before_step(self, attached.slots, step)
         if self.updater.masks_gradients and clipping:
             attached.zero_pruned_gradients()
 

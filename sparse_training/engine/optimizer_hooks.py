@@ -40,6 +40,9 @@ class Attached:
 
     def __init__(self, slots: list[Slot], groups: int) -> None:
         self.handles: list[RemovableHandle] = []
+        # True while the optimizer re-runs a step's closure (LBFGS): the step's once-only
+        # work (the updater's before_step, RigL's dense-gradient reads) is not repeated
+        self.repeating = False
         self.use(slots, groups)
 
     def use(self, slots: list[Slot], groups: int) -> None:
@@ -127,24 +130,43 @@ def fused_problem(dense_state: bool, optimizer: Optimizer) -> str | None:
 StepArgs = tuple[tuple[Any, ...], dict[str, Any]]
 
 
-def _closure_first(args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepArgs | None:
+def _closure_first(attached: Attached, mask: bool, args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> StepArgs | None:
     """Run a step's closure now (Lightning's: forward, backward, ``on_before_optimizer_step``
     of every callback and the module, clipping), so that what follows sees the final
-    gradients; the step then gets a closure that returns the same loss. None: no closure."""
+    gradients; the step then gets a closure that returns that loss at its first call and, at
+    every later one (LBFGS re-evaluates), runs the closure again, as a repeat of the step
+    (:attr:`Attached.repeating`), and zeroes the pruned gradients if ``mask``. None: no
+    closure."""
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0]: optimizer
     if closure is None:
         return None
     with torch.enable_grad():
-        loss = closure()
-    return args[:1], {**kwargs, "closure": lambda: loss}
+        first = [closure()]
+
+    def evaluate() -> Any:
+        if first:
+            return first.pop()
+        attached.repeating = True
+        try:
+            with torch.enable_grad():
+                loss = closure()
+        finally:
+            attached.repeating = False
+        if mask:
+            attached.zero_pruned_gradients()
+        return loss
+
+    return args[:1], {**kwargs, "closure": evaluate}
 
 
 def masked_gradients_step(updater: ScheduledMasks, attached: Attached, optimizer: Optimizer,
                           args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepArgs | None:
     """Optimizer pre-step hook of the hook path: the pruned gradients zeroed right before the
     update, after everything that may have changed them, so pruned weights and their
-    optimizer state see exact zeros."""
-    new_args = _closure_first(args, kwargs)
+    optimizer state see exact zeros (at each evaluation of an optimizer that re-runs the
+    closure, too)."""
+    new_args = _closure_first(attached, updater.masks_gradients, args, kwargs)
     if updater.masks_gradients:
         attached.zero_pruned_gradients()
     return new_args
@@ -157,7 +179,7 @@ def fused_step(attached: Attached, optimizer: Optimizer, args: tuple[Any, ...],
     ``optimizer.step`` goes on with the unmasked parameters only."""
     from sparse_training import kernels
 
-    new_args = _closure_first(args, kwargs)
+    new_args = _closure_first(attached, False, args, kwargs)
     # torch's own fused optimizers step on scaled gradients: GradScaler hands them its
     # scale and overflow flag as attributes (and calls step even on an overflow)
     kernels.fused_masked_step(optimizer, attached.masks_by_param,

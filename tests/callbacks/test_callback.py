@@ -340,6 +340,46 @@ def test_gradients_changed_after_the_callback_do_not_leak_into_pruned_weights(op
     assert audit.steps == 4  # the audit found every pruned weight at zero after each step
 
 
+class LBFGSNet(TinyNet):
+    """LBFGS re-runs the step's closure (up to ``max_iter`` times); each run is counted, and
+    with ``sparse`` set it finds the pruned weights at zero."""
+
+    def __init__(self, sparse: SparsityCallback | None = None) -> None:
+        torch.manual_seed(0)
+        super().__init__()
+        self.sparse, self.closure_calls = sparse, 0
+
+    def training_step(self, batch, batch_idx):
+        self.closure_calls += 1
+        if self.sparse is not None and self.sparse.engine is not None:
+            for slot in self.sparse.engine.slots:  # LBFGS moved no pruned weight in the step
+                assert not slot.param[~slot.mask].any(), slot.name
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=4)
+
+
+def test_an_optimizer_that_re_runs_the_closure_gets_fresh_masked_gradients():
+    """LBFGS calls the step's closure several times: at sparsity 0 the callback changes
+    nothing (as many closure runs, the same weights); at 0.5 every run's gradients are
+    masked, so no pruned weight moves within a step, and after each step they are zero."""
+    dense = LBFGSNet()
+    make_trainer([], max_steps=3).fit(dense, make_loader())
+    nothing_pruned = LBFGSNet()
+    make_trainer([SparsityCallback("unstructured", sparsity=0.0)], max_steps=3).fit(
+        nothing_pruned, make_loader())
+    assert nothing_pruned.closure_calls == dense.closure_calls > 3
+    for a, b in zip(dense.parameters(), nothing_pruned.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+    sparse = SparsityCallback("unstructured", sparsity=0.5)
+    audit = MaskAudit(sparse)
+    half = LBFGSNet(sparse)
+    make_trainer([sparse, audit], max_steps=3).fit(half, make_loader())
+    assert audit.steps == 3 and half.closure_calls > 3
+
+
 def test_a_reused_callback_reclaims_its_tensors_and_make_permanent_keeps_dense_weights():
     model = TinyNet()
     first = SparsityCallback("2:4")
