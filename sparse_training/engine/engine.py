@@ -235,12 +235,9 @@ class SparsityEngine(SlotSet):
         Raises:
             RuntimeError: ``optimizer`` is not attached (its step would move pruned weights).
         """
-        attached = self._attached.get(optimizer)
-        if attached is None:
-            raise RuntimeError(f"before_optimizer_step got a {type(optimizer).__name__} that "
-                               f"is not attached to this SparsityEngine: call engine.attach("
-                               f"optimizer) once before training (its step would move pruned "
-                               f"weights)")
+        attached = self._attached_of(optimizer, "before_optimizer_step", (
+            ": call engine.attach(optimizer) once before training (its step would move "
+            "pruned weights)"))
         if len(optimizer.param_groups) != attached.groups:  # groups added since attach
             attached.use(_of_optimizer(self.slots, optimizer), len(optimizer.param_groups))
             attached.start(optimizer, self.updater.dense_state)
@@ -258,13 +255,22 @@ class SparsityEngine(SlotSet):
         Raises:
             RuntimeError: ``optimizer`` is not attached to this engine.
         """
-        attached = self._attached.get(optimizer)
-        if attached is None:
-            raise RuntimeError(f"zero_pruned_gradients got a {type(optimizer).__name__} that "
-                               f"is not attached to this SparsityEngine (under Lightning, "
-                               f"pass the torch optimizer: self.optimizers().optimizer)")
+        attached = self._attached_of(optimizer, "zero_pruned_gradients", (
+            " (under Lightning, pass the torch optimizer: self.optimizers().optimizer)"))
         if self.updater.masks_gradients:
             attached.zero_pruned_gradients()
+
+    def _attached_of(self, optimizer: Optimizer, caller: str, fix: str) -> Attached:
+        """The hooks of ``optimizer``.
+
+        Raises:
+            RuntimeError: ``optimizer`` is not attached, naming ``caller`` and the ``fix``.
+        """
+        attached = self._attached.get(optimizer)
+        if attached is None:
+            raise RuntimeError(f"{caller} got a {type(optimizer).__name__} that is not attached "
+                               f"to this SparsityEngine{fix}")
+        return attached
 
     def on_step_end(self) -> None:
         """After the batch, whether or not the optimizer step ran."""

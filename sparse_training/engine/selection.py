@@ -128,24 +128,22 @@ class TensorPlan:
         return math.prod(block_grid(self.numel // cols, cols, self.pattern))
 
 
-def block_of(name: str) -> str:
-    """The ``dense_ratio`` block a tensor belongs to: its name up to the first all-digit
-    part, the repeated unit (``bert.encoder.layer.3.attention.self.query.weight`` ->
-    ``bert.encoder.layer.3``), or its module's name when there is none (a task head, a
-    pooler: one block each)."""
+def _unit_of(name: str) -> str | None:
+    """The repeated unit that owns tensor ``name``: its name up to the first all-digit part
+    (``bert.encoder.layer.3.attention.self.query.weight`` -> ``bert.encoder.layer.3``), or
+    None outside any."""
     parts = name.split(".")
-    for i, part in enumerate(parts[:-1]):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return ".".join(parts[:-1])
+    digit = next((i for i, part in enumerate(parts[:-1]) if part.isdigit()), None)
+    return None if digit is None else ".".join(parts[: digit + 1])
 
 
-def tensor_block(tensor: WeightTensor) -> str:
+def block_of(tensor: WeightTensor) -> str:
     """The ``dense_ratio`` block of a (possibly tied) tensor: the first repeated unit among
-    its names (:func:`block_of`), else its last name's module, so that an embedding tied to
-    an LM head counts as the head (``lm_head``), a block after the layers."""
-    in_unit = [n for n in tensor.names if any(p.isdigit() for p in n.split(".")[:-1])]
-    return block_of((in_unit or tensor.names[-1:])[0])
+    its names (:func:`_unit_of`), else its last name's module (a task head, a pooler: one
+    block each), so that an embedding tied to an LM head counts as the head (``lm_head``),
+    a block after the layers."""
+    units = [unit for unit in map(_unit_of, tensor.names) if unit is not None]
+    return units[0] if units else tensor.names[-1].rpartition(".")[0]
 
 
 def searched_names(tensor: WeightTensor) -> tuple[str, ...]:
@@ -349,9 +347,10 @@ def plan_tensors(
 
     # the same blocks before and after compression, in model order; a tied tensor counted
     # as a later name's module (an LM head) comes after the rest, as that module does
-    order = sorted(counted, key=lambda i: (tensor_block(tensors[i]) != block_of(tensors[i].name),
-                                           i))
-    blocks = list(dict.fromkeys(tensor_block(tensors[i]) for i in order))
+    block = {i: block_of(tensors[i]) for i in range(len(tensors))}
+    later = {i for i in counted  # counted under another name than its first
+             if block[i] != (_unit_of(tensors[i].name) or tensors[i].name.rpartition(".")[0])}
+    blocks = list(dict.fromkeys(block[i] for i in sorted(counted, key=lambda i: (i in later, i))))
     dense_blocks = set(blocks[: math.floor(dense_ratio * len(blocks) + 0.5)])
     following: list[int] = []  # selected tensors that take the model-wide target
     named: set[int] = set()
@@ -362,9 +361,9 @@ def plan_tensors(
         layer_pattern = override.pattern or pattern
         if override_regex is not None or _first_match(allow, tensor.names) is not None:
             named.add(index)
-        if override_regex is None and tensor_block(tensor) in dense_blocks:
+        if override_regex is None and block[index] in dense_blocks:
             rows[index] = row(tensor, False, f"dense_ratio {dense_ratio}: block "
-                              f"{tensor_block(tensor)!r} is one of the first "
+                              f"{block[index]!r} is one of the first "
                               f"{len(dense_blocks)} of {len(blocks)} blocks")
         elif override.sparsity == 0.0:
             rows[index] = row(tensor, False, f"override {override_regex!r}: sparsity 0")
