@@ -34,10 +34,12 @@ def step_times(warmup: int, until: int, synchronize: bool):
     return StepTimes()
 
 
-def step_profiler(after: int, steps: int, gpu: bool):
+def step_profiler(after: int, steps: int, gpu: bool, trace: str | None = None):
     """A Lightning callback that profiles (``torch.profiler``: CPU, and CUDA when ``gpu``)
     ``steps`` steps from the end of global step ``after``; then its ``row`` holds
-    :func:`kernel_families` and the profiled wall ms per step (profiler overhead in it)."""
+    :func:`kernel_families` and the profiled wall ms per step (profiler overhead in it).
+    ``trace``: a path to write the profile's Chrome trace to (gzipped where it ends in
+    ``.gz``; open it in Perfetto, or read its GPU gaps with ``_step_profile.gaps``)."""
     import torch
     from pytorch_lightning.callbacks import Callback
     from torch.profiler import ProfilerActivity, profile
@@ -57,6 +59,8 @@ def step_profiler(after: int, steps: int, gpu: bool):
                 self.began = time.perf_counter()
             elif trainer.global_step == after + steps:
                 self.profiler.__exit__(None, None, None)
+                if trace:
+                    self.profiler.export_chrome_trace(trace)
                 self.row = {"profiled_wall_ms": (time.perf_counter() - self.began) * 1e3 / steps,
                             **kernel_families(self.profiler.events(), steps)}
 

@@ -182,7 +182,8 @@ def run_child(args: argparse.Namespace) -> dict:
     module, timer = Module(), step_times(args.warmup, timed_total, gpu)
     callbacks: list = [timer]
     if args.profile:  # the torch profiler's steps, then cProfile's
-        callbacks.append(profiler := step_profiler(timed_total, PROFILED_STEPS, gpu))
+        callbacks.append(profiler := step_profiler(timed_total, PROFILED_STEPS, gpu,
+                                                   args.trace_to))
         callbacks.append(python := python_profiler(timed_total + PROFILED_STEPS,
                                                    PROFILED_STEPS, gpu))
     sparse = None
@@ -251,6 +252,9 @@ def main() -> None:
     parser.add_argument("--variants", nargs="*", help="names (default: every base variant)")
     parser.add_argument("--profile", action="store_true",
                         help=f"profile {PROFILED_STEPS} more steps; Amdahl limits")
+    parser.add_argument("--trace", action="store_true",
+                        help="with --profile: each variant's Chrome trace of the profiled "
+                             "steps, trace_<model>_<variant>.json.gz beside the JSON")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no variant once this many seconds have passed (the rest "
                              "are listed as skipped)")
@@ -260,6 +264,7 @@ def main() -> None:
     parser.add_argument("--report", nargs="+", metavar="JSON",
                         help="print the tables of saved runs (their limits added) and exit")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--trace-to", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.report:
@@ -287,6 +292,8 @@ def main() -> None:
                    "traceback": traceback.format_exc()[-3000:]}
         Path(args.result).write_text(json.dumps(row))
         return
+    if args.trace and not args.profile:
+        parser.error("--trace needs --profile (the trace is the profiled steps')")
     for model in args.model:
         for variant in variants_for(args):
             settings_of(variant, model)  # a bad name stops before any run
@@ -317,7 +324,8 @@ def run_model(args: argparse.Namespace, model: str, out: Path, start: float,
         begun = time.perf_counter()
         command = [sys.executable, __file__, "--child", variant, "--result", str(result),
                    "--model", model, "--layers", str(args.layers), "--steps", str(args.steps),
-                   "--warmup", str(args.warmup), *["--profile"] * args.profile]
+                   "--warmup", str(args.warmup), *["--profile"] * args.profile,
+                   *["--trace-to", str(out / trace_name(model, variant))] * args.trace]
         try:
             proc = subprocess.run(command, capture_output=True, text=True,
                                   timeout=args.child_timeout)
@@ -335,6 +343,12 @@ def run_model(args: argparse.Namespace, model: str, out: Path, start: float,
         report(argparse.Namespace(model=model, layers=args.layers), rows, device_name())
         print(f"wrote {path}")
     return rows
+
+
+def trace_name(model: str, variant: str) -> str:
+    """``trace_<model>_<variant>.json.gz``, the variant's spaces and signs as ``-``."""
+    slug = "".join(c if c.isalnum() else "-" for c in variant)
+    return f"trace_{model}_{slug}.json.gz"
 
 
 def saved_run(payload: dict) -> tuple[argparse.Namespace, list[dict], str]:

@@ -41,6 +41,7 @@ from sparse_training.kernels.block_sparse import (
     weight_grad_reference,
 )
 from sparse_training.kernels.block_sparse import kernels as bsk
+from sparse_training.kernels.block_sparse.ops import BlockSparseLinearFunction
 from sparse_training.kernels.block_sparse.topology import INDEX_FIELDS
 
 OPS = torch.ops.sparse_training
@@ -396,3 +397,25 @@ def test_torch_compile_matches_eager_with_strided_inputs(backend):
                  reference(net.topology.block_mask(), net.values_t.detach().transpose(1, 2),
                            hidden.detach(), net.bias_2.detach()[::2],
                            torch.zeros(7, 33), 33)[0], torch.float32)
+
+
+def test_compile_never_traces_into_the_launchers():
+    """Where ``torch.compile`` meets the eager autograd path (a graph break before the op,
+    or the ``autograd.Function`` called in a compiled function), Dynamo converts its frames
+    down to the Triton launch; the launchers are kept out of it and run eagerly, with the
+    eager results (torch 2.11 failed there with "Can't construct an AttrSource", the
+    interpreter with a fake-tensor error)."""
+    torch.manual_seed(0)
+    layer = BlockSparseLinear(64, 40, (16, 16), density=0.5)
+    x = torch.randn(9, 64)
+    compiled = torch.compile(lambda x: BlockSparseLinearFunction.apply(
+        x, layer.values, layer.topology, layer.bias, None))
+    results = []
+    for call in (compiled, layer):
+        layer.zero_grad(set_to_none=True)
+        x_grad = x.clone().requires_grad_()
+        out = call(x_grad)
+        out.backward(torch.ones_like(out))
+        results.append((out.detach(), x_grad.grad, layer.values.grad, layer.bias.grad))
+    for got, want in zip(*results, strict=True):
+        assert_close(got, want.double(), torch.float32)

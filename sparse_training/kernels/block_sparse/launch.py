@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 from weakref import WeakKeyDictionary
 
+import torch
 from torch import Tensor
 from triton import knobs
 from triton.runtime import Autotuner, Heuristics, driver
@@ -95,6 +96,7 @@ class TunedKernel:
         """Calls of :meth:`launch_by` that found no launch kept for their owner and key
         and kept one (the interpreter keeps none, and counts none)."""
 
+    @torch.compiler.disable  # never traced: see launch_by
     def __call__(self, tensors: tuple[Tensor, ...], scalars: tuple[int, ...],
                  **meta: Any) -> Launch | None:
         """Launch on ``tensors`` and ``scalars`` (in parameter order) with constexprs
@@ -139,11 +141,17 @@ class TunedKernel:
         constexprs = tuple(named[name] for name in self._names[len(args):])
         return Launch(compiled, grid, scalars + constexprs, device)
 
+    @torch.compiler.disable
     def launch_by(self, owner: object, key: tuple, tensors: tuple[Tensor, ...],
                   arguments: Callable[[], tuple[tuple[int, ...], dict[str, Any]]]) -> None:
         """Launch on ``tensors`` by a key of the caller's: directly where ``owner`` (a
         topology) holds a launch of ``key``, else with ``arguments()`` (the scalars and
         the constexprs) as :meth:`__call__` does, keeping its launch for ``owner``.
+
+        Never traced by ``torch.compile`` (a compiled graph reaches the kernels through
+        the custom ops, whose bodies run outside it): where a graph break leaves the eager
+        autograd path to Dynamo's frame conversion, it would otherwise trace into the
+        launch and fail (torch 2.11, Triton 3.6: "Can't construct an AttrSource").
 
         ``key`` must determine the arguments and the dtypes, the alignment and the device
         of ``tensors`` wherever ``owner`` does not: what it costs is only the key.
