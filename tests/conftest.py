@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from sparse_training import BlockSparseLinear
+from sparse_training.callbacks.steps import schedule_step
 from sparse_training.kernels._triton import interpret_mode
 from sparse_training.pieces.masks import as_matrix, kept_count, pool_blocks
 
@@ -117,11 +118,11 @@ class MaskAudit(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.check_logged(trainer)
-        engine = self.sparse.engine
-        if engine.updater.last_update != trainer.global_step:
+        engine, step = self.sparse.engine, schedule_step(trainer)
+        if engine.updater.last_update != step:
             return
         self.updates += 1
-        fraction = engine.updater.schedule.fraction(trainer.global_step)
+        fraction = engine.updater.schedule.fraction(step)
         for slot in engine.slots:
             pattern, mask = slot.plan.pattern, as_matrix(slot.mask, slot.plan.input_dim)
             if pattern.is_nm:

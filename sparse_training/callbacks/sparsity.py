@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -27,6 +26,7 @@ from sparse_training.callbacks.fit_checks import (
 )
 from sparse_training.callbacks.fit_engine import engine_for_fit, start_engine
 from sparse_training.callbacks.resume import own_state, unreadable_checkpoint
+from sparse_training.callbacks.steps import fit_length, schedule_step
 from sparse_training.config import (
     DEFAULT_LAYER_TYPES,
     LayerTypes,
@@ -66,7 +66,8 @@ class SparsityCallback(Callback):
     ``configure_model``, so layers built there count) the weight tensors are selected, a
     mask buffer is registered beside each selected one and the plan's table is logged with
     the resolved mask-update steps. Masks are updated at the start of the optimizer steps
-    the schedule names; gradients are masked in ``on_before_optimizer_step`` (after AMP
+    (batches under manual optimization: :mod:`~sparse_training.callbacks.steps`) the
+    schedule names; gradients are masked in ``on_before_optimizer_step`` (after AMP
     unscaling, before gradient clipping), where regrowth also reads the dense gradients;
     pruned weights are zeroed after every optimizer step that ran. Under
     ``ModelParallelStrategy`` (FSDP2, ``fully_shard`` in ``configure_model``) the masks
@@ -277,10 +278,7 @@ class SparsityCallback(Callback):
                              "setup and configure_model compressed none of the layers it "
                              "built: call SparsityCallback.compress(self) there, before "
                              "fully_shard (or use compress='auto' or False)")
-        # inf: max_epochs=-1; -1: an iterable of unknown length under max_epochs (Lightning
-        # returns max_steps): the length is unknown either way, and fractions are refused
-        total = trainer.estimated_stepping_batches
-        total = None if math.isinf(total) or total < 0 else int(total)
+        total = fit_length(trainer, len(optimizers))
         if problem := fit_problem(self.config, plan, optimizers, total, restored):
             raise ValueError(f"SparsityCallback: {problem}")
         self.engine = engine_for_fit(self.engine, pl_module, self.config, plan, restored,
@@ -293,7 +291,7 @@ class SparsityCallback(Callback):
     # -- steps ----------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                              batch: Any, batch_idx: int) -> None:
-        self._engine().on_step_start(trainer.global_step)
+        self._engine().on_step_start(schedule_step(trainer))
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: Optimizer) -> None:
@@ -302,7 +300,7 @@ class SparsityCallback(Callback):
             self._unused_checked = True
             if warning := unused_warning(engine, optimizer):
                 rank_zero_warn(f"SparsityCallback: {warning}")
-        engine.before_optimizer_step(optimizer, trainer.global_step,
+        engine.before_optimizer_step(optimizer, schedule_step(trainer),
                                      clipping=trainer.gradient_clip_val is not None)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,

@@ -6,7 +6,8 @@ Every schedule is a frozen dataclass with one signature (jaxpruner's split)::
     schedule.latest_update_step(step) -> int | None  # last mask update at or before step
 
 and ``resolve(total_steps)``, which turns fractions of training into steps. Steps are
-optimizer steps (``trainer.global_step``), never batches.
+optimizer steps (``trainer.global_step``), never batches, except under manual optimization,
+where the callback counts batches (docs/schedules.md).
 
 - :class:`OneShot` (``"oneshot"``): everything at ``start``, then hold (ASP: prune a trained
   model, fine-tune).

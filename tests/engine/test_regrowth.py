@@ -332,9 +332,9 @@ def test_every_optimizer_regrows_once_per_period():
             updater.regrow = counted
 
     make_trainer([sparse, Count()], max_epochs=1).fit(TwoOptimizerNet(), make_loader())
-    # 8 batches x 2 optimizer steps: the first optimizer sees global steps 0, 2, ..., 14
-    # (periods 0-4 of length 3), the second 1, 3, ..., 15 (periods 0-5): one regrowth each
-    assert regrowths == {"net.0.weight": 5, "net.2.weight": 6, "net.4.weight": 6}
+    # 8 batches, each stepping both optimizers: periods of 3 batches start at batches 0, 3
+    # and 6, and each optimizer's tensors regrow once in each
+    assert regrowths == {"net.0.weight": 3, "net.2.weight": 3, "net.4.weight": 3}
 
 
 def test_sr_ste_masks_weights_after_a_skipped_step():
