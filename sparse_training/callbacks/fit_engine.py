@@ -5,7 +5,10 @@ The first fit, or a fit of another model, builds a new engine (on the checkpoint
 where it resumes one). A later fit of the same model keeps the last fit's engine: resuming
 (``ckpt_path``) restores the checkpoint's masks and schedule, a new Trainer without
 ``ckpt_path`` runs the schedule again from its start, beginning with the current masks, and
-the same Trainer fitting on continues where it stopped.
+the same Trainer fitting on continues where it stopped. Masks a model carries into a fit
+without ``ckpt_path`` (this callback's or another's) never get less sparse: each holds
+until a mask update keeps no more of its weights
+(:meth:`~sparse_training.engine.updaters.ScheduledMasks.carried`).
 """
 
 from __future__ import annotations
@@ -72,6 +75,11 @@ def start_engine(engine: SparsityEngine, trainer: pl.Trainer, config: SparsityCo
     rank_zero_info(f"SparsityCallback: {counts(engine)} of {len(engine.plans)} weight "
                    f"tensors; {engine.updater.describe(total)}\n"
                    + engine.plan.table())
+    if held := engine.updater.held:
+        rank_zero_info(f"SparsityCallback: {len(held)} tensors start from the masks they carry "
+                       f"(an earlier fit's), each held until a mask update keeps no more of "
+                       f"its weights: {', '.join(sorted(held)[:4])}"
+                       + (", ..." if len(held) > 4 else ""))
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     if scaler is not None:  # gradients are unscaled before on_before_optimizer_step
         engine.loss_scale = lambda: float(scaler.get_scale())

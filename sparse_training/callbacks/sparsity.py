@@ -79,13 +79,16 @@ class SparsityCallback(Callback):
     A later ``fit`` with the same callback: resuming (``ckpt_path``) restores the
     checkpoint's masks and schedule; a new Trainer without ``ckpt_path`` runs the
     schedule again from its start, beginning with the current masks; the same Trainer
-    fitting on continues where it stopped.
+    fitting on continues where it stopped. Without ``ckpt_path``, masks the model carries
+    (this callback's or another's) never get less sparse: each holds until a mask update
+    keeps no more of its weights, and one sparser than these settings is refused.
 
     Raises:
         ValueError: at construction for a bad setting; at the start of ``fit`` for a
             regex that matches no tensor, a tensor named by ``allow``/``overrides`` that
-            cannot take its pattern, a selection that overlaps another callback's, or a
-            checkpoint that does not fit; always before any weight or mask changes. The
+            cannot take its pattern, a selection that overlaps another callback's, a
+            carried mask sparser than these settings make its tensor, or a checkpoint
+            that does not fit; always before any weight or mask changes. The
             message names the value and the valid forms.
         TypeError: an unknown setting (the nearest valid one is named).
 

@@ -205,6 +205,8 @@ class SparseRefinedSTE(ScheduledMasks):
             found = pattern_masks([s.param for s in group], pattern, target * fraction,
                                   input_dims=[s.plan.input_dim for s in group])
             masks.update({s.name: m for s, m in zip(group, found, strict=True)})
+        held = self.held_back(engine, masks)  # their carried masks, over the dense weights
+        masks.update({s.name: s.full_mask() for s in masked if s.name in held})
         check = created or (step - self.schedule.start) % self.schedule.frequency == 0
         engine.set_masks(masks, step, broadcast=created, reset_state=False, check=check)
         self.target = engine.masked_final_sparsity * fraction

@@ -62,14 +62,17 @@ class SparsityEngine(SlotSet):
             it at once (not persistent: its ``state_dict`` stays plain).
         config: validated settings.
         state: a :meth:`state_dict` to resume from; checked in full before anything changes.
+            Without it, masks the model carries (an earlier engine's) are the start, each
+            held until a scheduled update keeps no more of its weights.
 
     Raises:
         ValueError: from selection, for a selected tensor that cannot be masked (on the
             meta device, a parametrization that does not keep zeros, the ``weight_g`` or
             ``weight_v`` of old-style ``torch.nn.utils.weight_norm``, a foreign
             ``<name>_mask`` attribute, held by another live engine), a compressed layer
-            whose mask is not set (meta, or after ``to_empty()``), or for a state that
-            does not fit; always before any weight or mask changes.
+            whose mask is not set (meta, or after ``to_empty()``), a carried mask sparser
+            than these settings make its tensor, or for a state that does not fit; always
+            before any weight or mask changes.
     """
 
     def __init__(self, model: nn.Module, config: SparsityConfig,
@@ -106,7 +109,10 @@ class SparsityEngine(SlotSet):
         self.updater = make_updater(config.parsed_schedule, config.parsed_score,
                                     config.parsed_regrowth, config.parsed_refinement)
         restored = None if state is None else self._checked(state)
+        held = self.updater.carried(self, [s for s in self.masked if s.installed]) if (
+            state is None) else set()  # masks the model carries: an earlier fit's
         self._take()
+        self.updater.held = held
         if restored is not None:
             self._restore(state, *restored)
 
@@ -210,8 +216,11 @@ class SparsityEngine(SlotSet):
         self.updater.start(total_steps)
 
     def restart(self) -> None:
-        """A new run from the current masks: the schedule and regrowth start over."""
+        """A new run from the current masks: the schedule and regrowth start over, each mask
+        held until an update keeps no more of its weights (ValueError: as ``carried``)."""
+        held = self.updater.carried(self, self.masked)
         self.updater.restart()
+        self.updater.held = held
 
     def on_step_start(self, step: int) -> bool:
         """Apply the mask update due at optimizer step ``step``; True if masks changed."""
@@ -291,7 +300,7 @@ class SparsityEngine(SlotSet):
             raise ValueError(f"prune(fraction) takes the share of each tensor's final sparsity "
                              f"to reach, a number in [0, 1] (1: the final sparsity), got "
                              f"{fraction!r}")
-        self.updater.update_masks(self, float(fraction), step=0, created=True)
+        self.updater.update_masks(self, float(fraction), step=0, created=True, hold=False)
 
     @property
     def final_sparsity(self) -> float:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -82,12 +82,15 @@ def saved_fraction(updater: Any) -> float | None:
 
 
 def check_masks(saved: Any, slots: Sequence[MaskedSlot], fraction: float | None = None,
-                pooled_sparsity: float | None = None) -> dict[str, Tensor]:
+                pooled_sparsity: float | None = None,
+                held: Collection[str] = ()) -> dict[str, Tensor]:
     """The saved masks as bool tensors keyed by tensor name, after checking every one
     against the selected tensors: shape, packing (padding bits zero) and structure
     (:func:`structure_problem`). With ``fraction`` (:func:`saved_fraction`) the counts are
     exact: each tensor's at ``plan.sparsity * fraction``, the pooled tensors' (global
-    distribution, ``plan.sparsity`` None) together at ``pooled_sparsity * fraction``.
+    distribution, ``plan.sparsity`` None) together at ``pooled_sparsity * fraction``. The
+    ``held`` masks, carried from an earlier run (``ScheduledMasks.carried``), are neither
+    the schedule's nor, maybe, of the pattern: shape and packing only.
 
     Raises:
         ValueError: naming every missing, extra, misshapen, malformed or misstructured mask.
@@ -108,13 +111,14 @@ def check_masks(saved: Any, slots: Sequence[MaskedSlot], fraction: float | None 
                        problems)
         pooled = slot.plan.sparsity is None
         sparsity = None if fraction is None or pooled else slot.plan.sparsity * fraction
-        if mask is not None and (problem := structure_problem(
+        if mask is not None and slot.name not in held and (problem := structure_problem(
                 mask, slot.plan.pattern, sparsity, slot.plan.input_dim)):
             problems.append(f"mask {slot.name!r} {problem}")
         elif mask is not None:
             masks[slot.name] = mask.to(slot.param.device)
     pooled = [s for s in slots if s.plan.sparsity is None and s.name in masks]
-    if pooled and fraction is not None and not problems:
+    if pooled and fraction is not None and not problems and not any(
+            s.name in held for s in pooled):
         pattern = pooled[0].plan.pattern
         blocks = [masks[s.name].sum() // (pattern.block_rows * pattern.block_cols)
                   for s in pooled]
@@ -291,8 +295,11 @@ def checked_masks(state: Any, config: SparsityConfig, slots: Sequence[MaskedSlot
     """
     check_state(state)
     check_settings(state["settings"], config.as_dict())
-    masks = check_masks(state["masks"], slots, saved_fraction(state["updater"]),
-                        config.sparsity)
+    fraction, held = saved_fraction(state["updater"]), state["updater"].get("held", [])
+    if not isinstance(held, list) or not all(isinstance(name, str) for name in held):
+        raise ValueError(f"the checkpoint's updater state is malformed: held must be a list "
+                         f"of tensor names, got {held!r}")
+    masks = check_masks(state["masks"], slots, fraction, config.sparsity, held)
     if "compressed" not in state:
         return masks, {}
     saved = check_compressed(state["compressed"], {s.name: s.form for s in compressed})

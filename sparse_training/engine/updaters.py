@@ -37,6 +37,7 @@ from torch import Tensor
 
 from sparse_training.engine.sharding import shard_like
 from sparse_training.engine.slot_set import SlotSet
+from sparse_training.engine.slots import whole_counts
 from sparse_training.engine.statistics import Statistics
 from sparse_training.pieces.masks import global_masks, pattern_masks
 from sparse_training.pieces.schedules import Schedule, parse_schedule
@@ -74,6 +75,7 @@ class ScheduledMasks:
         self.last_update: int | None = None
         self.target = 0.0
         self.resolved_for: int | None = None  # the run length fractions were resolved for
+        self.held: set[str] = set()  # tensors whose carried masks hold (:meth:`carried`)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self, total_steps: int | None) -> None:
@@ -109,9 +111,10 @@ class ScheduledMasks:
         return not self.initial_schedule.is_resolved
 
     def restart(self) -> None:
-        """Forget the progress of an earlier fit: the schedule runs again from its start."""
+        """Forget the progress of an earlier fit: the schedule runs again from its start
+        (the engine then says which masks it holds: :meth:`carried`)."""
         self.schedule, self.last_update, self.target = self.initial_schedule, None, 0.0
-        self.resolved_for = None
+        self.resolved_for, self.held = None, set()
         if self.statistics is not None:
             self.statistics.restart()
 
@@ -125,9 +128,9 @@ class ScheduledMasks:
         if due is None or (self.last_update is not None and due <= self.last_update):
             return False
         created = self.last_update is None
-        self.update_masks(engine, self.schedule.fraction(due), due, created)
+        changed = self.update_masks(engine, self.schedule.fraction(due), due, created)
         self.last_update = due
-        return True
+        return changed
 
     def before_step(self, engine: SlotSet, slots: list[MaskedSlot], step: int) -> None:
         """Between backward and the optimizer step: a training score observes the slots
@@ -162,36 +165,101 @@ class ScheduledMasks:
         return torch.where(slot.full_mask(), ranks, -torch.inf)
 
     @torch.no_grad()
-    def update_masks(self, engine: SlotSet, fraction: float, step: int,
-                     created: bool) -> None:
+    def update_masks(self, engine: SlotSet, fraction: float, step: int, created: bool,
+                     hold: bool = True) -> bool:
         """Every mask at ``fraction`` of its tensor's final sparsity (a fraction of 0 keeps
-        every weight, whatever the score)."""
+        every weight, whatever the score), but, with ``hold``, the held masks that would
+        keep more weights (:meth:`held_back`); True if any mask was set."""
+        new_masks = self.masks_at(engine, fraction, step)
+        for name in self.held_back(engine, new_masks) if hold else ():
+            del new_masks[name]
+        if new_masks and fraction == 0.0:
+            engine.set_masks(new_masks, step, broadcast=created)
+        elif new_masks:
+            self.install(engine, new_masks, step, created)
+        self.target = engine.masked_final_sparsity * fraction
+        return bool(new_masks)
+
+    def masks_at(self, engine: SlotSet, fraction: float, step: int,
+                 ranked: bool = True) -> dict[str, Tensor]:
+        """Every masked tensor's mask at ``fraction`` of its final sparsity, by the score
+        (``ranked``) or by ``|w|``: the counts are the same either way."""
         if fraction == 0.0:
-            engine.set_masks({s.name: torch.ones_like(s.full_mask()) for s in engine.masked},
-                             step, broadcast=created)
-            self.target = 0.0
-            return
+            return {s.name: torch.ones_like(s.full_mask()) for s in engine.masked}
         new_masks: dict[str, Tensor] = {}
         pooled = [s for s in engine.masked if s.plan.sparsity is None]  # global distribution
         if pooled:
             masks = global_masks([s.full_param() for s in pooled], pooled[0].plan.pattern,
                                  engine.pooled_sparsity * fraction,
-                                 [self.score(engine, s, step) for s in pooled],
-                                 [s.plan.input_dim for s in pooled])
+                                 [self.score(engine, s, step) for s in pooled] if ranked
+                                 else None, [s.plan.input_dim for s in pooled])
             new_masks.update({s.name: m for s, m in zip(pooled, masks, strict=True)})
         fixed = [s for s in engine.masked if s.plan.sparsity is not None]
         for (pattern, target, tied), indices in by_target(fixed).items():  # one ranking
             group = [fixed[i] for i in indices]                             # per shape
-            scores = [self.score(engine, s, step) for s in group] if target * fraction else [
-                None]  # nothing pruned: no ranking
+            scores = [self.score(engine, s, step) for s in group] if (
+                ranked and target * fraction) else [None]  # nothing pruned: no ranking
             weights, dims = [s.full_param() for s in group], [s.plan.input_dim for s in group]
             scores = None if scores[0] is None else scores
             masks = (unit_masks(weights, [s.plan.tie for s in group], target * fraction,
                                 scores, dims) if tied else
                      pattern_masks(weights, pattern, target * fraction, scores, dims))
             new_masks.update({s.name: m for s, m in zip(group, masks, strict=True)})
-        self.install(engine, new_masks, step, created)
-        self.target = engine.masked_final_sparsity * fraction
+        return new_masks
+
+    # -- masks carried from an earlier run --------------------------------------------------
+    def carried(self, engine: SlotSet, slots: list[MaskedSlot]) -> set[str]:
+        """The names of ``slots`` whose installed masks (an earlier run's) prune something:
+        a new run holds them (:meth:`held_back`) until its schedule keeps no more weights.
+
+        Raises:
+            ValueError: a mask sparser than its tensor's final target under these settings
+                (the global distribution's tensors: together), which the schedule would
+                never reach; nothing is changed.
+        """
+        kept, _ = whole_counts(slots)
+        counts = {s.name: k for s, k in zip(slots, kept, strict=True) if k < s.numel}
+        if not counts:
+            return set()
+        final = self.masks_at(engine, 1.0, step=0, ranked=False)
+        problems = []
+        for group in _groups([s for s in slots if s.name in counts]):
+            total = sum(s.numel for s in group)
+            now = sum(counts[s.name] for s in group)
+            want = sum(int(final[s.name].sum()) for s in group)
+            if now < want:
+                plan = group[0].plan
+                what = (f"tensor {plan.name!r}" if plan.sparsity is not None else
+                        f"the tensors {[s.name for s in group]} of distribution='global'")
+                problems.append(f"{what} carries a mask {1 - now / total:.2%} sparse, sparser "
+                                f"than these settings' final {1 - want / total:.2%} (pattern "
+                                f"{plan.pattern.spec!r})")
+        if problems:
+            shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more"
+                                               if len(problems) > 3 else "")
+            raise ValueError(f"{shown}. A run without a checkpoint starts from the masks "
+                             f"the model carries (an earlier fit's) and never makes them less "
+                             f"sparse: choose settings at least as sparse for these tensors, "
+                             f"or call make_permanent(model) before the fit to drop the masks "
+                             f"(the pruned weights, zero, may then grow back)")
+        return set(counts)
+
+    def held_back(self, engine: SlotSet, new_masks: dict[str, Tensor]) -> set[str]:
+        """The held tensors of ``new_masks`` whose new mask would keep more weights than the
+        mask they carry (the global distribution's: together): they keep theirs. The others
+        are released: from now on the schedule sets their masks."""
+        slots = [s for s in engine.masked if s.name in self.held and s.name in new_masks]
+        if not slots:
+            return set()
+        kept, _ = whole_counts(slots)
+        carried = dict(zip([s.name for s in slots], kept, strict=True))
+        back = set()
+        for group in _groups(slots):
+            names = {s.name for s in group}
+            if sum(int(new_masks[n].sum()) for n in names) > sum(carried[n] for n in names):
+                back |= names
+        self.held -= {s.name for s in slots} - back
+        return back
 
     def install(self, engine: SlotSet, new_masks: dict[str, Tensor], step: int,
                 created: bool) -> None:
@@ -213,12 +281,21 @@ class ScheduledMasks:
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"schedule": self.schedule.as_list(), "last_update": self.last_update,
-                "target": self.target, "resolved_for": self.resolved_for}
+                "target": self.target, "resolved_for": self.resolved_for,
+                "held": sorted(self.held)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.schedule = parse_schedule(*state["schedule"])
         self.last_update, self.target = state["last_update"], state["target"]
         self.resolved_for = state.get("resolved_for", UNKNOWN)
+        self.held = set(state.get("held", ()))  # states saved before it: none held
+
+
+def _groups(slots: list[MaskedSlot]) -> list[list[MaskedSlot]]:
+    """``slots`` as the units whose counts a schedule sets: each tensor of its own target
+    alone, the global distribution's pooled tensors together."""
+    pooled = [s for s in slots if s.plan.sparsity is None]
+    return [[s] for s in slots if s.plan.sparsity is not None] + ([pooled] if pooled else [])
 
 
 def by_target(slots: list[MaskedSlot]) -> dict[tuple[Any, float | None, bool], list[int]]:
