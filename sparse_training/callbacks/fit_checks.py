@@ -1,6 +1,7 @@
 """What a fit's start checks and says beside the callback's hooks: the fit's problems (a
-fused step that cannot serve, a schedule that does not fit the run), the schedule's
-warnings, the products' dtype under a precision, and the one-line counts."""
+fused step that cannot serve, a schedule that does not fit the run, compress=True with
+nothing compressed), the schedule's warnings, the products' dtype under a precision, and
+the one-line counts."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from sparse_training.engine.dynamic import make_updater
 from sparse_training.engine.optimizer_hooks import fused_problem
+from sparse_training.engine.protocol import CompressedLayer
 from sparse_training.pieces.schedules import Gradual
 
 if TYPE_CHECKING:
@@ -35,8 +38,10 @@ def compute_dtype(precision: str) -> torch.dtype | None:
 def fit_problem(config: SparsityConfig, plan: SparsityPlan, optimizers: list[Optimizer],
                 total: int | None, restored: dict[str, Any] | None) -> str | None:
     """What this fit's optimizers and length refuse before any mask is made: a fused
-    step that cannot serve an optimizer of the sparse weights, a schedule that does not
-    fit ``total`` steps (a restored schedule keeps its checkpoint's steps)."""
+    step that cannot serve an optimizer of the sparse weights, a schedule (or regrowth, or
+    a training score's update frequency) that does not fit ``total`` steps, found by
+    starting a new updater of the settings, which touches no model (a restored schedule
+    keeps its checkpoint's steps)."""
     if config.fused is True:
         sparse = {id(t.param) for _, t in plan.masked}
         dense_state = config.parsed_refinement is not None
@@ -47,13 +52,25 @@ def fit_problem(config: SparsityConfig, plan: SparsityPlan, optimizers: list[Opt
                 return f"fused=True {reason}"
     if restored is None:
         try:
-            config.parsed_schedule.resolve(total)
-            if config.parsed_regrowth is not None:
-                config.parsed_regrowth.resolve(total)
+            make_updater(config.parsed_schedule, config.parsed_score, config.parsed_regrowth,
+                         config.parsed_refinement).start(total)
         except ValueError as error:
             steps = "" if total is None else f" (over the {total} steps of this fit)"
             return f"{error}{steps}"
     return None
+
+
+def uncompressed_problem(config: SparsityConfig, plan: SparsityPlan, model: nn.Module,
+                         compress_ran: bool) -> str | None:
+    """``compress=True`` where nothing was compressed: the model had no weights at setup
+    and its ``configure_model`` did not call :meth:`SparsityCallback.compress
+    <sparse_training.SparsityCallback.compress>`."""
+    if config.compress is not True or compress_ran or not plan.masked or any(
+            isinstance(m, CompressedLayer) for m in model.modules()):
+        return None
+    return ("compress=True but the model had no weights at setup and configure_model "
+            "compressed none of the layers it built: call SparsityCallback.compress(self) "
+            "there, before fully_shard (or use compress='auto' or False)")
 
 
 def schedule_warnings(config: SparsityConfig, updater: Any, total: int | None

@@ -8,7 +8,8 @@ where it resumes one). A later fit of the same model keeps the last fit's engine
 the same Trainer fitting on continues where it stopped. Masks a model carries into a fit
 without ``ckpt_path`` (this callback's or another's) never get less sparse: each holds
 until a mask update keeps no more of its weights
-(:meth:`~sparse_training.engine.updaters.ScheduledMasks.carried`).
+(:meth:`~sparse_training.engine.updaters.ScheduledMasks.carried`). A fit that fails before
+its first training batch gives its start back (:class:`FitStart`).
 """
 
 from __future__ import annotations
@@ -19,14 +20,39 @@ import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from sparse_training.callbacks.averaging import AveragedMasks, averaged_copies
 from sparse_training.callbacks.fit_checks import counts, schedule_warnings
 from sparse_training.engine import SparsityEngine
 from sparse_training.engine.distributed import keep_masks_out_of_buffer_broadcast
+from sparse_training.engine.slots import MASK_SUFFIX
 from sparse_training.layers.compress import held_apart
 
 if TYPE_CHECKING:
     from sparse_training.config import SparsityConfig
     from sparse_training.engine.plan import SparsityPlan
+
+
+class FitStart:
+    """What a fit's start adds to the model, taken back where the fit fails before its
+    first training batch (at its start, in another callback's, or in the sanity check), so
+    that the model is left as it was: the mask buffers of ``plan``'s tensors that the
+    model does not hold yet, and the engine this fit trains with (its optimizer hooks and
+    tensors given up); ``engine``, the callback's before, is kept."""
+
+    def __init__(self, plan: SparsityPlan, engine: SparsityEngine | None) -> None:
+        self.engine = engine
+        self.masks = [(module, attr + MASK_SUFFIX) for module, attr in
+                      (tensor.store for _, tensor in plan.masked)
+                      if attr + MASK_SUFFIX not in module._buffers]
+
+    def undo(self, engine: SparsityEngine | None) -> SparsityEngine | None:
+        """Detach ``engine``, this fit's, and drop the masks the start added; the engine
+        the callback held before."""
+        if engine is not None:
+            engine.detach()
+        for module, key in self.masks:
+            module._buffers.pop(key, None)
+        return self.engine
 
 
 def engine_for_fit(engine: SparsityEngine | None, pl_module: nn.Module,
@@ -55,10 +81,11 @@ def engine_for_fit(engine: SparsityEngine | None, pl_module: nn.Module,
 
 
 def start_engine(engine: SparsityEngine, trainer: pl.Trainer, config: SparsityConfig,
-                 total: int | None, restored: bool) -> None:
+                 total: int | None, restored: bool) -> AveragedMasks:
     """Start ``engine`` for a fit of ``total`` steps (None: unknown) under ``trainer``: its
     plan's table and the schedule's warnings said, the loss scale read where AMP scales,
-    every optimizer attached, the masks kept out of the strategy's buffer broadcast.
+    every optimizer attached, the masks kept out of the strategy's buffer broadcast and put
+    in the averaged copies of weight-averaging callbacks (returned, to follow the masks).
 
     Raises:
         ValueError: the engine selected no weight tensor.
@@ -86,3 +113,4 @@ def start_engine(engine: SparsityEngine, trainer: pl.Trainer, config: SparsityCo
     for optimizer in trainer.optimizers:
         engine.attach(optimizer)
     keep_masks_out_of_buffer_broadcast(trainer.strategy.model, engine.slots)
+    return AveragedMasks(engine, trainer.lightning_module, averaged_copies(trainer))

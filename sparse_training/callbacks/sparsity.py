@@ -17,14 +17,16 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
+from sparse_training.callbacks.averaging import AveragedMasks, averaged_copies, averaging_problem
 from sparse_training.callbacks.fit_checks import (
     compute_dtype,
     counts,
     fit_problem,
     placeholder,
+    uncompressed_problem,
     unused_warning,
 )
-from sparse_training.callbacks.fit_engine import engine_for_fit, start_engine
+from sparse_training.callbacks.fit_engine import FitStart, engine_for_fit, start_engine
 from sparse_training.callbacks.resume import own_state, unreadable_checkpoint
 from sparse_training.callbacks.steps import fit_length, schedule_step
 from sparse_training.config import (
@@ -87,9 +89,9 @@ class SparsityCallback(Callback):
         ValueError: at construction for a bad setting; at the start of ``fit`` for a
             regex that matches no tensor, a tensor named by ``allow``/``overrides`` that
             cannot take its pattern, a selection that overlaps another callback's, a
-            carried mask sparser than these settings make its tensor, or a checkpoint
-            that does not fit; always before any weight or mask changes. The
-            message names the value and the valid forms.
+            carried mask sparser than these settings make its tensor, compress beside
+            weight averaging, or a checkpoint that does not fit; always before any weight
+            or mask changes. The message names the value and the valid forms.
         TypeError: an unknown setting (the nearest valid one is named).
 
     Example::
@@ -132,6 +134,8 @@ class SparsityCallback(Callback):
         self._plan: SparsityPlan | None = None  # this fit's, built once, followed by swaps
         self._compress_ran = False  # compress() swapped this fit's layers (setup or
         # configure_model); a resumed fit may then have given them back to its checkpoint
+        self._start: FitStart | None = None  # this fit's, until its first training batch
+        self._averaged: AveragedMasks | None = None  # weight averaging's copies, fit start on
 
     @classmethod
     def from_config(cls, source: str | Path | Mapping[str, Any]) -> SparsityCallback:
@@ -270,31 +274,31 @@ class SparsityCallback(Callback):
             plan = self._plan_for(pl_module)
             # layers built in configure_model count in the overlap
             problem = (self._overlap(trainer, pl_module)
-                       or optimizer_problem(pl_module, plan, optimizers))
+                       or optimizer_problem(pl_module, plan, optimizers)
+                       or averaging_problem(averaged_copies(trainer), pl_module, plan))
         except ValueError as error:
             problem = str(error)
         if problem:
             raise ValueError(f"SparsityCallback: {problem}")
-        if self.config.compress is True and not self._compress_ran and plan.masked and not any(
-                isinstance(m, CompressedLayer) for m in pl_module.modules()):
-            raise ValueError("SparsityCallback: compress=True but the model had no weights at "
-                             "setup and configure_model compressed none of the layers it "
-                             "built: call SparsityCallback.compress(self) there, before "
-                             "fully_shard (or use compress='auto' or False)")
         total = fit_length(trainer, len(optimizers))
-        if problem := fit_problem(self.config, plan, optimizers, total, restored):
+        if problem := (uncompressed_problem(self.config, plan, pl_module, self._compress_ran)
+                       or fit_problem(self.config, plan, optimizers, total, restored)):
             raise ValueError(f"SparsityCallback: {problem}")
+        self._start = FitStart(plan, self.engine)  # given back on an error before a batch
         self.engine = engine_for_fit(self.engine, pl_module, self.config, plan, restored,
                                      {name for name, _ in self._swapped}, trainer.global_step)
-        self._swapped = []  # trained from now on: an error later keeps the layers
-        start_engine(self.engine, trainer, self.config, total, restored is not None)
+        self._averaged = start_engine(self.engine, trainer, self.config, total,
+                                      restored is not None)
         self._unused_checked = False
         self._fitting = True
 
     # -- steps ----------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                              batch: Any, batch_idx: int) -> None:
+        self._start, self._swapped = None, []  # trained from now on: an error keeps them
         self._engine().on_step_start(schedule_step(trainer))
+        if self._averaged is not None:
+            self._averaged.sync()
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: Optimizer) -> None:
@@ -305,6 +309,8 @@ class SparsityCallback(Callback):
                 rank_zero_warn(f"SparsityCallback: {warning}")
         engine.before_optimizer_step(optimizer, schedule_step(trainer),
                                      clipping=trainer.gradient_clip_val is not None)
+        if self._averaged is not None:  # regrowth changes masks here
+            self._averaged.sync()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -337,19 +343,23 @@ class SparsityCallback(Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._fitting = False
-        self._restored, self._swapped = None, []  # a stage's restored state ends with it
-        self._compressing, self._plan = None, None
+        self._restored, self._swapped, self._start = None, [], None  # ends with the stage
+        self._compressing, self._plan, self._averaged = None, None, None
         if self.engine is not None:
             self.engine.detach()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
         """A fit that failed (ours or another callback's error) gives the tensors up too;
-        one that failed before its start (a checkpoint Lightning could not load, or whose
-        state does not fit) gets its Linear layers back, as they were. A checkpoint that
-        cannot be read gets a note naming it. With tensors of the model still on the meta device the
-        error is raised from here: Lightning's teardown, next, moves the model to the CPU,
-        which fails on meta tensors and would replace the error with its own."""
+        one that failed before its first training batch (a checkpoint Lightning could not
+        load, or whose state does not fit, a check at the start, the sanity check) gets its
+        Linear layers back and loses the masks its start added: the model is as it was. A
+        checkpoint that cannot be read gets a note naming it. With tensors of the model
+        still on the meta device the error is raised from here: Lightning's teardown, next,
+        moves the model to the CPU, which fails on meta tensors and would replace the error
+        with its own."""
+        if self._start is not None:
+            self.engine = self._start.undo(self.engine)
         undo_swaps(pl_module, self._swapped)
         self.teardown(trainer, pl_module, "fit")
         unreadable_checkpoint(trainer.ckpt_path, exception)

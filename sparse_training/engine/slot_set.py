@@ -40,6 +40,8 @@ class SlotSet:
         loss_scale: the loss scale of the gradients at the optimizer step (an AMP
             GradScaler's; the Lightning callback sets it): recorded dense gradients are
             divided by it (:meth:`reduce_dense_gradients`).
+        mask_changes: how many times the masks were counted after a change (:meth:`recount`);
+            a reader compares it with the value it last saw to learn whether masks changed.
     """
 
     def __init__(self, slots: list[Slot], streams: dict[str, int],
@@ -49,6 +51,7 @@ class SlotSet:
         self._attached: dict[Optimizer, Any] = {}  # the optimizers whose state follows
         self._stats: dict[str, float] = {}  # counted by recount at every mask change
         self.loss_scale: Callable[[], float] = lambda: 1.0
+        self.mask_changes = 0
 
     @property
     def masked(self) -> list[MaskedSlot]:
@@ -82,6 +85,7 @@ class SlotSet:
         so one rank alone may read it."""
         kept, _ = whole_counts(self.slots)
         self._stats = {s.name: s.sparsity(k) for s, k in zip(self.slots, kept, strict=True)}
+        self.mask_changes += 1
 
     @property
     def tensor_sparsity(self) -> dict[str, float]:
