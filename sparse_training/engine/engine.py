@@ -27,12 +27,11 @@ gathered at mask updates, and enforced on the local shards (:mod:`sparse_trainin
 from __future__ import annotations
 
 import functools
+import itertools
 import numbers
 from typing import Any
 
-import torch
 from torch import Tensor, nn
-from torch.nn.utils.weight_norm import WeightNorm
 from torch.optim import Optimizer
 
 from sparse_training.config import SparsityConfig
@@ -48,10 +47,14 @@ from sparse_training.engine.optimizer_hooks import (
 )
 from sparse_training.engine.plan import SparsityPlan, plan_differences
 from sparse_training.engine.protocol import Slot
+from sparse_training.engine.slot_checks import (
+    compressed_problem,
+    masked_problem,
+    ownership_problem,
+)
 from sparse_training.engine.slot_set import SlotSet
 from sparse_training.engine.slots import MaskedSlot
 from sparse_training.engine.state import FORMAT, checked_masks, pack_compressed, pack_masks
-from sparse_training.engine.tensors import original_class, zeros_problem
 
 
 class SparsityEngine(SlotSet):
@@ -120,51 +123,11 @@ class SparsityEngine(SlotSet):
         if problem := sharding_problem(self.model, self.slots,
                                        self.config.parsed_refinement is not None):
             raise ValueError(problem)
-        for slot in self.masked:
-            where = f"tensor {slot.name!r} ({slot.plan.kind})"
-            if slot.param.is_meta:
-                raise ValueError(f"{where} is on the meta device: materialize the model "
-                                 f"(to_empty() and initialize it) before masks are made")
-            if problem := slot.existing_mask_problem():
-                raise ValueError(f"{where}: {problem}")
-            if getattr(slot.module, "sparse", False) is True:  # nn.Embedding(sparse=True)
-                raise ValueError(f"{where} has sparse gradients (sparse=True), whose pruned "
-                                 f"positions a mask cannot zero; build it with sparse=False, "
-                                 f"or deny the tensor")
-            if any(isinstance(hook, torch.nn.utils.prune.BasePruningMethod)
-                   for hook in slot.module._forward_pre_hooks.values()):
-                raise ValueError(f"{where} is pruned by torch.nn.utils.prune (a forward "
-                                 f"pre-hook multiplies it by another mask); call "
-                                 f"torch.nn.utils.prune.remove(module, name) first")
-            if norm := next((h for h in slot.module._forward_pre_hooks.values()
-                             if isinstance(h, WeightNorm) and slot.tensor.store[1] in
-                             (f"{h.name}_g", f"{h.name}_v")), None):
-                raise ValueError(f"{where} belongs to the old-style torch.nn.utils.weight_norm "
-                                 f"of layer {slot.name.rpartition('.')[0]!r}: a forward "
-                                 f"pre-hook recomputes {norm.name!r} from {norm.name}_g and "
-                                 f"{norm.name}_v, so a mask on either is not the forward "
-                                 f"weight's sparsity; call torch.nn.utils.remove_weight_norm "
-                                 f"on the layer first, use torch.nn.utils.parametrizations."
-                                 f"weight_norm (with an N:M pattern), or deny the layer")
-            if problem := zeros_problem(slot.tensor, whole_rows=not slot.plan.pattern.is_nm):
-                kind = type(slot.tensor.store[0][0]).__name__
-                raise ValueError(f"{where} is parametrized ({kind}) so that {problem}; use an "
-                                 f"N:M pattern (it keeps N in every group), deny the tensor, "
-                                 f"or remove the parametrization")
-        for slot in self.compressed:
-            if problem := slot.module.mask_problem():
-                kind = original_class(type(slot.module)).__name__
-                raise ValueError(f"compressed layer {slot.name.rpartition('.')[0]!r} ({kind}): "
-                                 f"{problem}")
-        for slot in self.slots:
-            owner = ownership.owner(slot.param)
-            if owner is not None and owner is not self:
-                kind, held = ((original_class(type(slot.module)).__name__, "held") if
-                              slot.compressed else (slot.plan.kind, "masked"))
-                raise ValueError(f"tensor {slot.name!r} ({kind}) is already {held} by another "
-                                 f"SparsityEngine (pattern {owner.config.pattern!r}); give two "
-                                 f"callbacks disjoint selections (allow/deny), or detach() the "
-                                 f"other engine first")
+        problems = itertools.chain(map(masked_problem, self.masked),
+                                   map(compressed_problem, self.compressed),
+                                   (ownership_problem(slot, self) for slot in self.slots))
+        if problem := next(filter(None, problems), None):  # the first, as it is found
+            raise ValueError(problem)
 
     def _take(self) -> None:
         """Own the selected and compressed tensors; put the mask buffers on the model."""
