@@ -16,6 +16,7 @@ from weakref import WeakKeyDictionary
 
 import torch
 from torch import Tensor
+from torch._dynamo.decorators import skip as dynamo_skip
 from triton import knobs
 from triton.runtime import Autotuner, Heuristics, driver
 
@@ -59,6 +60,7 @@ class Launch:
         self.run, self.function = compiled.run, compiled.function
         self.packed = compiled.packed_metadata
 
+    @dynamo_skip  # (TunedKernel._launch says why; skip adds no per-call cost)
     def __call__(self, tensors: tuple[Tensor, ...]) -> None:
         """Launch on ``tensors`` (of the dtypes, alignment and device it was built for) on
         torch's current stream, with Triton's launch hooks where a profiler set them."""
@@ -96,7 +98,7 @@ class TunedKernel:
         """Calls of :meth:`launch_by` that found no launch kept for their owner and key
         and kept one (the interpreter keeps none, and counts none)."""
 
-    @torch.compiler.disable  # never traced: see launch_by
+    @dynamo_skip
     def __call__(self, tensors: tuple[Tensor, ...], scalars: tuple[int, ...],
                  **meta: Any) -> Launch | None:
         """Launch on ``tensors`` and ``scalars`` (in parameter order) with constexprs
@@ -119,10 +121,19 @@ class TunedKernel:
             launch(tensors)
         return launch
 
+    @torch.compiler.disable
     def _launch(self, tensors: tuple[Tensor, ...], scalars: tuple[int, ...],
                 meta: dict[str, Any]) -> Any:
         """Through the autotuner (tuning and compiling where needed); the compiled kernel
-        that ran, or None (the interpreter, or a cache hook that skipped it)."""
+        that ran, or None (the interpreter, or a cache hook that skipped it).
+
+        Never traced by ``torch.compile`` (a compiled graph reaches the kernels through the
+        custom ops, whose bodies run outside it): where a graph break leaves the eager
+        autograd path to Dynamo's frame conversion, it would trace the autotuner's launch
+        and fail (torch 2.11, Triton 3.6: "Can't construct an AttrSource"). The wrapper of
+        ``torch.compiler.disable`` costs microseconds a call, so the hot path (the cached
+        launches of every step) is kept out by Dynamo's ``skip`` instead, which marks
+        the functions' frames and adds nothing to a call."""
         named = {**dict(zip(self._names, tensors + scalars, strict=False)), **meta}
         # the interpreter hands the grid its own tensors for ints: read Python ints here
         return self.kernel[lambda bound: self.grid({**bound, **named})](
@@ -141,17 +152,12 @@ class TunedKernel:
         constexprs = tuple(named[name] for name in self._names[len(args):])
         return Launch(compiled, grid, scalars + constexprs, device)
 
-    @torch.compiler.disable
+    @dynamo_skip
     def launch_by(self, owner: object, key: tuple, tensors: tuple[Tensor, ...],
                   arguments: Callable[[], tuple[tuple[int, ...], dict[str, Any]]]) -> None:
         """Launch on ``tensors`` by a key of the caller's: directly where ``owner`` (a
         topology) holds a launch of ``key``, else with ``arguments()`` (the scalars and
         the constexprs) as :meth:`__call__` does, keeping its launch for ``owner``.
-
-        Never traced by ``torch.compile`` (a compiled graph reaches the kernels through
-        the custom ops, whose bodies run outside it): where a graph break leaves the eager
-        autograd path to Dynamo's frame conversion, it would otherwise trace into the
-        launch and fail (torch 2.11, Triton 3.6: "Can't construct an AttrSource").
 
         ``key`` must determine the arguments and the dtypes, the alignment and the device
         of ``tensors`` wherever ``owner`` does not: what it costs is only the key.
