@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from _shapes import DECODER_SHAPES
+
 
 @dataclass(frozen=True)
 class E2EModel:
@@ -33,11 +35,11 @@ class E2EModel:
     block: int
 
 
-# hidden, intermediate, heads, KV heads, vocabulary; (batch, sequence) per step
-LLAMA_SHAPES = {"llama": ((4096, 14336, 32, 8, 32000), (4, 2048)),
-                "decoder-1.5b": ((1536, 8960, 12, 2, 32000), (4, 2048)),
-                "decoder-2048": ((2048, 5632, 16, 16, 8192), (8, 1024)),
-                "tiny-llama": ((128, 256, 4, 2, 256), (2, 32))}
+# decoder shape (:mod:`_shapes`), vocabulary, (batch, sequence) per step
+LLAMA_SHAPES = {"llama": (DECODER_SHAPES["llama-3-8b"], 32000, (4, 2048)),
+                "decoder-1.5b": (DECODER_SHAPES["qwen2-1.5b"], 32000, (4, 2048)),
+                "decoder-2048": (DECODER_SHAPES["hidden-2048"], 8192, (8, 1024)),
+                "tiny-llama": (DECODER_SHAPES["tiny"], 256, (2, 32))}
 
 
 def _ids(vocab: int, batch: int, seq: int):
@@ -50,9 +52,11 @@ def _llama(name: str) -> Callable[[int, str], tuple[Any, dict]]:
     def build(layers: int, device: str):
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        (hidden, intermediate, heads, kv_heads, vocab), (batch, seq) = LLAMA_SHAPES[name]
-        config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate,
-                             num_attention_heads=heads, num_key_value_heads=kv_heads,
+        shape, vocab, (batch, seq) = LLAMA_SHAPES[name]
+        config = LlamaConfig(hidden_size=shape["hidden"],
+                             intermediate_size=shape["intermediate"],
+                             num_attention_heads=shape["heads"],
+                             num_key_value_heads=shape["kv_heads"],
                              num_hidden_layers=layers, vocab_size=vocab,
                              max_position_embeddings=4096)
         ids = _ids(vocab, batch, seq)

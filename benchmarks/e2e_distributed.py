@@ -106,7 +106,7 @@ def run_child(args: argparse.Namespace) -> dict | None:
     engine = sparse.engine if sparse else None
     losses = [float(loss) for loss in module.losses]
     ms = statistics.median(timer.ms[:args.steps])
-    tokens = math.prod(LLAMA_SHAPES[model_name][1])
+    tokens = math.prod(LLAMA_SHAPES[model_name][2])
     return {"variant": args.child, "gpus": args.devices, "ms": ms,
             "device": device_name("cuda" if gpu else "cpu"),
             "tokens_per_s_per_gpu": tokens * 1e3 / ms, "step_ms": timer.ms[:args.steps],

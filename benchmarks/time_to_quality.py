@@ -78,11 +78,10 @@ from pathlib import Path
 from _common import at_least, device_name, fraction_in, results_dir, write_json
 from _corpus import load_corpus
 from _quality_report import model_of, plot_runs, read_run
+from _shapes import DECODER_SHAPES
 
-SIZES = {"base": dict(hidden=2048, intermediate=5632, heads=16, kv_heads=16, block=128,
-                      seq=1024, batch=8),
-         "large": dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, block=128,
-                       seq=1024, batch=8),  # Llama-3-8B's layer shapes
+SIZES = {"base": dict(**DECODER_SHAPES["hidden-2048"], block=128, seq=1024, batch=8),
+         "large": dict(**DECODER_SHAPES["llama-3-8b"], block=128, seq=1024, batch=8),
          "tiny": dict(hidden=64, intermediate=128, heads=4, kv_heads=4, block=16, seq=32,
                       batch=4)}
 STATIC = dict(schedule="constant", score="random", compress=True)
