@@ -73,10 +73,12 @@ def engine_for_fit(engine: SparsityEngine | None, pl_module: nn.Module,
     engine.claim()  # another callback may have taken the tensors since
     if restored is not None:
         engine.load_state_dict(restored)
-    elif global_step == 0 and engine.updater.last_update is not None:
+    elif global_step == 0:  # the masks now (an earlier fit's or prune()'s) are held
+        ran = engine.updater.last_update is not None
         engine.restart()
-        rank_zero_info("SparsityCallback: a new fit runs the schedule again from its "
-                       "start, beginning with the current masks")
+        if ran:
+            rank_zero_info("SparsityCallback: a new fit runs the schedule again from its "
+                           "start, beginning with the current masks")
     return engine
 
 
