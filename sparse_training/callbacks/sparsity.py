@@ -284,7 +284,7 @@ class SparsityCallback(Callback):
         if problem := (uncompressed_problem(self.config, plan, pl_module, self._compress_ran)
                        or fit_problem(self.config, plan, optimizers, total, restored)):
             raise ValueError(f"SparsityCallback: {problem}")
-        self._start = FitStart(plan, self.engine)  # given back on an error before a batch
+        self._start = FitStart(plan, self.engine, restored is not None)  # back on an error
         self.engine = engine_for_fit(self.engine, pl_module, self.config, plan, restored,
                                      {name for name, _ in self._swapped}, trainer.global_step)
         self._averaged = start_engine(self.engine, trainer, self.config, total,
