@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from sparse_training import BlockSparseLinear
-from sparse_training.callbacks.steps import schedule_step
+from sparse_training.callbacks.steps import logs_batch, schedule_step
 from sparse_training.kernels._triton import interpret_mode
 from sparse_training.pieces.masks import as_matrix, kept_count, pool_blocks
 
@@ -140,8 +140,7 @@ class MaskAudit(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.steps += 1
         self.check(trainer)
-        every = trainer.log_every_n_steps
-        if every and trainer.global_step % every == 0:  # the callback logged at this step
+        if logs_batch(trainer):  # the callback logged at this step
             self.expected = forward_sparsity(self.sparse.engine)
 
     def on_train_end(self, trainer, pl_module):

@@ -37,10 +37,17 @@ class FitStart:
     first training batch (at its start, in another callback's, or in the sanity check), so
     that the model is left as it was: the mask buffers of ``plan``'s tensors that the
     model does not hold yet, and the engine this fit trains with (its optimizer hooks and
-    tensors given up); ``engine``, the callback's before, is kept."""
+    tensors given up); ``engine``, the callback's before, is kept, and where the fit does
+    not resume a checkpoint (``resuming``: Lightning loads its weights, which stay) with its
+    state (a new Trainer's fit restarts its schedule: the progress comes back)."""
 
-    def __init__(self, plan: SparsityPlan, engine: SparsityEngine | None) -> None:
+    def __init__(self, plan: SparsityPlan, engine: SparsityEngine | None,
+                 resuming: bool) -> None:
         self.engine = engine
+        kept = not resuming and engine is not None and engine.installed
+        self.progress = engine.updater.state_dict() if kept else None
+        statistics = engine.updater.statistics if kept else None
+        self.statistics = None if statistics is None else statistics.state_dict(engine.slots)
         self.masks = [(module, attr + MASK_SUFFIX) for module, attr in
                       (tensor.store for _, tensor in plan.masked)
                       if attr + MASK_SUFFIX not in module._buffers]
@@ -52,6 +59,10 @@ class FitStart:
             engine.detach()
         for module, key in self.masks:
             module._buffers.pop(key, None)
+        if engine is self.engine and self.progress is not None:  # its progress; masks stay
+            engine.updater.load_state_dict(self.progress)
+            if self.statistics is not None:
+                engine.updater.statistics.load_state_dict(self.statistics, engine.slots)
         return self.engine
 
 
@@ -73,10 +84,12 @@ def engine_for_fit(engine: SparsityEngine | None, pl_module: nn.Module,
     engine.claim()  # another callback may have taken the tensors since
     if restored is not None:
         engine.load_state_dict(restored)
-    elif global_step == 0 and engine.updater.last_update is not None:
+    elif global_step == 0:  # the masks now (an earlier fit's or prune()'s) are held
+        ran = engine.updater.last_update is not None
         engine.restart()
-        rank_zero_info("SparsityCallback: a new fit runs the schedule again from its "
-                       "start, beginning with the current masks")
+        if ran:
+            rank_zero_info("SparsityCallback: a new fit runs the schedule again from its "
+                           "start, beginning with the current masks")
     return engine
 
 

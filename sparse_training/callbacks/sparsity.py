@@ -28,7 +28,7 @@ from sparse_training.callbacks.fit_checks import (
 )
 from sparse_training.callbacks.fit_engine import FitStart, engine_for_fit, start_engine
 from sparse_training.callbacks.resume import own_state, unreadable_checkpoint
-from sparse_training.callbacks.steps import fit_length, schedule_step
+from sparse_training.callbacks.steps import fit_length, logs_batch, schedule_step
 from sparse_training.config import (
     DEFAULT_LAYER_TYPES,
     LayerTypes,
@@ -284,7 +284,7 @@ class SparsityCallback(Callback):
         if problem := (uncompressed_problem(self.config, plan, pl_module, self._compress_ran)
                        or fit_problem(self.config, plan, optimizers, total, restored)):
             raise ValueError(f"SparsityCallback: {problem}")
-        self._start = FitStart(plan, self.engine)  # given back on an error before a batch
+        self._start = FitStart(plan, self.engine, restored is not None)  # back on an error
         self.engine = engine_for_fit(self.engine, pl_module, self.config, plan, restored,
                                      {name for name, _ in self._swapped}, trainer.global_step)
         self._averaged = start_engine(self.engine, trainer, self.config, total,
@@ -315,10 +315,9 @@ class SparsityCallback(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
         self._engine().on_step_end()
-        # at the loggers' cadence (``log_every_n_steps``; 0: never on steps): a ``self.log``
-        # costs about half a millisecond of Python, too much for every step
-        every = trainer.log_every_n_steps
-        if every and trainer.global_step % every == 0:
+        # at the loggers' cadence: a ``self.log`` costs about half a millisecond of Python,
+        # too much for every step
+        if logs_batch(trainer):
             self._log(pl_module, on_step=True)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

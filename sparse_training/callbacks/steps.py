@@ -5,6 +5,9 @@ Under automatic optimization a step is an optimizer step (``trainer.global_step`
 ``global_step`` counts every ``opt.step()`` of every optimizer, so a step is a training
 batch: the unit of ``trainer.estimated_stepping_batches``, which fractions of training are
 resolved against, whichever optimizers step in it.
+
+The loggers count neither: they write step metrics every ``log_every_n_steps`` batches that
+stepped (:func:`logs_batch`).
 """
 
 from __future__ import annotations
@@ -35,3 +38,11 @@ def fit_length(trainer: pl.Trainer, optimizers: int) -> int | None:
     if trainer.lightning_module.automatic_optimization or trainer.max_steps < 0:
         return int(total)
     return min(int(total), math.ceil(trainer.max_steps / max(optimizers, 1)))
+
+
+def logs_batch(trainer: pl.Trainer) -> bool:
+    """Whether Lightning's loggers write the step metrics of the batch ending now: its own
+    decision (every ``log_every_n_steps`` batches that stepped, 0: never, and when the fit
+    stops), which no step count above gives (manual optimization's ``global_step`` counts
+    every ``opt.step()``, and an optimizer that skips batches leaves it behind)."""
+    return trainer._logger_connector.should_update_logs

@@ -209,7 +209,7 @@ class SparseRefinedSTE(ScheduledMasks):
         masks.update({s.name: s.full_mask() for s in masked if s.name in held})
         check = created or (step - self.schedule.start) % self.schedule.frequency == 0
         engine.set_masks(masks, step, broadcast=created, reset_state=False, check=check)
-        self.target = engine.masked_final_sparsity * fraction
+        self.target = self.target_at(engine, fraction)
         self.last_update = step
         return True
 

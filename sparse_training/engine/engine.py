@@ -115,7 +115,7 @@ class SparsityEngine(SlotSet):
         held = self.updater.carried(self, [s for s in self.masked if s.installed]) if (
             state is None) else set()  # masks the model carries: an earlier fit's
         self._take()
-        self.updater.held = held
+        self.updater.hold(self, held)
         if restored is not None:
             self._restore(state, *restored)
 
@@ -183,7 +183,7 @@ class SparsityEngine(SlotSet):
         held until an update keeps no more of its weights (ValueError: as ``carried``)."""
         held = self.updater.carried(self, self.masked)
         self.updater.restart()
-        self.updater.held = held
+        self.updater.hold(self, held)
 
     def on_step_start(self, step: int) -> bool:
         """Apply the mask update due at optimizer step ``step``; True if masks changed."""

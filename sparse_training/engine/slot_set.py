@@ -68,8 +68,11 @@ class SlotSet:
         """The mean final target over the masked weights (schedules scale it)."""
         masked = self.masked
         total = sum(s.numel for s in masked)
-        return sum(s.numel * (self.pooled_sparsity if s.plan.sparsity is None
-                              else s.plan.sparsity) for s in masked) / max(total, 1)
+        return sum(s.numel * self.final(s) for s in masked) / max(total, 1)
+
+    def final(self, slot: MaskedSlot) -> float:
+        """``slot``'s final target (the global distribution's: the pool's)."""
+        return self.pooled_sparsity if slot.plan.sparsity is None else slot.plan.sparsity
 
     def overall(self, masked: float) -> float:
         """``masked`` (a sparsity of the masked weights) with the compressed layers' zeros:

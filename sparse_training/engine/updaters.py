@@ -177,8 +177,26 @@ class ScheduledMasks:
             engine.set_masks(new_masks, step, broadcast=created)
         elif new_masks:
             self.install(engine, new_masks, step, created)
-        self.target = engine.masked_final_sparsity * fraction
+        self.target = self.target_at(engine, fraction)
         return bool(new_masks)
+
+    def target_at(self, engine: SlotSet, fraction: float) -> float:
+        """The sparsity of the masked weights at ``fraction`` of the schedule: each tensor's
+        final target times ``fraction``, a held tensor's carried mask's (it never gets less
+        sparse, and the target says so)."""
+        held = [s for s in engine.masked if s.name in self.held]
+        if not held:
+            return engine.masked_final_sparsity * fraction
+        kept, _ = whole_counts(held)
+        pruned = sum(s.numel - k for s, k in zip(held, kept, strict=True))
+        asked = sum(s.numel * engine.final(s) for s in engine.masked if s.name not in self.held)
+        return (pruned + asked * fraction) / sum(s.numel for s in engine.masked)
+
+    def hold(self, engine: SlotSet, names: set[str]) -> None:
+        """Hold the carried masks of the tensors ``names`` (:meth:`carried`) in a run that
+        has not updated masks yet."""
+        self.held = names
+        self.target = self.target_at(engine, 0.0)
 
     def masks_at(self, engine: SlotSet, fraction: float, step: int,
                  ranked: bool = True) -> dict[str, Tensor]:

@@ -100,3 +100,29 @@ def test_a_failed_later_fit_keeps_the_masks_of_the_earlier_one():
                      max_epochs=1).fit(model, make_loader())
     assert masks.keys() == dict(model.named_buffers()).keys()
     assert all(torch.equal(masks[n], b) for n, b in model.named_buffers())
+
+
+def test_a_failed_later_fit_gives_back_the_schedules_progress():
+    """A new Trainer's fit runs the schedule again from its start; failing before its first
+    batch, it gives the earlier fit's progress back: the first Trainer then fits on where
+    it stopped, as if the failed fit had not run."""
+    def fit_on(failed: bool) -> tuple[list, dict]:
+        torch.manual_seed(0)
+        model = TinyNet()
+        sparse = SparsityCallback("unstructured", sparsity=0.8, schedule="gmp", end=24,
+                                  frequency=2)
+        first = make_trainer([sparse], max_epochs=1)
+        first.fit(model, make_loader())
+        before = sparse.engine.state_dict()["updater"]
+        if failed:
+            with pytest.raises(RuntimeError, match="another callback's check"):
+                make_trainer([sparse, FailsAtFitStart()], max_epochs=1).fit(
+                    model, make_loader())
+        assert sparse.engine.state_dict()["updater"] == before
+        first.fit_loop.max_epochs = 2
+        first.fit(model, make_loader())
+        return [p.detach() for p in model.parameters()], sparse.engine.state_dict()["updater"]
+
+    (weights, progress), (straight, straight_progress) = fit_on(True), fit_on(False)
+    assert progress == straight_progress
+    assert all(torch.equal(a, b) for a, b in zip(weights, straight, strict=True))

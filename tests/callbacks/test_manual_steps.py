@@ -7,6 +7,7 @@ import pytorch_lightning as pl
 import torch
 from conftest import TinyNet, TwoOptimizerNet, make_loader, make_trainer
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from pytorch_lightning.loggers import Logger
 
 from sparse_training import SparsityCallback
 
@@ -136,3 +137,44 @@ def test_two_optimizers_resume_mid_epoch_at_the_next_batch(tmp_path):
     for (name, a), (_, b) in zip(straight.state_dict().items(), model.state_dict().items(),
                                  strict=True):
         assert torch.equal(a, b), name
+
+
+class EveryOtherBatch(ManualNet):
+    """Manual optimization whose optimizer steps at even batches only (accumulating two)."""
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        self.manual_backward(TinyNet.training_step(self, batch, batch_idx))
+        if batch_idx % 2 == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+class Written(Logger):
+    """The steps at which the loggers were given ``sparsity/global``."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = []
+
+    name, version = "written", 0
+
+    def log_hyperparams(self, *args, **kwargs):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        if "sparsity/global" in metrics:
+            self.steps.append(step)
+
+
+def test_sparsity_is_logged_at_every_step_the_loggers_write():
+    """log_every_n_steps=4 writes at the ends of batches 4, 8, 12 and 16 (steps 3, 7, 11,
+    15), whatever ``global_step`` says (an optimizer
+    stepping every other batch leaves it at half the batches); epoch ends too."""
+    written = Written()
+    sparse = SparsityCallback("unstructured", sparsity=0.8, schedule="gmp", end=12,
+                              frequency=1)
+    make_trainer([sparse], logger=written, log_every_n_steps=4).fit(EveryOtherBatch(),
+                                                                   make_loader())
+    assert sorted(set(written.steps)) == [3, 7, 11, 15]
+    assert written.steps.count(3) == 1 and written.steps.count(7) == 2  # batch, epoch end

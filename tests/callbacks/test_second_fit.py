@@ -172,3 +172,43 @@ def test_an_engine_on_carried_masks_holds_them_but_prune_sets_them():
     engine.prune(0.5)  # asked for: set as asked
     assert engine.sparsity == pytest.approx(0.4, abs=0.01)
     engine.detach()
+
+
+def test_masks_pruned_before_the_schedule_ran_hold_in_a_new_trainer():
+    """ASP's flow on a callback whose first fit stopped before its schedule's start: prune()
+    sets 80% masks, and a new Trainer's GMP (0% at step 4) holds them."""
+    model = TinyNet()
+    sparse = SparsityCallback("unstructured", sparsity=0.8, schedule="gmp", start=4, end=12,
+                              frequency=2)
+    make_trainer([sparse], max_steps=2).fit(model, make_loader())
+    assert sparse.engine.updater.last_update is None
+    sparse.engine.prune()
+    carried = masks_of(model)
+    spy = Sparsities(sparse)
+    make_trainer([sparse, spy], max_epochs=2).fit(model, make_loader())
+    assert all(s["net.2.weight"] >= 0.79 for s in spy.seen), [s["net.2.weight"] for s in spy.seen]
+    for name, mask in masks_of(model).items():
+        assert not (mask & ~carried[name]).any(), name
+
+
+class Targets(Callback):
+    """The engine's target and forward sparsity once each step's update ran."""
+
+    def __init__(self, sparse: SparsityCallback) -> None:
+        self.sparse, self.seen = sparse, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        engine = self.sparse.engine
+        self.seen.append((engine.target, forward_sparsity(engine)["global"]))
+
+
+def test_the_target_of_held_masks_is_their_sparsity():
+    """GMP to 0.8 from carried 0.5 masks: while they hold (steps 0 to 3) the target is
+    their 0.5, not GMP's 0 and 0.34; from then on the schedule's; and never below."""
+    model, _ = carried_model(dict(pattern="unstructured", sparsity=0.5, schedule="gmp",
+                                  frequency=2))
+    sparse = SparsityCallback("unstructured", sparsity=0.8, schedule="gmp", frequency=2)
+    spy = Targets(sparse)
+    make_trainer([sparse, spy], max_epochs=2).fit(model, make_loader())
+    assert [round(target, 3) for target, _ in spy.seen[:4]] == [0.5] * 4
+    assert all(target == pytest.approx(sparsity, abs=0.002) for target, sparsity in spy.seen)
