@@ -25,13 +25,9 @@ from typing import Any
 from torch import nn
 
 from sparse_training.config import SparsityConfig
+from sparse_training.engine.names import replaced_name, searched_names
 from sparse_training.engine.protocol import CompressedLayer
-from sparse_training.engine.selection import (
-    TensorPlan,
-    plan_tensors,
-    replaced_name,
-    searched_names,
-)
+from sparse_training.engine.selection import TensorPlan, plan_tensors
 from sparse_training.engine.structure import find_units
 from sparse_training.engine.tensors import WeightTensor, find_weight_tensors
 

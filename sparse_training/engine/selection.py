@@ -31,7 +31,8 @@ dimensions, tied ones once), in this order:
 
 Regexes are searched (``re.search``) in the qualified tensor names, e.g.
 ``bert.encoder.layer.0.attention.self.query.weight`` (a compressed layer's tensor also
-under the name of the weight it replaced: :func:`searched_names`); every regex must match some
+under the name of the weight it replaced:
+:func:`~sparse_training.engine.names.searched_names`); every regex must match some
 weight-like tensor, every ``allow`` and ``overrides`` regex one that rules 1-3 leave
 eligible (or a compressed layer's), and every ``overrides`` regex one that no earlier
 override takes. A compressed layer is this selection's (``TensorPlan.compressed``: its
@@ -50,6 +51,7 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from sparse_training.config import DEFAULT_LAYER_TYPES, LayerOverride
+from sparse_training.engine.names import block_of, searched_names, unit_of
 from sparse_training.engine.protocol import CompressedLayer
 from sparse_training.engine.shape_rules import (
     empty_problem,
@@ -126,40 +128,6 @@ class TensorPlan:
         what a block target's kept count rounds (a selected tensor's)."""
         cols = self.shape[self.input_dim]
         return math.prod(block_grid(self.numel // cols, cols, self.pattern))
-
-
-def _unit_of(name: str) -> str | None:
-    """The repeated unit that owns tensor ``name``: its name up to the first all-digit part
-    (``bert.encoder.layer.3.attention.self.query.weight`` -> ``bert.encoder.layer.3``), or
-    None outside any."""
-    parts = name.split(".")
-    digit = next((i for i, part in enumerate(parts[:-1]) if part.isdigit()), None)
-    return None if digit is None else ".".join(parts[: digit + 1])
-
-
-def block_of(tensor: WeightTensor) -> str:
-    """The ``dense_ratio`` block of a (possibly tied) tensor: the first repeated unit among
-    its names (:func:`_unit_of`), else its last name's module (a task head, a pooler: one
-    block each), so that an embedding tied to an LM head counts as the head (``lm_head``),
-    a block after the layers."""
-    units = [unit for unit in map(_unit_of, tensor.names) if unit is not None]
-    return units[0] if units else tensor.names[-1].rpartition(".")[0]
-
-
-def searched_names(tensor: WeightTensor) -> tuple[str, ...]:
-    """The names regexes are searched in: the tensor's, and for a compressed layer's
-    trained tensor also the name of the weight it replaced (``...query.weight`` beside
-    ``...query.values``), so that one setting selects the same tensors before and after
-    compression."""
-    if not any(isinstance(module, CompressedLayer) for module, _ in tensor.owners):
-        return tensor.names
-    return tuple(dict.fromkeys(tensor.names + tuple(map(replaced_name, tensor.names))))
-
-
-def replaced_name(name: str) -> str:
-    """The name of the dense weight a compressed layer's tensor ``name`` replaced
-    (``encoder.query.values`` -> ``encoder.query.weight``)."""
-    return ".".join(filter(None, (name.rpartition(".")[0], "weight")))
 
 
 def _first_match(regexes: Sequence[str], names: Sequence[str]) -> str | None:
@@ -349,7 +317,7 @@ def plan_tensors(
     # as a later name's module (an LM head) comes after the rest, as that module does
     block = {i: block_of(tensors[i]) for i in range(len(tensors))}
     later = {i for i in counted  # counted under another name than its first
-             if block[i] != (_unit_of(tensors[i].name) or tensors[i].name.rpartition(".")[0])}
+             if block[i] != (unit_of(tensors[i].name) or tensors[i].name.rpartition(".")[0])}
     blocks = list(dict.fromkeys(block[i] for i in sorted(counted, key=lambda i: (i in later, i))))
     dense_blocks = set(blocks[: math.floor(dense_ratio * len(blocks) + 0.5)])
     following: list[int] = []  # selected tensors that take the model-wide target

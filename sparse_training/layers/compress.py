@@ -33,8 +33,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from sparse_training.engine.names import replaced_name
 from sparse_training.engine.plan import SparsityPlan
-from sparse_training.engine.selection import TensorPlan, replaced_name
+from sparse_training.engine.selection import TensorPlan
 from sparse_training.engine.sharding import is_sharded
 from sparse_training.engine.state import LayerForm, check_compressed
 from sparse_training.engine.tensors import is_conv1d
