@@ -150,47 +150,67 @@ class BlockSparseLinearFunction(torch.autograd.Function):
         return grads[0], grads[1], None, grads[2], None
 
 
-@torch.library.custom_op("sparse_training::block_sparse_linear", mutates_args=())
-def _linear_op(x: Tensor, values: Tensor, bias: Tensor | None, out_features: int,
-               in_features: int, packed: Tensor, checked: bool = False) -> Tensor:
+# Defined with torch.library's low-level API, not ``custom_op``: the dispatcher then calls
+# the implementations with no Python wrapper around them (``custom_op``'s checks its
+# outputs' aliasing at every call: about 5-8 us of host time a call, three calls a layer
+# and step in a compiled graph; ``benchmarks/op_dispatch.py``).
+_LIBRARY = torch.library.Library("sparse_training", "FRAGMENT")
+_LIBRARY.define("block_sparse_linear(Tensor x, Tensor values, Tensor? bias, SymInt out_features, "
+                "SymInt in_features, Tensor packed, bool checked=False) -> Tensor")
+_LIBRARY.define("block_sparse_linear_input_grad(Tensor grad_out, Tensor values, "
+                "SymInt out_features, SymInt in_features, Tensor packed, "
+                "bool checked=False) -> Tensor")
+_LIBRARY.define("block_sparse_linear_weight_grad(Tensor grad_out, Tensor x, Tensor values, "
+                "SymInt out_features, SymInt in_features, Tensor packed, "
+                "bool checked=False) -> Tensor")
+
+
+def _linear_impl(x: Tensor, values: Tensor, bias: Tensor | None, out_features: int,
+                 in_features: int, packed: Tensor, checked: bool = False) -> Tensor:
     return _forward(x, values, _topology(values, out_features, in_features, packed),
                     bias, checked)
 
 
-@_linear_op.register_fake
-def _(x, values, bias, out_features, in_features, packed, checked=False):
+def _linear_fake(x, values, bias, out_features, in_features, packed, checked=False):
     topology = _topology(values, out_features, in_features, packed)
     check_operands(topology, values=values, x=x, bias=bias)
     return x.new_empty(x.shape[0], out_features)  # contiguous, as the launcher's
 
 
-@torch.library.custom_op("sparse_training::block_sparse_linear_input_grad", mutates_args=())
-def _input_grad_op(grad_out: Tensor, values: Tensor, out_features: int, in_features: int,
-                   packed: Tensor, checked: bool = False) -> Tensor:
+def _input_grad_impl(grad_out: Tensor, values: Tensor, out_features: int, in_features: int,
+                     packed: Tensor, checked: bool = False) -> Tensor:
     return _input_grad(grad_out, values,
                        _topology(values, out_features, in_features, packed), checked)
 
 
-@_input_grad_op.register_fake
-def _(grad_out, values, out_features, in_features, packed, checked=False):
+def _input_grad_fake(grad_out, values, out_features, in_features, packed, checked=False):
     topology = _topology(values, out_features, in_features, packed)
     check_operands(topology, values=values, grad_out=grad_out)
     return grad_out.new_empty(grad_out.shape[0], in_features)
 
 
-@torch.library.custom_op("sparse_training::block_sparse_linear_weight_grad", mutates_args=())
-def _weight_grad_op(grad_out: Tensor, x: Tensor, values: Tensor, out_features: int,
-                    in_features: int, packed: Tensor,
-                    checked: bool = False) -> Tensor:
+def _weight_grad_impl(grad_out: Tensor, x: Tensor, values: Tensor, out_features: int,
+                      in_features: int, packed: Tensor, checked: bool = False) -> Tensor:
     return _weight_grad(grad_out, x, _topology(values, out_features, in_features,
                                                packed), values.dtype, checked)
 
 
-@_weight_grad_op.register_fake
-def _(grad_out, x, values, out_features, in_features, packed, checked=False):
+def _weight_grad_fake(grad_out, x, values, out_features, in_features, packed, checked=False):
     topology = _topology(values, out_features, in_features, packed)
     check_operands(topology, values=values, x=x, grad_out=grad_out)
     return values.new_empty(values.shape)  # contiguous whatever the strides of values
+
+
+for _name, _impl, _fake in (("block_sparse_linear", _linear_impl, _linear_fake),
+                            ("block_sparse_linear_input_grad", _input_grad_impl,
+                             _input_grad_fake),
+                            ("block_sparse_linear_weight_grad", _weight_grad_impl,
+                             _weight_grad_fake)):
+    _LIBRARY.impl(_name, _impl, "CompositeExplicitAutograd")  # every device
+    torch.library.register_fake(f"sparse_training::{_name}", _fake, lib=_LIBRARY)
+_linear_op = torch.ops.sparse_training.block_sparse_linear.default
+_input_grad_op = torch.ops.sparse_training.block_sparse_linear_input_grad.default
+_weight_grad_op = torch.ops.sparse_training.block_sparse_linear_weight_grad.default
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -212,7 +232,8 @@ def _backward(ctx, grad_out):
     return (*grads, None, None, None, None)[:len(ctx.needs_input_grad)]
 
 
-_linear_op.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd("sparse_training::block_sparse_linear", _backward,
+                                setup_context=_setup_context, lib=_LIBRARY)
 
 
 def block_sparse_linear(x: Tensor, values: Tensor, topology: BlockTopology,
