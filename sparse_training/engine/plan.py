@@ -160,6 +160,13 @@ def plan_differences(saved: Any, plan: SparsityPlan) -> list[str]:
     return said
 
 
+def pattern_label(plan: TensorPlan) -> str:
+    """How the tables show a selected tensor's pattern: its spec, or under a unit pattern
+    the unit and the block pattern of the tensor's share (``"head (block:64x768)"``)."""
+    spec = plan.pattern.spec
+    return spec if plan.tie is None else f"{plan.tie.kind} ({spec})"
+
+
 def format_table(plans: Sequence[TensorPlan]) -> str:
     """The setup table: one line per weight tensor, selected or skipped, and why."""
     lines = []
@@ -170,8 +177,7 @@ def format_table(plans: Sequence[TensorPlan]) -> str:
             target = density = "global"
         else:
             target, density = f"{p.sparsity:.4f}", f"{1 - p.sparsity:.4f}"
-        spec = "-" if p.pattern is None else p.pattern.spec if p.tie is None else (
-            f"{p.tie.kind} ({p.pattern.spec})")
+        spec = "-" if p.pattern is None else pattern_label(p)
         # why it took its path: masked-dense rather than compressed, or auto's times
         reason = p.reason + ("" if not p.path_reason else f"; masked-dense: {p.path_reason}"
                              if p.selected else f"; {p.path_reason}")

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from sparse_training.engine.names import replaced_name
-from sparse_training.engine.plan import SparsityPlan
+from sparse_training.engine.plan import SparsityPlan, pattern_label
 from sparse_training.engine.selection import TensorPlan
 from sparse_training.engine.sharding import is_sharded
 from sparse_training.engine.state import LayerForm, check_compressed
@@ -150,7 +150,10 @@ def compress_selected(model: nn.Module, plan: SparsityPlan,
         module, attr = tensor.owners[0]
         if problem is not None:
             reason = problem
-        elif not linear_like(module) or attr != "weight" or len(tensor.owners) > 1:
+        elif len(tensor.owners) > 1:
+            reason = f"{attr} tied to {', '.join(tensor.names[1:])}: compressing one name " \
+                "would untie them"
+        elif not linear_like(module) or attr != "weight":
             reason = f"{type(module).__name__}.{attr} is not an nn.Linear or Conv1D weight"
         elif (swap := swap_problem(row.name.rpartition(".")[0], module)) is not None:
             reason = swap
@@ -196,14 +199,14 @@ def compress_selected(model: nn.Module, plan: SparsityPlan,
         module_name = row.name.rpartition(".")[0]
         if reason is not None:
             reasons[row.name] = reason
-            rows.append(SwapRow(module_name, row.shape, row.pattern.spec,
+            rows.append(SwapRow(module_name, row.shape, pattern_label(row),
                                 f"masked-dense: {reason}"))
             continue
         mask = units[row.name][1] if row.name in units else (
             _first_mask(module.weight, row, index, config))
         layer = _compressed_layer(module, row, mask.to(module.weight.device))
         decision = f"compressed: {notes[row.name]}" if row.name in notes else "compressed"
-        rows.append(SwapRow(module_name, row.shape, row.pattern.spec, decision,
+        rows.append(SwapRow(module_name, row.shape, pattern_label(row), decision,
                             layer.train(module.training)))
     if config.compress is True and len(reasons) == len(rows) and not any(
             p.compressed for p in plan.rows):

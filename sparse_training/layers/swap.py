@@ -156,13 +156,15 @@ class SwapRow:
     layer: CompressedLayer | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """``name``, ``shape``, ``rule``, ``block``, ``density`` (kept blocks / all blocks,
-        0.5 for 2:4) and ``nnz`` (None unless block-compressed), ``decision``."""
+        """``name``, ``shape``, ``rule``, ``block``, ``density`` (kept blocks / all blocks;
+        the kept share of a layer of other kinds: 0.5 for 2:4, kept bands for heads and
+        neurons) and ``nnz`` (None unless block-compressed), ``decision``."""
         blocks = isinstance(self.layer, BlockSparseLinear)
         return {"name": self.name, "shape": self.shape, "rule": self.rule,
                 "block": self.layer.block if blocks else None,
                 "density": None if self.layer is None else self.layer.density if blocks
-                else 0.5, "nnz": self.layer.nnz if blocks else None, "decision": self.decision}
+                else 1.0 - self.layer.sparsity, "nnz": self.layer.nnz if blocks else None,
+                "decision": self.decision}
 
 
 def format_swaps(rows: Sequence[SwapRow]) -> str:

@@ -301,6 +301,19 @@ def test_compress_true_and_auto_resume_each_other(tmp_path, saved, now):
     assert compressed == (saved is True)
 
 
+def test_a_weight_two_linears_share_stays_masked_dense_saying_it_is_tied():
+    """Both owners are nn.Linear: the reason is the tie (compressing one name would untie
+    them), not the owner's type."""
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 32))
+    model[2].weight = model[0].weight
+    rows, _ = compress_selected(model, SparsityPlan.build(
+        model, SparsityConfig(**SETTINGS, compress="auto")))
+    decisions = {row.name: row.decision for row in rows}
+    assert decisions["0"] == "masked-dense: weight tied to 2.weight: compressing one name " \
+        "would untie them"
+    assert decisions["3"].startswith("masked-dense: auto: on cpu")
+
+
 def test_compress_true_on_a_model_with_no_selectable_weight_says_so():
     """Not the message for models that build their layers in configure_model."""
     model = BlockNet()

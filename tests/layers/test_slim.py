@@ -217,6 +217,20 @@ def test_a_group_shrinks_only_whole_and_says_which_member_cannot():
     assert isinstance(by_name["encoder.layer.0.intermediate.dense"].layer, SlimLinear)
 
 
+def test_the_training_paths_table_gives_a_slim_layers_pattern_and_kept_share():
+    """At 75% a slim layer keeps a quarter of its bands: the swap table's density says 0.25
+    (not 2:4's 0.5) and its rule names the unit, as the setup table does."""
+    config = SparsityConfig(**dict(HEADS_AND_NEURONS, sparsity=0.75), compress=True,
+                            deny=["embed", "pooler"])
+    model = hf_model("bert")
+    rows, _ = compress_selected(model, SparsityPlan.build(model, config))
+    by_name = {r.name: r.as_dict() for r in rows}
+    query, up = (by_name["encoder.layer.0.attention.self.query"],
+                 by_name["encoder.layer.0.intermediate.dense"])
+    assert (query["rule"], query["density"]) == ("head (block:8x32)", 0.25)
+    assert (up["rule"], up["density"]) == ("neuron (block:1x32)", 0.25)
+
+
 def test_heads_problem_reads_the_forward_for_head_counts():
     class ReadsCount(nn.Module):
         num_heads = 4
