@@ -139,7 +139,8 @@ def configuration(variant: str, lr: float, warmup_steps: int, args: argparse.Nam
     if "regrow" in (VARIANTS[variant] or {}):
         fraction = "" if args.regrow_fraction is None else f" x {args.regrow_fraction:g}"
         name += f", regrow every {args.regrow_every}{fraction}"
-    return name + (", compiled" if args.compile else "")
+    mode = "" if args.compile in (None, "default") else f" ({args.compile})"
+    return name + (f", compiled{mode}" if args.compile else "")
 
 
 def run_child(args: argparse.Namespace) -> dict:
@@ -180,6 +181,8 @@ def run_child(args: argparse.Namespace) -> dict:
                 self.model = LlamaForCausalLM(config)
 
         def training_step(self, ids, batch_idx):
+            if args.compile == "reduce-overhead":  # CUDA graphs: a step per batch
+                torch.compiler.cudagraph_mark_step_begin()
             # HF shifts the labels itself: a window's first seq tokens, seq - 1 predictions
             # (its last token is unused, and kept so the recorded runs' windows reproduce)
             return self.model(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss
@@ -251,7 +254,7 @@ def run_child(args: argparse.Namespace) -> dict:
 
     module = LM()
     if args.compile:
-        module.model = torch.compile(module.model)
+        module.model = torch.compile(module.model, mode=args.compile)
     if gpu:
         torch.cuda.reset_peak_memory_stats()
     fit(phases[0], args.budget_s, settings["end"] if len(phases) > 1 else -1)
@@ -296,7 +299,10 @@ def main() -> None:
     parser.add_argument("--schedule-steps", type=at_least(2), default=2000,
                         help="the gradual variant prunes over the first half of these steps; "
                              "regrowth stops after them (max_time leaves the length unknown)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--compile", nargs="?", const="default", default=None,
+                        choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+                        help="torch.compile the model, in this mode (default: the default "
+                             "mode; reduce-overhead: CUDA graphs, for steps the host bounds)")
     parser.add_argument("--warm-up-s", type=at_least(0), default=0,
                         help="train each variant that compiles kernels this long first, "
                              "unrecorded: Triton's and Inductor's disk caches warm")
