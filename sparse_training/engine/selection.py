@@ -379,8 +379,9 @@ def plan_tensors(
                 plan.pattern, plan.sparsity, plan.block_count if plan.tie is None else
                 plan.tie.units, None if plan.tie is None else plan.tie.kind)):
             if index in named:
+                fix = "" if plan.tie is not None else " or use smaller blocks"
                 raise ValueError(f"tensor {rows[index].name!r} (shape {rows[index].shape}) "
-                                 f"was asked for by name but {problem}; lower its sparsity "
-                                 f"or use smaller blocks")
+                                 f"was asked for by name but {problem}; lower its "
+                                 f"sparsity{fix}")
             rows[index] = row(tensors[index], False, problem)
     return rows

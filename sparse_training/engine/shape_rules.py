@@ -38,7 +38,9 @@ def empty_problem(pattern: Pattern, target: float | None, blocks: int,
         return None
     unit = (f"{unit_kind}s" if unit_kind is not None else "weights"
             if pattern.block_rows * pattern.block_cols == 1 else "blocks")
-    return (f"pattern {pattern.spec!r} at sparsity {target:g} keeps none of its {blocks} "
+    # a unit tie's pattern is the block pattern of its share: name the unit the user chose
+    label = repr(unit_kind) if unit_kind is not None else repr(pattern.spec)
+    return (f"pattern {label} at sparsity {target:g} keeps none of its {blocks} "
             f"{unit} (round({target:g} x {blocks}) = {blocks} pruned): the tensor would be "
             f"all zeros")
 

@@ -211,6 +211,17 @@ def test_the_setup_table_names_the_unit_and_a_non_member_says_why():
                                                  allow=["intermediate"]))
 
 
+def test_a_head_override_that_keeps_no_head_names_the_unit_not_its_block():
+    """Llama with 2 key/value heads (2 units) at 90% keeps none: the error names the
+    pattern the user wrote ('head'), not the block pattern of its share, and asks for a
+    lower sparsity only (smaller blocks do not apply to whole heads)."""
+    with pytest.raises(ValueError, match=r"pattern 'head' at sparsity 0.9 keeps none of its 2 "
+                                         r"heads .*; lower its sparsity$"):
+        SparsityPlan.build(family("llama"), SparsityConfig(
+            pattern="unstructured", sparsity=0.5,
+            overrides={"self_attn": {"pattern": "head", "sparsity": 0.9}}))
+
+
 def test_unit_masks_resume_into_a_fresh_engine():
     model = family("bert")
     engine = SparsityEngine(model, SparsityConfig(**HYBRID))
