@@ -19,6 +19,8 @@ attention (query, key, value; out)  families
 + the parent's ``output.dense``
 ``c_attn`` + ``c_proj``             GPT-2 (query, key and value side by side in one
                                     ``Conv1D``)
+``query_key_value`` + ``dense``     GPT-NeoX/Pythia, BLOOM (each head's query, key and
+                                    value in turn in one projection)
 ``in_proj_weight`` + ``out_proj``   ``torch.nn.MultiheadAttention``
                                     (``nn.TransformerEncoderLayer``)
 ==================================  ====================================================
@@ -52,6 +54,8 @@ SEPARATE_QKV = (("query", "key", "value"), ("q_proj", "k_proj", "v_proj"), ("q",
 OUT_NAMES = ("o_proj", "out_proj", "o", "out_lin", "dense")
 PARENT_OUT = "output.dense"  # BERT-like: attention.self (query, key, value), attention.output
 FUSED_QKV = (("c_attn", "c_proj"),)  # GPT-2: [Q | K | V] in one projection
+# GPT-NeoX/Pythia, BLOOM: [q k v] of each head in turn, in one projection
+INTERLEAVED_QKV = (("query_key_value", "dense"),)
 FFN_NAMES = ((("intermediate.dense",), "output.dense"), (("gate_proj", "up_proj"), "down_proj"),
              (("up_proj",), "down_proj"), (("c_fc",), "c_proj"), (("wi_0", "wi_1"), "wo"),
              (("wi",), "wo"), (("fc1",), "fc2"), (("linear1",), "linear2"),
@@ -61,6 +65,7 @@ HEADS_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_heads", "n_head")
 LAYOUTS = ("BERT/RoBERTa/ViT (query, key, value; attention.output.dense)",
            "Llama/OPT/BART (q_proj, k_proj, v_proj; o_proj or out_proj)", "T5 (q, k, v, o)",
            "DistilBERT (q_lin, k_lin, v_lin, out_lin)", "GPT-2 (c_attn, c_proj)",
+           "GPT-NeoX/BLOOM (query_key_value, dense)",
            "torch.nn.MultiheadAttention (in_proj_weight, out_proj)")
 
 Units = dict[str, dict[str, UnitTie]]  # kind ("head", "neuron") -> tensor name -> tie
@@ -119,18 +124,22 @@ def _attention(name: str, module: nn.Module, views: dict[str, tuple | None],
         if out is not None:
             yield from _heads(name, module, views, head_size, weights, out, fused=False)
         return
-    for qkv, out in FUSED_QKV:
-        fused, out = _weight(name, qkv), _weight(name, out)
-        if views.get(fused) and views.get(out):
-            yield from _heads(name, module, views, head_size, (fused,), out, fused=True)
-            return
+    for layout, interleaved in ((FUSED_QKV, False), (INTERLEAVED_QKV, True)):
+        for qkv, out in layout:
+            fused, out = _weight(name, qkv), _weight(name, out)
+            if views.get(fused) and views.get(out):
+                yield from _heads(name, module, views, head_size, (fused,), out, fused=True,
+                                  interleaved=interleaved)
+                return
 
 
 def _heads(name: str, module: nn.Module, views: dict[str, tuple | None],
-           head_size: int | None, projections: tuple[str, ...], out: str, fused: bool
-           ) -> Iterator[dict[str, UnitTie]]:
+           head_size: int | None, projections: tuple[str, ...], out: str, fused: bool,
+           interleaved: bool = False) -> Iterator[dict[str, UnitTie]]:
     """The ties of one attention module's query/key/value ``projections`` (one fused, or
-    three) and output projection ``out``; nothing when the shapes do not chain."""
+    three) and output projection ``out``; nothing when the shapes do not chain. A fused
+    projection holds ``[Q | K | V]`` (GPT-2), or with ``interleaved`` each head's ``[q k v]``
+    in turn (GPT-NeoX: one band of three head sizes a head)."""
     rows = [views[p][0] for p in projections]
     width = rows[0] // 3 if fused else rows[0]  # the query projection's outputs
     if (fused and rows[0] % 3) or views[out][1] != width:
@@ -152,7 +161,9 @@ def _heads(name: str, module: nn.Module, views: dict[str, tuple | None],
                          f"heads evenly")
     group = size * heads // units  # query rows per unit (grouped-query attention: > size)
     ties = {}
-    if fused:  # [Q | K | V]: three bands per head
+    if interleaved:  # [q k v] of head 0, of head 1, ...: one band of 3 x size per head
+        ties[projections[0]] = UnitTie(name, "head", units, ROWS, 3 * size, tuple(range(units)))
+    elif fused:  # [Q | K | V]: three bands per head
         ties[projections[0]] = UnitTie(name, "head", units, ROWS, size, tuple(range(units)) * 3)
     else:
         ties[projections[0]] = UnitTie(name, "head", units, ROWS, group, tuple(range(units)))

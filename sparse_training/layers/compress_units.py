@@ -64,12 +64,19 @@ def heads_problem(attention: nn.Module, kept: int, units: int, band: int,
     of the module's own size (``"head:D"`` with D no multiple of it: the slimmer module
     would split the kept features into heads of its own size across units), its
     ``forward`` cannot be read, reads a head count that is not an int attribute or that
-    ``kept / units`` does not scale to a whole number, or the module holds a relative
-    attention bias per head (T5: layer 0's bias serves every layer)."""
+    ``kept / units`` does not scale to a whole number, the module holds a relative
+    attention bias per head (T5: layer 0's bias serves every layer), or its forward takes
+    an ALiBi bias (BLOOM: the model builds it for every head of its config)."""
     kind = type(attention).__name__
     if hasattr(attention, "relative_attention_bias") or hasattr(
             attention, "has_relative_attention_bias"):
         return f"{kind} has a relative attention bias per head, shared across layers"
+    try:
+        alibi = "alibi" in inspect.signature(attention.forward).parameters
+    except (TypeError, ValueError):
+        alibi = False
+    if alibi:  # BLOOM: the model builds one ALiBi slope per head of its config
+        return f"{kind}.forward takes an ALiBi bias that the model builds for all its heads"
     own = own_head_size(attention, width)
     if own is None:
         return (f"{kind}'s own head size cannot be read, so units of {band} features "

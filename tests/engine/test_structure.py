@@ -39,6 +39,10 @@ def family(name: str) -> nn.Module:
         return t.OPTForCausalLM(t.OPTConfig(hidden_size=64, ffn_dim=96, num_hidden_layers=1,
                                             num_attention_heads=4, vocab_size=50,
                                             word_embed_proj_dim=64))
+    if name == "neox":  # each head's query, key and value in turn in one projection
+        return t.GPTNeoXForCausalLM(t.GPTNeoXConfig(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+            vocab_size=50, rotary_pct=0.5))
     if name == "distilbert":
         return t.DistilBertModel(t.DistilBertConfig(dim=64, hidden_dim=96, n_layers=1,
                                                     n_heads=4, vocab_size=50))
@@ -73,6 +77,10 @@ FAMILIES = {
     "distilbert": ({f"transformer.layer.0.attention.{p}.weight": (int(p == "out_lin"), 16, 4)
                     for p in ("q_lin", "k_lin", "v_lin", "out_lin")}, 4,
                    ["transformer.layer.0.ffn.lin1.weight", "transformer.layer.0.ffn.lin2.weight"]),
+    "neox": ({"gpt_neox.layers.0.attention.query_key_value.weight": (0, 48, 4),
+              "gpt_neox.layers.0.attention.dense.weight": (1, 16, 4)}, 4,
+             ["gpt_neox.layers.0.mlp.dense_h_to_4h.weight",
+              "gpt_neox.layers.0.mlp.dense_4h_to_h.weight"]),
     "torch": ({"layers.0.self_attn.in_proj_weight": (0, 16, 12),
                "layers.0.self_attn.out_proj.weight": (1, 16, 4)}, 4,
               ["layers.0.linear1.weight", "layers.0.linear2.weight"]),
@@ -157,7 +165,7 @@ def test_the_hybrid_prunes_half_the_heads_and_neurons_and_they_no_longer_count()
     torch.testing.assert_close(model(input_ids=ids).start_logits, before)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "neox"])
 def test_fused_and_grouped_query_attention_prune_whole_units(name):
     model = family(name)
     engine = SparsityEngine(model, SparsityConfig(pattern="head", sparsity=0.5,

@@ -113,6 +113,10 @@ def hf_model(family: str, seed: int = 0) -> nn.Module:
         BartModel,
         BertConfig,
         BertModel,
+        BloomConfig,
+        BloomModel,
+        GPTNeoXConfig,
+        GPTNeoXModel,
         LlamaConfig,
         LlamaModel,
         OPTConfig,
@@ -135,6 +139,11 @@ def hf_model(family: str, seed: int = 0) -> nn.Module:
         "opt": lambda: OPTModel(OPTConfig(hidden_size=32, vocab_size=40, ffn_dim=48,
                                           word_embed_proj_dim=32, num_hidden_layers=2,
                                           num_attention_heads=4)),
+        # each head's query, key and value in turn in one query_key_value projection
+        "neox": lambda: GPTNeoXModel(GPTNeoXConfig(hidden_size=32, vocab_size=40,
+                                                   rotary_pct=0.5, **small)),
+        "bloom": lambda: BloomModel(BloomConfig(hidden_size=32, vocab_size=40, n_layer=2,
+                                                n_head=4)),
     }[family]
     return config().double().eval()
 
@@ -146,18 +155,23 @@ def hf_inputs(family: str):
     return {"input_ids": torch.randint(4, 40, (2, 7), generator=g)}
 
 
-@pytest.mark.parametrize("family", ["bert", "vit", "llama", "bart", "opt"])
+@pytest.mark.parametrize("family", ["bert", "vit", "llama", "bart", "opt", "neox", "bloom"])
 def test_slim_models_compute_what_masked_dense_ones_do(family):
     """float64: the compressed model (heads and neurons removed) against the masked-dense
     engine's model at step 0; OPT's attention reads self.num_heads, which follows the kept
-    heads while they are removed and comes back with densify."""
+    heads while they are removed and comes back with densify. GPT-NeoX holds each head's
+    query, key and value in turn in one projection; BLOOM too, but its heads stay
+    masked-dense (ALiBi)."""
     config = SparsityConfig(**HEADS_AND_NEURONS, compress=True,
                             deny=["embed|patch|pooler|lm_head|project"])
     model, masked = hf_model(family), hf_model(family)
     SparsityEngine(masked, config).prune()
     rows, plan = compress_selected(model, SparsityPlan.build(model, config))
     SparsityEngine(model, config, plan=plan.bound(model)).prune()  # masks what stays dense
-    assert rows and all(isinstance(r.layer, SlimLinear) for r in rows)
+    slimmed, kept = [r for r in rows if r.layer is not None], [r for r in rows if r.layer is None]
+    assert slimmed and all(isinstance(r.layer, SlimLinear) for r in slimmed)
+    # BLOOM's heads stay masked-dense: the model builds its ALiBi bias for every head
+    assert bool(kept) == (family == "bloom") and all("ALiBi" in r.decision for r in kept)
     attention = model.decoder.layers[0].self_attn if family == "opt" else None
     if attention is not None:
         assert attention.num_heads == 2 and attention.dense_head_counts == {"num_heads": 4}
