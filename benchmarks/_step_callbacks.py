@@ -39,7 +39,7 @@ def step_profiler(after: int, steps: int, gpu: bool, trace: str | None = None):
     ``steps`` steps from the end of global step ``after``; then its ``row`` holds
     :func:`kernel_families` and the profiled wall ms per step (profiler overhead in it).
     ``trace``: a path to write the profile's Chrome trace to (gzipped where it ends in
-    ``.gz``; open it in Perfetto, or read its GPU gaps with ``_step_profile.gaps``)."""
+    ``.gz``; open it in Perfetto)."""
     import torch
     from pytorch_lightning.callbacks import Callback
     from torch.profiler import ProfilerActivity, profile

@@ -94,11 +94,12 @@ def engine_for_fit(engine: SparsityEngine | None, pl_module: nn.Module,
 
 
 def start_engine(engine: SparsityEngine, trainer: pl.Trainer, config: SparsityConfig,
-                 total: int | None, restored: bool) -> AveragedMasks:
+                 total: int | None, restored: bool) -> AveragedMasks | None:
     """Start ``engine`` for a fit of ``total`` steps (None: unknown) under ``trainer``: its
     plan's table and the schedule's warnings said, the loss scale read where AMP scales,
     every optimizer attached, the masks kept out of the strategy's buffer broadcast and put
-    in the averaged copies of weight-averaging callbacks (returned, to follow the masks).
+    in the averaged copies of weight-averaging callbacks (returned, to follow the masks;
+    None without such callbacks, so that a step pays nothing for them).
 
     Raises:
         ValueError: the engine selected no weight tensor.
@@ -126,4 +127,5 @@ def start_engine(engine: SparsityEngine, trainer: pl.Trainer, config: SparsityCo
     for optimizer in trainer.optimizers:
         engine.attach(optimizer)
     keep_masks_out_of_buffer_broadcast(trainer.strategy.model, engine.slots)
-    return AveragedMasks(engine, trainer.lightning_module, averaged_copies(trainer))
+    copies = averaged_copies(trainer)
+    return AveragedMasks(engine, trainer.lightning_module, copies) if copies else None

@@ -151,8 +151,8 @@ def compress_selected(model: nn.Module, plan: SparsityPlan,
         if problem is not None:
             reason = problem
         elif len(tensor.owners) > 1:
-            reason = f"{attr} tied to {', '.join(tensor.names[1:])}: compressing one name " \
-                "would untie them"
+            reason = (f"{attr} tied to {', '.join(tensor.names[1:])}: compressing one name "
+                      f"would untie them")
         elif not linear_like(module) or attr != "weight":
             reason = f"{type(module).__name__}.{attr} is not an nn.Linear or Conv1D weight"
         elif (swap := swap_problem(row.name.rpartition(".")[0], module)) is not None:

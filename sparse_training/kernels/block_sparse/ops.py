@@ -152,8 +152,8 @@ class BlockSparseLinearFunction(torch.autograd.Function):
 
 # Defined with torch.library's low-level API, not ``custom_op``: the dispatcher then calls
 # the implementations with no Python wrapper around them (``custom_op``'s checks its
-# outputs' aliasing at every call: about 5-8 us of host time a call, three calls a layer
-# and step in a compiled graph; ``benchmarks/op_dispatch.py``).
+# outputs' aliasing at every call: 5-20 us more a call on a CPU, three calls a layer and
+# step in a compiled graph; ``benchmarks/op_dispatch.py``'s custom_op column).
 _LIBRARY = torch.library.Library("sparse_training", "FRAGMENT")
 _LIBRARY.define("block_sparse_linear(Tensor x, Tensor values, Tensor? bias, SymInt out_features, "
                 "SymInt in_features, Tensor packed, bool checked=False) -> Tensor")
