@@ -80,13 +80,18 @@ def kernel_families(events, steps: int, top: int = 5) -> dict:
 
 
 def linear_shapes(model: nn.Module, deny: Sequence[str]) -> list[list[int]]:
-    """``[in, out, has bias, count]`` of every ``nn.Linear`` whose qualified weight name no
+    """``[in, out, has bias, count]`` of every ``nn.Linear`` and Hugging Face ``Conv1D``
+    (GPT-2's input-first Linear: weight ``in x out``) whose qualified weight name no
     ``deny`` regex is found in (the callback's selection, the type rule and ``deny``)."""
     shapes: Counter[tuple[int, int, int]] = Counter()
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and not any(re.search(d, f"{name}.weight")
-                                                     for d in deny):
+        if any(re.search(d, f"{name}.weight") for d in deny):
+            continue
+        if isinstance(module, nn.Linear):
             shapes[module.in_features, module.out_features, module.bias is not None] += 1
+        elif type(module).__name__ == "Conv1D":
+            fan_in, fan_out = module.weight.shape
+            shapes[fan_in, fan_out, module.bias is not None] += 1
     return [[*shape, count] for shape, count in shapes.items()]
 
 

@@ -18,7 +18,7 @@ from transformers import BertConfig, BertForQuestionAnswering
 
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "e2e_step.py"
 sys.path.insert(0, str(SCRIPT.parent))
-from _step_profile import family_of  # noqa: E402
+from _step_profile import family_of, linear_shapes  # noqa: E402
 
 # kernel names from H100 profiles (benchmarks/results/), one per family, and one unknown
 KERNELS = {
@@ -40,6 +40,19 @@ KERNELS = {
 @pytest.mark.parametrize("name", KERNELS)
 def test_kernel_names_fall_in_their_family(name):
     assert family_of(name) == KERNELS[name]
+
+
+def test_linear_shapes_count_gpt2_conv1d_input_first():
+    """GPT-2's Linears are ``Conv1D`` (weight in x out): the dense row's shapes count them,
+    so its limits exist (an empty list once failed the optimizer timing)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_embd=24, n_layer=2, n_head=2, n_positions=16, vocab_size=50)
+    shapes = linear_shapes(GPT2LMHeadModel(config), ["wte", "wpe", "lm_head"])
+    h, n = config.n_embd, config.n_layer
+    # c_attn (h -> 3h), attention c_proj (h -> h), c_fc (h -> 4h), mlp c_proj (4h -> h)
+    assert sorted(map(tuple, shapes)) == sorted(
+        [(h, 3 * h, 1, n), (h, h, 1, n), (h, 4 * h, 1, n), (4 * h, h, 1, n)])
 
 
 @pytest.mark.slow
