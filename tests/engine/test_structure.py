@@ -43,6 +43,10 @@ def family(name: str) -> nn.Module:
         return t.GPTNeoXForCausalLM(t.GPTNeoXConfig(
             hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
             vocab_size=50, rotary_pct=0.5))
+    if name == "bigcode":  # a Linear c_attn holding each head's query, key and value in turn
+        return t.GPTBigCodeForCausalLM(t.GPTBigCodeConfig(
+            n_embd=64, n_inner=96, n_layer=1, n_head=4, vocab_size=50, multi_query=False,
+            bos_token_id=0, eos_token_id=0))
     if name == "distilbert":
         return t.DistilBertModel(t.DistilBertConfig(dim=64, hidden_dim=96, n_layers=1,
                                                     n_heads=4, vocab_size=50))
@@ -81,6 +85,9 @@ FAMILIES = {
               "gpt_neox.layers.0.attention.dense.weight": (1, 16, 4)}, 4,
              ["gpt_neox.layers.0.mlp.dense_h_to_4h.weight",
               "gpt_neox.layers.0.mlp.dense_4h_to_h.weight"]),
+    "bigcode": ({"transformer.h.0.attn.c_attn.weight": (0, 48, 4),
+                 "transformer.h.0.attn.c_proj.weight": (1, 16, 4)}, 4,
+                ["transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.weight"]),
     "torch": ({"layers.0.self_attn.in_proj_weight": (0, 16, 12),
                "layers.0.self_attn.out_proj.weight": (1, 16, 4)}, 4,
               ["layers.0.linear1.weight", "layers.0.linear2.weight"]),
@@ -165,7 +172,7 @@ def test_the_hybrid_prunes_half_the_heads_and_neurons_and_they_no_longer_count()
     torch.testing.assert_close(model(input_ids=ids).start_logits, before)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "neox"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "neox", "bigcode"])
 def test_fused_and_grouped_query_attention_prune_whole_units(name):
     model = family(name)
     engine = SparsityEngine(model, SparsityConfig(pattern="head", sparsity=0.5,

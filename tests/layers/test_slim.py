@@ -115,6 +115,8 @@ def hf_model(family: str, seed: int = 0) -> nn.Module:
         BertModel,
         BloomConfig,
         BloomModel,
+        GPTBigCodeConfig,
+        GPTBigCodeModel,
         GPTNeoXConfig,
         GPTNeoXModel,
         LlamaConfig,
@@ -142,6 +144,11 @@ def hf_model(family: str, seed: int = 0) -> nn.Module:
         # each head's query, key and value in turn in one query_key_value projection
         "neox": lambda: GPTNeoXModel(GPTNeoXConfig(hidden_size=32, vocab_size=40,
                                                    rotary_pct=0.5, **small)),
+        # GPTBigCode's Linear c_attn holds them in turn too, where GPT-2's are side by side
+        "bigcode": lambda: GPTBigCodeModel(GPTBigCodeConfig(n_embd=32, vocab_size=40, n_layer=2,
+                                                            n_head=4, n_inner=48,
+                                                            multi_query=False,
+                                                            bos_token_id=0, eos_token_id=0)),
         "bloom": lambda: BloomModel(BloomConfig(hidden_size=32, vocab_size=40, n_layer=2,
                                                 n_head=4)),
     }[family]
@@ -155,15 +162,16 @@ def hf_inputs(family: str):
     return {"input_ids": torch.randint(4, 40, (2, 7), generator=g)}
 
 
-@pytest.mark.parametrize("family", ["bert", "vit", "llama", "bart", "opt", "neox", "bloom"])
+@pytest.mark.parametrize("family", ["bert", "vit", "llama", "bart", "opt", "neox", "bigcode",
+                                    "bloom"])
 def test_slim_models_compute_what_masked_dense_ones_do(family):
     """float64: the compressed model (heads and neurons removed) against the masked-dense
     engine's model at step 0; OPT's attention reads self.num_heads, which follows the kept
-    heads while they are removed and comes back with densify. GPT-NeoX holds each head's
-    query, key and value in turn in one projection; BLOOM too, but its heads stay
-    masked-dense (ALiBi)."""
+    heads while they are removed and comes back with densify. GPT-NeoX and GPTBigCode hold
+    each head's query, key and value in turn in one projection; BLOOM too, but its heads
+    stay masked-dense (ALiBi)."""
     config = SparsityConfig(**HEADS_AND_NEURONS, compress=True,
-                            deny=["embed|patch|pooler|lm_head|project"])
+                            deny=["embed|patch|pooler|lm_head|project|wte"])
     model, masked = hf_model(family), hf_model(family)
     SparsityEngine(masked, config).prune()
     rows, plan = compress_selected(model, SparsityPlan.build(model, config))
