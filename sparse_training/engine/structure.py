@@ -166,8 +166,9 @@ def _heads(name: str, module: nn.Module, views: dict[str, tuple | None],
                          f"heads evenly")
     group = size * heads // units  # query rows per unit (grouped-query attention: > size)
     ties = {}
-    if interleaved:  # [q k v] of head 0, of head 1, ...: one band of 3 x size per head
-        ties[projections[0]] = UnitTie(name, "head", units, ROWS, 3 * size, tuple(range(units)))
+    if interleaved:  # [q k v] of head 0, of head 1, ... (heads of the module's own size)
+        ties[projections[0]] = _interleaved_tie(name, units, size,
+                                                own_head_size(module, width) or size, width)
     elif fused:  # [Q | K | V]: three bands per head
         ties[projections[0]] = UnitTie(name, "head", units, ROWS, size, tuple(range(units)) * 3)
     else:
@@ -176,6 +177,27 @@ def _heads(name: str, module: nn.Module, views: dict[str, tuple | None],
             ties[kv] = UnitTie(name, "head", units, ROWS, size, tuple(range(units)))
     ties[out] = UnitTie(name, "head", units, COLUMNS, group, tuple(range(units)))
     yield ties
+
+
+def _interleaved_tie(name: str, units: int, size: int, own: int, width: int) -> UnitTie:
+    """The tie of a projection holding ``[q k v]`` of each of its own heads (of ``own``
+    features) in turn, for units of ``size`` features: whole heads are one band of their
+    query, key and value; a part of a head (``"head:D"``, D dividing ``own``) is a band in
+    each of its query, key and value.
+
+    Raises:
+        ValueError: ``size`` neither a multiple nor a divisor of ``own``.
+    """
+    if size % own == 0:
+        return UnitTie(name, "head", units, ROWS, 3 * size, tuple(range(units)))
+    if own % size:
+        raise ValueError(f"attention {name or 'model'!r}: pattern 'head:{size}' splits its "
+                         f"heads of {own} (query, key and value in turn in one projection) "
+                         f"unevenly; give 'head:D' with D a divisor or a multiple of {own}")
+    parts = own // size
+    return UnitTie(name, "head", units, ROWS, size, tuple(
+        head * parts + part for head in range(width // own) for _ in range(3)
+        for part in range(parts)))
 
 
 def own_head_size(module: nn.Module, width: int) -> int | None:

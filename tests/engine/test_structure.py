@@ -120,6 +120,37 @@ def test_a_given_head_size_is_used_and_one_that_does_not_divide_is_refused():
         find_units(model, tensors, head_size=24)
 
 
+@pytest.mark.parametrize("name, attention", [
+    ("neox", "gpt_neox.layers.0.attention"), ("bigcode", "transformer.h.0.attn")])
+@pytest.mark.parametrize("part", [4, 8])
+def test_part_heads_of_interleaved_projections_are_parts_of_each_query_key_and_value(
+        name, attention, part):
+    """'head:D' with D below the head size (16) on a projection holding each head's query,
+    key and value in turn: a unit is the same D features of one head's query, key and value
+    (and the output's columns reading them), not a slice of the [q k v] run across them."""
+    model = family(name)
+    engine = SparsityEngine(model, SparsityConfig(pattern=f"head:{part}", sparsity=0.5))
+    engine.prune()
+    qkv, out = attention + (".query_key_value" if name == "neox" else ".c_attn"), (
+        attention + (".dense" if name == "neox" else ".c_proj"))
+    rows = model.get_submodule(qkv).weight_mask.all(1).view(4, 3, 16 // part, part)
+    columns = model.get_submodule(out).weight_mask.all(0).view(4, 16 // part, part)
+    kept = rows[:, 0, :, 0]  # (head, part)
+    assert (rows == kept[:, None, :, None]).all() and (columns == kept[..., None]).all()
+    assert int(kept.sum()) == 64 // part // 2
+
+
+def test_an_interleaved_head_size_that_splits_heads_unevenly_is_refused():
+    model = transformers.GPTNeoXModel(transformers.GPTNeoXConfig(  # 4 heads of 12
+        hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        vocab_size=50))
+    with pytest.raises(ValueError, match=r"pattern 'head:8' splits its heads of 12 \(query, "
+                                         r"key and value in turn in one projection\) "
+                                         r"unevenly; give 'head:D' with D a divisor or a "
+                                         r"multiple of 12"):
+        find_units(model, find_weight_tensors(model), head_size=8)
+
+
 def test_an_attention_of_unknown_head_size_asks_for_it():
     class Attention(nn.Module):
         def __init__(self):
