@@ -18,7 +18,9 @@ attention (query, key, value; out)  families
 ``query_proj key_proj value_proj``  DeBERTa
 + the parent's ``output.dense``
 ``c_attn`` + ``c_proj``             GPT-2 (query, key and value side by side in one
-                                    ``Conv1D``)
+                                    ``Conv1D``); GPTBigCode (StarCoder, SantaCoder: its
+                                    attention states ``multi_query``) holds each head's
+                                    query, key and value in turn
 ``query_key_value`` + ``dense``     GPT-NeoX/Pythia, BLOOM (each head's query, key and
                                     value in turn in one projection)
 ``in_proj_weight`` + ``out_proj``   ``torch.nn.MultiheadAttention``
@@ -54,6 +56,9 @@ SEPARATE_QKV = (("query", "key", "value"), ("q_proj", "k_proj", "v_proj"), ("q",
 OUT_NAMES = ("o_proj", "out_proj", "o", "out_lin", "dense")
 PARENT_OUT = "output.dense"  # BERT-like: attention.self (query, key, value), attention.output
 FUSED_QKV = (("c_attn", "c_proj"),)  # GPT-2: [Q | K | V] in one projection
+# an attribute of GPTBigCode's attention, whose c_attn holds [q k v] of each head in turn
+# (multi-query: [Q | k | v], whose shapes do not chain: no unit is found)
+INTERLEAVED_MARK = "multi_query"
 # GPT-NeoX/Pythia, BLOOM: [q k v] of each head in turn, in one projection
 INTERLEAVED_QKV = (("query_key_value", "dense"),)
 FFN_NAMES = ((("intermediate.dense",), "output.dense"), (("gate_proj", "up_proj"), "down_proj"),
@@ -64,7 +69,7 @@ HEAD_SIZE_ATTRIBUTES = ("head_dim", "attention_head_size", "key_value_proj_dim",
 HEADS_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_heads", "n_head")
 LAYOUTS = ("BERT/RoBERTa/ViT (query, key, value; attention.output.dense)",
            "Llama/OPT/BART (q_proj, k_proj, v_proj; o_proj or out_proj)", "T5 (q, k, v, o)",
-           "DistilBERT (q_lin, k_lin, v_lin, out_lin)", "GPT-2 (c_attn, c_proj)",
+           "DistilBERT (q_lin, k_lin, v_lin, out_lin)", "GPT-2/GPTBigCode (c_attn, c_proj)",
            "GPT-NeoX/BLOOM (query_key_value, dense)",
            "torch.nn.MultiheadAttention (in_proj_weight, out_proj)")
 
@@ -129,7 +134,7 @@ def _attention(name: str, module: nn.Module, views: dict[str, tuple | None],
             fused, out = _weight(name, qkv), _weight(name, out)
             if views.get(fused) and views.get(out):
                 yield from _heads(name, module, views, head_size, (fused,), out, fused=True,
-                                  interleaved=interleaved)
+                                  interleaved=interleaved or hasattr(module, INTERLEAVED_MARK))
                 return
 
 
@@ -161,8 +166,9 @@ def _heads(name: str, module: nn.Module, views: dict[str, tuple | None],
                          f"heads evenly")
     group = size * heads // units  # query rows per unit (grouped-query attention: > size)
     ties = {}
-    if interleaved:  # [q k v] of head 0, of head 1, ...: one band of 3 x size per head
-        ties[projections[0]] = UnitTie(name, "head", units, ROWS, 3 * size, tuple(range(units)))
+    if interleaved:  # [q k v] of head 0, of head 1, ... (heads of the module's own size)
+        ties[projections[0]] = _interleaved_tie(name, units, size,
+                                                own_head_size(module, width) or size, width)
     elif fused:  # [Q | K | V]: three bands per head
         ties[projections[0]] = UnitTie(name, "head", units, ROWS, size, tuple(range(units)) * 3)
     else:
@@ -171,6 +177,27 @@ def _heads(name: str, module: nn.Module, views: dict[str, tuple | None],
             ties[kv] = UnitTie(name, "head", units, ROWS, size, tuple(range(units)))
     ties[out] = UnitTie(name, "head", units, COLUMNS, group, tuple(range(units)))
     yield ties
+
+
+def _interleaved_tie(name: str, units: int, size: int, own: int, width: int) -> UnitTie:
+    """The tie of a projection holding ``[q k v]`` of each of its own heads (of ``own``
+    features) in turn, for units of ``size`` features: whole heads are one band of their
+    query, key and value; a part of a head (``"head:D"``, D dividing ``own``) is a band in
+    each of its query, key and value.
+
+    Raises:
+        ValueError: ``size`` neither a multiple nor a divisor of ``own``.
+    """
+    if size % own == 0:
+        return UnitTie(name, "head", units, ROWS, 3 * size, tuple(range(units)))
+    if own % size:
+        raise ValueError(f"attention {name or 'model'!r}: pattern 'head:{size}' splits its "
+                         f"heads of {own} (query, key and value in turn in one projection) "
+                         f"unevenly; give 'head:D' with D a divisor or a multiple of {own}")
+    parts = own // size
+    return UnitTie(name, "head", units, ROWS, size, tuple(
+        head * parts + part for head in range(width // own) for _ in range(3)
+        for part in range(parts)))
 
 
 def own_head_size(module: nn.Module, width: int) -> int | None:

@@ -12,7 +12,8 @@ shapes (BERT, ViT, Llama, BART) or reads it from int attributes (:data:`HEAD_COU
 OPT's ``num_heads``, GPT-2's ``split_size``), which are
 scaled to the kept heads while the heads are removed
 (:func:`~sparse_training.layers.slim.sync_head_counts`); T5's relative attention bias per
-head keeps its heads masked-dense. The kept units are the ones the masked-dense engine
+head keeps its heads masked-dense, as does any other tensor sized by the heads (OLMo-2's
+and Cohere's query/key norms, StableLM's per-head norms, DeBERTa's ``pos_key_proj``). The kept units are the ones the masked-dense engine
 keeps at step 0 (the same score and ranking, :func:`~sparse_training.pieces.units.unit_masks`).
 """
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from torch import Tensor, nn
 
@@ -35,18 +36,28 @@ from sparse_training.pieces.units import ROWS, UnitTie, unit_masks
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_key_value_heads",
                "all_head_size", "inner_dim", "split_size")
 
+# the norms of the query and key features some attention modules hold (Qwen3, OLMo-2, ...)
+QK_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm",
+            "key_layernorm")
+
 Entry = tuple[int, TensorPlan, "str | None", nn.Module]  # (stream index, row, reason, module)
 
 
 def _counts_read(attention: nn.Module) -> list[str]:
     """The :data:`HEAD_COUNTS` that ``attention``'s ``forward`` reads (``self.<name>`` in its
-    source).
+    source or in the source of the methods of its own it calls, as Persimmon's
+    ``self._split_heads`` reads ``self.num_heads``).
 
     Raises:
         OSError, TypeError: the source cannot be read.
     """
-    source = inspect.getsource(type(attention).forward)
-    return sorted(set(re.findall(r"self\.(\w+)", source)) & set(HEAD_COUNTS))
+    cls, read, todo, seen = type(attention), set(), ["forward"], set()
+    while todo:
+        seen.add(name := todo.pop())
+        names = set(re.findall(r"self\.(\w+)", inspect.getsource(getattr(cls, name))))
+        read |= names
+        todo += [n for n in names - seen if inspect.isfunction(getattr(cls, n, None))]
+    return sorted(read & set(HEAD_COUNTS))
 
 
 def head_counts(attention: nn.Module, names: list[str] | None = None) -> dict[str, int]:
@@ -57,16 +68,18 @@ def head_counts(attention: nn.Module, names: list[str] | None = None) -> dict[st
             if isinstance(value := getattr(attention, name, None), int)}
 
 
-def heads_problem(attention: nn.Module, kept: int, units: int, band: int,
-                  width: int) -> str | None:
+def heads_problem(attention: nn.Module, kept: int, units: int, band: int, width: int,
+                  members: Collection[str] = ()) -> str | None:
     """Why the heads of ``attention`` cannot shrink to ``kept`` of its ``units``, or None:
     a unit (``band`` key/value features of the ``width`` query outputs) is not whole heads
     of the module's own size (``"head:D"`` with D no multiple of it: the slimmer module
     would split the kept features into heads of its own size across units), its
     ``forward`` cannot be read, reads a head count that is not an int attribute or that
     ``kept / units`` does not scale to a whole number, the module holds a relative
-    attention bias per head (T5: layer 0's bias serves every layer), or its forward takes
-    an ALiBi bias (BLOOM: the model builds it for every head of its config)."""
+    attention bias per head (T5: layer 0's bias serves every layer), its forward takes
+    an ALiBi bias (BLOOM: the model builds it for every head of its config), or it holds
+    another tensor sized by its heads (:func:`_per_head_tensor`; ``members``: the names of
+    its projections in it, which shrink)."""
     kind = type(attention).__name__
     if hasattr(attention, "relative_attention_bias") or hasattr(
             attention, "has_relative_attention_bias"):
@@ -85,6 +98,10 @@ def heads_problem(attention: nn.Module, kept: int, units: int, band: int,
         return (f"units of {band} features split {kind}'s heads of {own}, which a slimmer "
                 f"module would regroup; removing whole heads takes 'head' or 'head:D' with "
                 f"D a multiple of {own}")
+    if tensor := _per_head_tensor(attention, members, {units, width // own},
+                                  {width, band * units}, own):
+        return (f"{kind}.{tensor} is sized by all its heads: with some removed it would "
+                f"serve the kept heads' features as if they were all")
     try:
         read = _counts_read(attention)
     except (OSError, TypeError):
@@ -94,6 +111,32 @@ def heads_problem(attention: nn.Module, kept: int, units: int, band: int,
         return f"{kind}.forward reads self.{other[0]}, which is not an int head count"
     if odd := [name for name, value in counts.items() if value * kept % units]:
         return f"{kind}.{odd[0]} = {counts[odd[0]]} does not scale to {kept} of {units} heads"
+    return None
+
+
+def _per_head_tensor(attention: nn.Module, members: Collection[str], heads: set[int],
+                     widths: set[int], size: int) -> str | None:
+    """The first tensor of ``attention`` outside its projections ``members`` that is sized
+    by its ``heads`` (query and key/value head counts) or their features (``widths``), or
+    None: a dimension of one per head (Cohere's query norm, ``(heads, size)``), a module
+    list of one per head (StableLM's per-head norms), a query or key norm wider than one
+    head of ``size`` (OLMo-2's, over every head's features), or another projection into
+    the heads' features (DeBERTa's ``pos_key_proj`` without shared keys)."""
+    def inside_member(name: str) -> bool:
+        return any(name == m or name.startswith(f"{m}.") for m in members)
+
+    for name, child in attention.named_modules():
+        if not name or inside_member(name):
+            continue
+        if isinstance(child, nn.ModuleList) and len(child) in heads:
+            return name
+        if isinstance(child, nn.Linear) and child.weight.shape[0] in widths:
+            return f"{name}.weight"
+    for name, param in attention.named_parameters():
+        owner = name.rpartition(".")[0]
+        if not inside_member(owner) and (set(param.shape) & heads or (
+                owner in QK_NORMS and param.numel() > size)):
+            return name
     return None
 
 
@@ -183,8 +226,10 @@ def _group_problem(model: nn.Module, group: str, rows: Sequence[Entry],
         return f"{where}: no projection on both sides of the units"
     if kind == "head":  # key/value bands: a unit's head size; query bands: its group's
         sizes = [row.tie.size for _, row, _, _ in rows if row.tie.axis == ROWS]
+        inside = {name[len(group) + 1:].rpartition(".")[0] if group else name.rpartition(".")[0]
+                  for name in members if name.startswith(f"{group}.") or not group}
         return heads_problem(model.get_submodule(group), kept_count(tie.units, target),
-                             tie.units, min(sizes), max(sizes) * tie.units)
+                             tie.units, min(sizes), max(sizes) * tie.units, inside)
     return None
 
 

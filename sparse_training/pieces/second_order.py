@@ -19,14 +19,13 @@ the Fisher blocks).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from sparse_training.pieces.training_scores import finite, statistics_dtype
+from sparse_training.pieces.training_scores import finite, is_finite_number, statistics_dtype
 
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_DAMP = 1e-2
@@ -72,10 +71,13 @@ class SecondOrderScore:
                 self.block_size < 1):
             raise ValueError(f"SecondOrderScore.block_size must be an int >= 1, got "
                              f"{self.block_size!r}")
-        if not (isinstance(self.damp, int | float) and math.isfinite(self.damp)
-                and self.damp > 0):
+        if not (is_finite_number(self.damp) and self.damp > 0):
             raise ValueError(f"SecondOrderScore.damp must be a finite number > 0 (relative to "
                              f"the Fisher's mean diagonal), got {self.damp!r}")
+        for flag in ("update_weights", "joint"):  # a string such as "false" would read True
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"SecondOrderScore.{flag} must be True or False, got "
+                                 f"{getattr(self, flag)!r}")
 
     def statistics(self, param: Tensor) -> dict[str, Tensor]:
         rows, length = _rows(param)

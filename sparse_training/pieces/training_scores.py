@@ -29,8 +29,11 @@ that is pruned or grown restarts at zero).
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -59,6 +62,13 @@ def statistics_dtype(param: Tensor) -> torch.dtype:
 def finite(values: Tensor) -> Tensor:
     """``values`` with non-finite entries (an overflowed fp16 step's) as zeros."""
     return torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def is_finite_number(value: Any) -> bool:
+    """Whether ``value`` is a finite real number, not a bool (nor a string YAML left
+    unparsed, such as ``1e-2``)."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and math.isfinite(value))
 
 
 @dataclass(frozen=True)
@@ -106,10 +116,13 @@ class SoftMovementScore:
     window: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        if not (self.lr > 0 and self.l1 >= 0 and self.eps > 0
-                and all(0 <= b < 1 for b in self.betas)):
-            raise ValueError(f"SoftMovementScore needs lr > 0, l1 >= 0, eps > 0 and betas in "
-                             f"[0, 1), got {self!r}")
+        betas = self.betas
+        pair = isinstance(betas, Sequence) and not isinstance(betas, str) and len(betas) == 2
+        numbers_ = (self.lr, self.l1, self.eps, *(betas if pair else ()))
+        if not (pair and all(is_finite_number(v) for v in numbers_) and self.lr > 0
+                and self.l1 >= 0 and self.eps > 0 and all(0 <= b < 1 for b in betas)):
+            raise ValueError(f"SoftMovementScore needs finite numbers lr > 0, l1 >= 0, eps > 0 "
+                             f"and two betas in [0, 1), got {self!r}")
 
     def statistics(self, param: Tensor) -> dict[str, Tensor]:
         zeros = torch.zeros(param.shape, dtype=statistics_dtype(param), device=param.device)

@@ -43,6 +43,10 @@ def family(name: str) -> nn.Module:
         return t.GPTNeoXForCausalLM(t.GPTNeoXConfig(
             hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
             vocab_size=50, rotary_pct=0.5))
+    if name == "bigcode":  # a Linear c_attn holding each head's query, key and value in turn
+        return t.GPTBigCodeForCausalLM(t.GPTBigCodeConfig(
+            n_embd=64, n_inner=96, n_layer=1, n_head=4, vocab_size=50, multi_query=False,
+            bos_token_id=0, eos_token_id=0))
     if name == "distilbert":
         return t.DistilBertModel(t.DistilBertConfig(dim=64, hidden_dim=96, n_layers=1,
                                                     n_heads=4, vocab_size=50))
@@ -81,6 +85,9 @@ FAMILIES = {
               "gpt_neox.layers.0.attention.dense.weight": (1, 16, 4)}, 4,
              ["gpt_neox.layers.0.mlp.dense_h_to_4h.weight",
               "gpt_neox.layers.0.mlp.dense_4h_to_h.weight"]),
+    "bigcode": ({"transformer.h.0.attn.c_attn.weight": (0, 48, 4),
+                 "transformer.h.0.attn.c_proj.weight": (1, 16, 4)}, 4,
+                ["transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.weight"]),
     "torch": ({"layers.0.self_attn.in_proj_weight": (0, 16, 12),
                "layers.0.self_attn.out_proj.weight": (1, 16, 4)}, 4,
               ["layers.0.linear1.weight", "layers.0.linear2.weight"]),
@@ -111,6 +118,37 @@ def test_a_given_head_size_is_used_and_one_that_does_not_divide_is_refused():
     with pytest.raises(ValueError, match="pattern 'head:24' does not divide its query "
                                          "projection's 64"):
         find_units(model, tensors, head_size=24)
+
+
+@pytest.mark.parametrize("name, attention", [
+    ("neox", "gpt_neox.layers.0.attention"), ("bigcode", "transformer.h.0.attn")])
+@pytest.mark.parametrize("part", [4, 8])
+def test_part_heads_of_interleaved_projections_are_parts_of_each_query_key_and_value(
+        name, attention, part):
+    """'head:D' with D below the head size (16) on a projection holding each head's query,
+    key and value in turn: a unit is the same D features of one head's query, key and value
+    (and the output's columns reading them), not a slice of the [q k v] run across them."""
+    model = family(name)
+    engine = SparsityEngine(model, SparsityConfig(pattern=f"head:{part}", sparsity=0.5))
+    engine.prune()
+    qkv, out = attention + (".query_key_value" if name == "neox" else ".c_attn"), (
+        attention + (".dense" if name == "neox" else ".c_proj"))
+    rows = model.get_submodule(qkv).weight_mask.all(1).view(4, 3, 16 // part, part)
+    columns = model.get_submodule(out).weight_mask.all(0).view(4, 16 // part, part)
+    kept = rows[:, 0, :, 0]  # (head, part)
+    assert (rows == kept[:, None, :, None]).all() and (columns == kept[..., None]).all()
+    assert int(kept.sum()) == 64 // part // 2
+
+
+def test_an_interleaved_head_size_that_splits_heads_unevenly_is_refused():
+    model = transformers.GPTNeoXModel(transformers.GPTNeoXConfig(  # 4 heads of 12
+        hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        vocab_size=50))
+    with pytest.raises(ValueError, match=r"pattern 'head:8' splits its heads of 12 \(query, "
+                                         r"key and value in turn in one projection\) "
+                                         r"unevenly; give 'head:D' with D a divisor or a "
+                                         r"multiple of 12"):
+        find_units(model, find_weight_tensors(model), head_size=8)
 
 
 def test_an_attention_of_unknown_head_size_asks_for_it():
@@ -165,7 +203,7 @@ def test_the_hybrid_prunes_half_the_heads_and_neurons_and_they_no_longer_count()
     torch.testing.assert_close(model(input_ids=ids).start_logits, before)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "neox"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "neox", "bigcode"])
 def test_fused_and_grouped_query_attention_prune_whole_units(name):
     model = family(name)
     engine = SparsityEngine(model, SparsityConfig(pattern="head", sparsity=0.5,

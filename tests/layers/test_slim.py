@@ -1,16 +1,16 @@
 """SlimLinear: heads and neurons trained as physically smaller layers under compress."""
 
-import copy
 
 import pytest
 import pytorch_lightning as pl
 import torch
 from conftest import assert_same_fit, make_trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
+from tiny_hf import hf_inputs, hf_model
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from sparse_training import SlimLinear, SparsityCallback, SparsityConfig, SparsityEngine, densify
+from sparse_training import SlimLinear, SparsityCallback, SparsityConfig, SparsityEngine
 from sparse_training.engine.plan import SparsityPlan
 from sparse_training.layers.compress import compress_selected
 from sparse_training.layers.compress_units import head_counts, heads_problem
@@ -105,94 +105,6 @@ def test_loading_a_weight_nonzero_in_more_bands_than_kept_names_the_layer():
 def test_bad_layers_are_refused_naming_the_value(args, message):
     with pytest.raises(ValueError, match=message):
         SlimLinear(*args)
-
-
-def hf_model(family: str, seed: int = 0) -> nn.Module:
-    from transformers import (
-        BartConfig,
-        BartModel,
-        BertConfig,
-        BertModel,
-        BloomConfig,
-        BloomModel,
-        GPTNeoXConfig,
-        GPTNeoXModel,
-        LlamaConfig,
-        LlamaModel,
-        OPTConfig,
-        OPTModel,
-        ViTConfig,
-        ViTModel,
-    )
-
-    torch.manual_seed(seed)
-    small = dict(num_hidden_layers=2, num_attention_heads=4, intermediate_size=48)
-    config = {
-        "bert": lambda: BertModel(BertConfig(hidden_size=32, vocab_size=40, **small)),
-        "vit": lambda: ViTModel(ViTConfig(hidden_size=32, image_size=8, patch_size=4, **small)),
-        "llama": lambda: LlamaModel(LlamaConfig(hidden_size=32, vocab_size=40,
-                                                num_key_value_heads=2, **small)),
-        "bart": lambda: BartModel(BartConfig(d_model=32, vocab_size=40, encoder_layers=1,
-                                             decoder_layers=1, encoder_attention_heads=4,
-                                             decoder_attention_heads=4, encoder_ffn_dim=48,
-                                             decoder_ffn_dim=48)),
-        "opt": lambda: OPTModel(OPTConfig(hidden_size=32, vocab_size=40, ffn_dim=48,
-                                          word_embed_proj_dim=32, num_hidden_layers=2,
-                                          num_attention_heads=4)),
-        # each head's query, key and value in turn in one query_key_value projection
-        "neox": lambda: GPTNeoXModel(GPTNeoXConfig(hidden_size=32, vocab_size=40,
-                                                   rotary_pct=0.5, **small)),
-        "bloom": lambda: BloomModel(BloomConfig(hidden_size=32, vocab_size=40, n_layer=2,
-                                                n_head=4)),
-    }[family]
-    return config().double().eval()
-
-
-def hf_inputs(family: str):
-    g = torch.Generator().manual_seed(3)
-    if family == "vit":
-        return {"pixel_values": torch.randn(2, 3, 8, 8, generator=g, dtype=torch.float64)}
-    return {"input_ids": torch.randint(4, 40, (2, 7), generator=g)}
-
-
-@pytest.mark.parametrize("family", ["bert", "vit", "llama", "bart", "opt", "neox", "bloom"])
-def test_slim_models_compute_what_masked_dense_ones_do(family):
-    """float64: the compressed model (heads and neurons removed) against the masked-dense
-    engine's model at step 0; OPT's attention reads self.num_heads, which follows the kept
-    heads while they are removed and comes back with densify. GPT-NeoX holds each head's
-    query, key and value in turn in one projection; BLOOM too, but its heads stay
-    masked-dense (ALiBi)."""
-    config = SparsityConfig(**HEADS_AND_NEURONS, compress=True,
-                            deny=["embed|patch|pooler|lm_head|project"])
-    model, masked = hf_model(family), hf_model(family)
-    SparsityEngine(masked, config).prune()
-    rows, plan = compress_selected(model, SparsityPlan.build(model, config))
-    SparsityEngine(model, config, plan=plan.bound(model)).prune()  # masks what stays dense
-    slimmed, kept = [r for r in rows if r.layer is not None], [r for r in rows if r.layer is None]
-    assert slimmed and all(isinstance(r.layer, SlimLinear) for r in slimmed)
-    # BLOOM's heads stay masked-dense: the model builds its ALiBi bias for every head
-    assert bool(kept) == (family == "bloom") and all("ALiBi" in r.decision for r in kept)
-    attention = model.decoder.layers[0].self_attn if family == "opt" else None
-    if attention is not None:
-        assert attention.num_heads == 2 and attention.dense_head_counts == {"num_heads": 4}
-    with torch.no_grad():
-        out, expected = model(**hf_inputs(family)), masked(**hf_inputs(family))
-    torch.testing.assert_close(out.last_hidden_state, expected.last_hidden_state,
-                               rtol=0, atol=1e-10)
-    dense = copy.deepcopy(model)
-    densify(dense)
-    assert not any(isinstance(m, SlimLinear) for m in dense.modules())
-    if attention is not None:
-        restored = dense.decoder.layers[0].self_attn
-        assert restored.num_heads == 4 and not hasattr(restored, "dense_head_counts")
-    with torch.no_grad():
-        torch.testing.assert_close(dense(**hf_inputs(family)).last_hidden_state,
-                                   expected.last_hidden_state, rtol=0, atol=1e-10)
-    plain = hf_model(family, seed=5)
-    plain.load_state_dict(model.state_dict())  # strict: the original shapes
-    with torch.no_grad():
-        torch.testing.assert_close(plain(**hf_inputs(family)).last_hidden_state,
-                                   expected.last_hidden_state, rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("head_size", [4, 16])

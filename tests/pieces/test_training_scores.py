@@ -73,11 +73,16 @@ def test_soft_movement_is_adam_on_the_straight_through_gradient_plus_its_l1_pull
     torch.testing.assert_close(score(statistics, pairs[-1][0], 5), scores, rtol=0, atol=1e-12)
 
 
-def test_soft_movement_options_are_checked():
-    with pytest.raises(ValueError, match="lr > 0, l1 >= 0"):
-        SoftMovementScore(lr=0.0)
-    with pytest.raises(ValueError, match="betas in"):
-        SoftMovementScore(betas=(0.9, 1.0))
+@pytest.mark.parametrize("options", [dict(lr=0.0), dict(betas=(0.9, 1.0)),
+                                     dict(lr="1e-2"),  # YAML reads 1e-2 as a string
+                                     dict(betas=(0.9,)), dict(betas="0.9"), dict(l1=None),
+                                     dict(eps=float("inf")), dict(lr=True)])
+def test_soft_movement_options_are_checked(options):
+    """Refused at construction, naming the value, not at the first training step."""
+    with pytest.raises(ValueError, match=r"SoftMovementScore needs finite numbers lr > 0, "
+                                         r"l1 >= 0, eps > 0 and two betas in \[0, 1\), got "
+                                         r"SoftMovementScore\("):
+        SoftMovementScore(**options)
 
 
 def inverse_fisher(gradients, damp):
@@ -163,6 +168,11 @@ def test_second_order_without_gradients_and_bad_options_are_refused():
         SecondOrderScore(block_size=0)
     with pytest.raises(ValueError, match="damp must be a finite number > 0"):
         SecondOrderScore(damp=float("nan"))
+    # a YAML string "false" is truthy: it would have updated the weights
+    with pytest.raises(ValueError, match="update_weights must be True or False, got 'false'"):
+        SecondOrderScore(update_weights="false")
+    with pytest.raises(ValueError, match="joint must be True or False, got 1"):
+        SecondOrderScore(joint=1)
 
 
 def test_a_block_without_gradient_is_damped_by_the_tensors_mean_fisher():
