@@ -33,7 +33,7 @@ from sparse_training.callbacks.fit_engine import (
     start_engine,
 )
 from sparse_training.callbacks.resume import own_state, unreadable_checkpoint
-from sparse_training.callbacks.steps import fit_length, logs_batch, schedule_step
+from sparse_training.callbacks.steps import clips_gradients, fit_length, logs_batch, schedule_step
 from sparse_training.config import (
     DEFAULT_LAYER_TYPES,
     LayerTypes,
@@ -315,7 +315,7 @@ class SparsityCallback(Callback):
             if warning := unused_warning(engine, optimizer):
                 rank_zero_warn(f"SparsityCallback: {warning}")
         engine.before_optimizer_step(optimizer, schedule_step(trainer),
-                                     clipping=trainer.gradient_clip_val is not None)
+                                     clipping=clips_gradients(trainer))
         if self._averaged is not None:  # regrowth changes masks here
             self._averaged.sync()
 
