@@ -19,11 +19,13 @@ from typing import TYPE_CHECKING, Any
 import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
+from torch.optim import Optimizer
 
 from sparse_training.callbacks.averaging import AveragedMasks, averaged_copies
-from sparse_training.callbacks.fit_checks import counts, schedule_warnings
+from sparse_training.callbacks.fit_checks import counts, placeholder, schedule_warnings
 from sparse_training.engine import SparsityEngine
 from sparse_training.engine.distributed import keep_masks_out_of_buffer_broadcast
+from sparse_training.engine.optimizer_hooks import optimizer_problem
 from sparse_training.engine.slots import MASK_SUFFIX
 from sparse_training.layers.compress import held_apart
 
@@ -129,3 +131,26 @@ def start_engine(engine: SparsityEngine, trainer: pl.Trainer, config: SparsityCo
     keep_masks_out_of_buffer_broadcast(trainer.strategy.model, engine.slots)
     copies = averaged_copies(trainer)
     return AveragedMasks(engine, trainer.lightning_module, copies) if copies else None
+
+
+def follow_optimizers(engine: SparsityEngine, trainer: pl.Trainer, pl_module: nn.Module,
+                      attached: list[Optimizer]) -> list[Optimizer]:
+    """``trainer.optimizers``, each attached to ``engine``, where it is not ``attached``
+    (the list the engine was given last): optimizers replaced during the fit
+    (``trainer.strategy.setup_optimizers``, the ``trainer.optimizers`` setter) train the
+    masks from their first step, the replaced ones are released.
+
+    Raises:
+        ValueError: the new optimizers do not train the model's sparse tensors, as at the
+            fit's start (:func:`~sparse_training.engine.optimizer_hooks.optimizer_problem`).
+    """
+    if trainer.optimizers is attached:
+        return attached
+    optimizers = [o for o in trainer.optimizers if not placeholder(o)]
+    if problem := optimizer_problem(pl_module, engine.plan, optimizers):
+        raise ValueError(f"SparsityCallback: {problem}")
+    for optimizer in optimizers:
+        engine.attach(optimizer)
+    for optimizer in set(engine.attached_optimizers) - set(optimizers):
+        engine.release(optimizer)
+    return trainer.optimizers

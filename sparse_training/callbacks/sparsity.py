@@ -26,9 +26,14 @@ from sparse_training.callbacks.fit_checks import (
     uncompressed_problem,
     unused_warning,
 )
-from sparse_training.callbacks.fit_engine import FitStart, engine_for_fit, start_engine
+from sparse_training.callbacks.fit_engine import (
+    FitStart,
+    engine_for_fit,
+    follow_optimizers,
+    start_engine,
+)
 from sparse_training.callbacks.resume import own_state, unreadable_checkpoint
-from sparse_training.callbacks.steps import fit_length, logs_batch, schedule_step
+from sparse_training.callbacks.steps import clips_gradients, fit_length, logs_batch, schedule_step
 from sparse_training.config import (
     DEFAULT_LAYER_TYPES,
     LayerTypes,
@@ -136,6 +141,7 @@ class SparsityCallback(Callback):
         # configure_model); a resumed fit may then have given them back to its checkpoint
         self._start: FitStart | None = None  # this fit's, until its first training batch
         self._averaged: AveragedMasks | None = None  # weight averaging's copies, fit start on
+        self._optimizers: list[Optimizer] = []  # trainer.optimizers as the engine has them
 
     @classmethod
     def from_config(cls, source: str | Path | Mapping[str, Any]) -> SparsityCallback:
@@ -289,13 +295,13 @@ class SparsityCallback(Callback):
                                      {name for name, _ in self._swapped}, trainer.global_step)
         self._averaged = start_engine(self.engine, trainer, self.config, total,
                                       restored is not None)
-        self._unused_checked = False
-        self._fitting = True
+        self._unused_checked, self._fitting, self._optimizers = False, True, trainer.optimizers
 
     # -- steps ----------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                              batch: Any, batch_idx: int) -> None:
         self._start, self._swapped = None, []  # trained from now on: an error keeps them
+        self._optimizers = follow_optimizers(self._engine(), trainer, pl_module, self._optimizers)
         self._engine().on_step_start(schedule_step(trainer))
         if self._averaged is not None:
             self._averaged.sync()
@@ -303,12 +309,13 @@ class SparsityCallback(Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: Optimizer) -> None:
         engine = self._engine()
+        self._optimizers = follow_optimizers(engine, trainer, pl_module, self._optimizers)
         if not self._unused_checked:
             self._unused_checked = True
             if warning := unused_warning(engine, optimizer):
                 rank_zero_warn(f"SparsityCallback: {warning}")
         engine.before_optimizer_step(optimizer, schedule_step(trainer),
-                                     clipping=trainer.gradient_clip_val is not None)
+                                     clipping=clips_gradients(trainer))
         if self._averaged is not None:  # regrowth changes masks here
             self._averaged.sync()
 
@@ -343,7 +350,7 @@ class SparsityCallback(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._fitting = False
         self._restored, self._swapped, self._start = None, [], None  # ends with the stage
-        self._compressing, self._plan, self._averaged = None, None, None
+        self._compressing, self._plan, self._averaged, self._optimizers = None, None, None, []
         if self.engine is not None:
             self.engine.detach()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 import pytorch_lightning as pl
+from pytorch_lightning.utilities.model_helpers import is_overridden
 
 
 def schedule_step(trainer: pl.Trainer) -> int:
@@ -38,6 +39,14 @@ def fit_length(trainer: pl.Trainer, optimizers: int) -> int | None:
     if trainer.lightning_module.automatic_optimization or trainer.max_steps < 0:
         return int(total)
     return min(int(total), math.ceil(trainer.max_steps / max(optimizers, 1)))
+
+
+def clips_gradients(trainer: pl.Trainer) -> bool:
+    """Whether Lightning may clip the gradients of the step in progress after
+    ``on_before_optimizer_step``: the Trainer's ``gradient_clip_val`` is set, or the
+    LightningModule clips by its own ``configure_gradient_clipping``."""
+    return trainer.gradient_clip_val is not None or is_overridden(
+        "configure_gradient_clipping", trainer.lightning_module)
 
 
 def logs_batch(trainer: pl.Trainer) -> bool:

@@ -321,16 +321,25 @@ class SparsityEngine(SlotSet):
                     functools.partial(after_step, self.updater, self, attached))]
         attached.start(optimizer, self.updater.dense_state)
 
+    @property
+    def attached_optimizers(self) -> list[Optimizer]:
+        """The optimizers attached, in the order they were."""
+        return list(self._attached)
+
+    def release(self, optimizer: Optimizer) -> None:
+        """Remove ``optimizer``'s hooks and forget it (an optimizer the training loop
+        replaced: the engine keeps neither it nor its state alive)."""
+        for handle in self._attached.pop(optimizer).handles:
+            handle.remove()
+        self.fused_optimizers.discard(optimizer)
+
     def detach(self) -> None:
         """Remove the optimizer hooks and give up the tensors (another engine may take
         them); the masks stay on the model."""
-        for attached in self._attached.values():
-            for handle in attached.handles:
-                handle.remove()
         if self._attached:
             ownership.hold_for_training(self.model, self, held=False)
-        self._attached.clear()
-        self.fused_optimizers.clear()
+        for optimizer in list(self._attached):
+            self.release(optimizer)
         for slot in self.slots:
             slot.detach()
             ownership.give_up(slot.param, self)

@@ -69,6 +69,28 @@ def test_gradient_clipping_sees_the_masked_norm():
     assert seen and not any(seen)  # masked before the clip reads the gradients
 
 
+class OwnClipping(TinyNet):
+    """Clips in its own ``configure_gradient_clipping`` (Lightning's hook for clipping by
+    its own rule), without the Trainer's ``gradient_clip_val``; records whether the first
+    layer's pruned gradients were nonzero when it clipped."""
+
+    def __init__(self):
+        super().__init__()
+        self.pruned_gradients_seen = []
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
+                                    gradient_clip_algorithm=None):
+        layer = self.net[0]
+        self.pruned_gradients_seen.append(bool(layer.weight.grad[~layer.weight_mask].any()))
+        self.clip_gradients(optimizer, gradient_clip_val=0.01, gradient_clip_algorithm="norm")
+
+
+def test_clipping_of_the_module_own_sees_the_masked_norm():
+    model = OwnClipping()
+    make_trainer([SparsityCallback("2:4")], max_epochs=1).fit(model, make_loader())
+    assert model.pruned_gradients_seen and not any(model.pruned_gradients_seen)
+
+
 def test_several_optimizers():
     sparse = SparsityCallback("unstructured", sparsity=0.6, schedule="gmp", frequency=2)
     audit = MaskAudit(sparse)

@@ -380,6 +380,48 @@ def test_fit_time_cases_handled_as_documented(settings, model_class, callbacks, 
     check(model, sparse, trainer, start)
 
 
+class SwitchToSGD(Callback):
+    """At epoch 1 the optimizer is replaced (Adam, then SGD with momentum), ``how``: through
+    ``trainer.strategy.setup_optimizers`` (configure_optimizers again) or the
+    ``trainer.optimizers`` setter; at every later batch end the new optimizer's state and
+    the weights are checked zero where pruned, and the replaced optimizer unhooked."""
+
+    def __init__(self, sparse: SparsityCallback, how: str) -> None:
+        self.sparse, self.how, self.replaced, self.checked = sparse, how, None, 0
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch != 1:
+            return
+        self.replaced = trainer.optimizers[0]
+        if self.how == "setup_optimizers":
+            pl_module.optimizer_name = "sgd"
+            trainer.strategy.setup_optimizers(trainer)
+        else:
+            trainer.optimizers = [torch.optim.SGD(pl_module.parameters(), lr=1e-2,
+                                                  momentum=0.9)]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.replaced is None:
+            return
+        (optimizer,) = trainer.optimizers
+        assert isinstance(optimizer, torch.optim.SGD) and optimizer.state
+        assert_masks_hold(self.sparse.engine, [optimizer])
+        assert not self.replaced._optimizer_step_pre_hooks  # released, not kept alive
+        assert not self.replaced._optimizer_step_post_hooks
+        self.checked += 1
+
+
+@pytest.mark.parametrize("how", ["setup_optimizers", "setter"])
+def test_an_optimizer_replaced_during_the_fit_is_attached(how):
+    """Replacing the optimizers mid-fit (a switch from Adam to SGD) hands the new ones the
+    masks, through RigL's regrowth too; the replaced ones are released."""
+    sparse = SparsityCallback(pattern="unstructured", sparsity=0.75, schedule="constant",
+                              score="random", regrow="rigl", frequency=2, regrow_end=1.0)
+    switch = SwitchToSGD(sparse, how)
+    make_trainer([sparse, switch], max_epochs=2).fit(TinyNet(), make_loader(n=64))
+    assert switch.checked == 4 and sparse.engine.updater.last_regrow == 6
+
+
 def _square_net() -> TinyNet:
     model = TinyNet()
     model.net = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
