@@ -292,6 +292,30 @@ def test_auto_measures_on_the_gpu_trainer_and_takes_the_faster_path(lightning_lo
     assert isinstance(model.net[0], BlockSparseLinear) == compresses
 
 
+@pytest.mark.parametrize("pattern, density", [("block:64x64", 0.1), ("2:4", 0.5)])
+def test_auto_times_cuda_graph_replays_of_both_paths(pattern, density):
+    """A graphed key captures each path's training step (forward, backward, capturable
+    fused AdamW) in a CUDA graph and times its replays."""
+    key = auto_paths.PathKey((1024, 768), pattern, density, "bf16",
+                             auto_paths.device_name(torch.device("cuda")), 4096, graphed=True)
+    timing = auto_paths.measure_step(key, torch.device("cuda"), budget_ms=5.0)
+    assert 0 < timing.compressed_ms < 1e3 and 0 < timing.masked_dense_ms < 1e3
+
+
+def test_auto_under_reduce_overhead_times_replays_and_trains(lightning_log, tmp_path,
+                                                            monkeypatch):
+    """compress='auto' on a model compiled with mode='reduce-overhead' times CUDA-graph
+    replays (the rows say so) and the model trains on the paths it chose."""
+    monkeypatch.setenv("SPARSE_TRAINING_CACHE", str(tmp_path))
+    fresh_compiler()
+    deny, _ = FAMILIES["bert"]
+    model = TinyHF("reduce-overhead", family="bert")
+    sparse = SparsityCallback(**{**SETTINGS["block 64x64 90%"], "compress": "auto"}, deny=deny)
+    gpu_trainer([sparse]).fit(model, hf_loader("bert"))
+    assert "as CUDA-graph replays" in lightning_log.text
+    assert all(torch.isfinite(torch.tensor(model.losses)))
+
+
 def engine_steps(model: nn.Module, engine, optimizer, x: torch.Tensor, steps: range) -> None:
     """Training steps as Lightning runs them: the engine's step start, a closure (zero_grad,
     forward under bf16 autocast, backward, the engine before the optimizer step) that the

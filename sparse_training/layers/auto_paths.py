@@ -8,7 +8,10 @@ and the weight under autocast, then ``AdamW`` on its fp32 weight) and compressed
 ``BlockSparseLinear`` or ``SemiStructuredLinear`` of a random weight with the same
 pattern and density, the same step). After warm-up calls (Triton's autotuning, the 2:4
 layer's own path choice) it takes the median of repetitions that fill a budget of
-:data:`BUDGET_MS`. The layer compresses where
+:data:`BUDGET_MS`. A model compiled to replay CUDA graphs (``mode="reduce-overhead"``,
+:func:`replays_cuda_graphs`) has no host time between its kernels, so its keys are timed
+the same way: each step captured once in a CUDA graph and its replays timed, the GPU's
+time alone. The layer compresses where
 
     compressed_ms <= (1 - MARGIN) * masked_dense_ms
 
@@ -70,11 +73,14 @@ class PathKey:
     dtype: str  # compute dtype, dtype_name's
     device: str  # device_name's
     tokens: int  # rows of the input per step
+    graphed: bool = False  # timed as CUDA-graph replays (the model replays CUDA graphs)
 
     def cache_key(self, versions: str) -> str:
-        """``versions|device|OUTxIN|pattern|density|dtype|tokens``: the cache's entry."""
+        """``versions|device|OUTxIN|pattern|density|dtype|tokens``, ``|cuda graph`` added
+        for a graphed key: the cache's entry."""
         return "|".join((versions, self.device, "x".join(map(str, self.shape)), self.pattern,
-                         f"{self.density:g}", self.dtype, str(self.tokens)))
+                         f"{self.density:g}", self.dtype, str(self.tokens),
+                         *["cuda graph"] * self.graphed))
 
 
 @dataclass(frozen=True)
@@ -89,13 +95,14 @@ class Timing:
         """compressed_ms <= (1 - MARGIN) * masked_dense_ms."""
         return self.compressed_ms <= (1 - MARGIN) * self.masked_dense_ms
 
-    def text(self, tokens: int) -> str:
-        """The measured times, the chosen path's first."""
+    def text(self, key: PathKey) -> str:
+        """The times measured for ``key``, the chosen path's first."""
         first, second = ("compressed", "masked-dense") if self.compresses else (
             "masked-dense", "compressed")
         times = {"compressed": self.compressed_ms, "masked-dense": self.masked_dense_ms}
         return (f"auto: {first} measured {times[first]:.3f} ms, {second} {times[second]:.3f} "
-                f"ms per step at {tokens} tokens")
+                f"ms per step at {key.tokens} tokens"
+                + " as CUDA-graph replays" * key.graphed)
 
 
 Measure = Callable[[PathKey, torch.device], Timing]
@@ -128,6 +135,25 @@ def versions() -> str:
     except ImportError:
         triton_version = "-"
     return f"torch {torch.__version__}|triton {triton_version}"
+
+
+def replays_cuda_graphs(module: nn.Module) -> bool:
+    """Whether ``module`` (or a submodule) is compiled to replay CUDA graphs: Inductor's
+    ``triton.cudagraphs`` (``mode="reduce-overhead"``) in the compiler config of an
+    ``OptimizedModule`` (``torch.compile(module)``), of ``module.compile()``, or of the
+    ``torch.compile``-d LightningModule Lightning unwrapped (its ``_compiler_ctx``)."""
+    def cudagraphs(config: object) -> bool:
+        return isinstance(config, Mapping) and bool(config.get("triton.cudagraphs"))
+
+    for sub in module.modules():
+        compiled = (sub, getattr(sub, "_compiled_call_impl", None))
+        if any(cudagraphs(getattr(f, "get_compiler_config", lambda: None)()) for f in compiled):
+            return True
+        context = getattr(sub, "_compiler_ctx", None)
+        if isinstance(context, Mapping) and cudagraphs(
+                getattr(context.get("dynamo_ctx"), "compiler_config", None)):
+            return True
+    return False
 
 
 def time_steps(steps: Mapping[str, Callable[[], object]], device: torch.device,
@@ -185,28 +211,52 @@ def measure_step(key: PathKey, device: torch.device, budget_ms: float = BUDGET_M
         x = torch.randn(key.tokens, in_features, device=device, dtype=dtype,
                         requires_grad=True)
         grad = torch.randn(key.tokens, out_features, device=device, dtype=dtype)
-        steps = {"masked-dense": _train_step(dense, x, grad, dtype),
-                 "compressed": _train_step(compressed, x, grad, dtype)}
+        steps = {name: _train_step(layer, x, grad, dtype, key.graphed) for name, layer in
+                 (("masked-dense", dense), ("compressed", compressed))}
+        if key.graphed:
+            steps = {name: _replayed(step, device) for name, step in steps.items()}
         times = time_steps(steps, device, budget_ms)
     return Timing(times["masked-dense"], times["compressed"])
 
 
 def _train_step(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor,
-                dtype: torch.dtype) -> Callable[[], None]:
-    """One step of ``layer``: forward under autocast to ``dtype``, backward to ``x`` and
-    the parameters, AdamW (fused on CUDA)."""
-    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-6, fused=x.is_cuda or None)
+                dtype: torch.dtype, capturable: bool = False) -> Callable[[], None]:
+    """One step of ``layer``: forward under autocast to ``dtype`` (no cast cache, which a
+    CUDA graph cannot hold), backward to ``x`` and the parameters, AdamW (fused on CUDA;
+    ``capturable`` for a CUDA graph)."""
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-6, fused=x.is_cuda or None,
+                                  capturable=capturable)
     autocast = dtype != torch.float32
 
     def step() -> None:
         x.grad = None
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(x.device.type, dtype=dtype, enabled=autocast):
+        with torch.autocast(x.device.type, dtype=dtype, enabled=autocast,
+                            cache_enabled=False):
             out = layer(x)
         out.backward(grad)
         optimizer.step()
 
     return step
+
+
+def _replayed(step: Callable[[], None], device: torch.device) -> Callable[[], None]:
+    """The replay of ``step`` captured in a CUDA graph, after :data:`WARMUP` calls on a side
+    stream (the capture recipe of ``torch.cuda.graphs``): the step without its host time.
+
+    Raises:
+        RuntimeError: what capturing raises (the caller says the layer was not measured).
+    """
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(WARMUP):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 def cache_path() -> Path:

@@ -114,7 +114,7 @@ def compress_selected(model: nn.Module, plan: SparsityPlan,
                       compute_dtype: torch.dtype | None = None, *,
                       measure: Measure | None = None, cache: PathCache | None = None,
                       progress: Callable[[str], object] | None = None,
-                      agree: Callable[[list], list] | None = None
+                      agree: Callable[[list], list] | None = None, graphed: bool = False
                       ) -> tuple[list[SwapRow], SparsityPlan]:
     """Swap the selected Linear weights of ``plan`` that can train compressed, in place
     (module doc), each with the mask masked-dense training keeps at step 0.
@@ -128,6 +128,8 @@ def compress_selected(model: nn.Module, plan: SparsityPlan,
         measure, cache, progress, agree: how ``"auto"`` times the layers, where it keeps
             the times, says each measurement and makes ranks agree
             (:func:`~sparse_training.layers.auto_paths.choose_paths`).
+        graphed: the model replays CUDA graphs: ``"auto"`` times CUDA-graph replays
+            (:func:`~sparse_training.layers.auto_paths.replays_cuda_graphs`).
 
     Returns:
         One row per selected tensor's module (``compressed``, or why it trains
@@ -168,7 +170,7 @@ def compress_selected(model: nn.Module, plan: SparsityPlan,
         elif config.compress == "auto":
             where, dtype = device or module.weight.device, compute_dtype or module.weight.dtype
             if (reason := unmeasured_reason(where, dtype)) is None:
-                reason = _path_key(row, where, dtype, config.auto_tokens)
+                reason = _path_key(row, where, dtype, config.auto_tokens, graphed)
                 keys.setdefault(reason, where)
         else:
             reason = None
@@ -183,9 +185,9 @@ def compress_selected(model: nn.Module, plan: SparsityPlan,
         if isinstance(timing, str):  # why it could not be measured
             entries[i] = (index, row, timing, module)
         elif timing.compresses:
-            entries[i], notes[row.name] = (index, row, None, module), timing.text(key.tokens)
+            entries[i], notes[row.name] = (index, row, None, module), timing.text(key)
         else:
-            entries[i] = (index, row, timing.text(key.tokens), module)
+            entries[i] = (index, row, timing.text(key), module)
     units = shrinkable_units(model, plan, entries, lambda w, i: _first_score(w, i, config))
     entries = [(i, row, units[row.name][0] if row.name in units else reason, module)
                for i, row, reason, module in entries]
@@ -223,13 +225,14 @@ def compress_selected(model: nn.Module, plan: SparsityPlan,
 
 
 def _path_key(row: TensorPlan, device: torch.device, dtype: torch.dtype,
-              tokens: int) -> PathKey:
+              tokens: int, graphed: bool) -> PathKey:
     """The measurement ``row``'s layer stands for: its shape, pattern, kept share (the
-    blocks its target keeps; half for 2:4), compute dtype, device and tokens."""
+    blocks its target keeps; half for 2:4), compute dtype, device, tokens and whether it
+    replays as a CUDA graph."""
     density = 0.5 if row.pattern.is_nm else kept_count(
         row.block_count, row.sparsity) / row.block_count
     return PathKey(matrix_shape(row), row.pattern.spec, round(density, 3),
-                   dtype_name(dtype), device_name(device), tokens)
+                   dtype_name(dtype), device_name(device), tokens, graphed)
 
 
 def follow_checkpoint(model: nn.Module, plan: SparsityPlan, saved: Any,

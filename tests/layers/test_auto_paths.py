@@ -43,10 +43,11 @@ class FakeMeasure:
 
 
 def decide(cache: PathCache, measure, model: nn.Module | None = None, dtype=torch.bfloat16,
-           **settings):
+           graphed: bool = False, **settings):
     model = model or Layers()
     plan = SparsityPlan.build(model, SparsityConfig(**{**BLOCKS, **settings}))
-    rows, plan = compress_selected(model, plan, CUDA, dtype, measure=measure, cache=cache)
+    rows, plan = compress_selected(model, plan, CUDA, dtype, measure=measure, cache=cache,
+                                   graphed=graphed)
     return model, {r.name: r.decision for r in rows}, plan
 
 
@@ -82,6 +83,59 @@ def test_auto_tokens_and_the_compute_dtype_make_the_key(tmp_path):
                              auto_tokens=512)
     assert {(k.tokens, k.dtype) for k in measure.keys} == {(512, "fp32")}
     assert decisions["c"].endswith("per step at 512 tokens")
+
+
+def test_a_model_replaying_cuda_graphs_is_timed_as_replays_cached_apart(tmp_path):
+    """Under CUDA graphs the host's time between kernels is gone: the keys ask for graph
+    replays, the rows say so, and the cache keeps those times apart from eager ones."""
+    path = tmp_path / "t.json"
+    graphed = FakeMeasure()
+    _, decisions, _ = decide(PathCache(path), graphed, graphed=True)
+    assert [k.graphed for k in graphed.keys] == [True, True]
+    assert decisions["a"].endswith("per step at 8192 tokens as CUDA-graph replays")
+    assert all(entry.endswith("|8192|cuda graph")
+               for entry in json.loads(path.read_text())["timings"])
+    eager = FakeMeasure()
+    _, decisions, _ = decide(PathCache(path), eager)
+    assert [k.graphed for k in eager.keys] == [False, False]  # measured again, eagerly
+    assert decisions["a"].endswith("per step at 8192 tokens")
+
+
+def _compiled(mode: str) -> nn.Module:
+    """A model holding a Linear compiled the way ``mode`` names (nothing runs: compiling is
+    lazy)."""
+    model = Layers()
+    if mode == "plain":
+        return model
+    if mode == "module.compile(reduce-overhead)":
+        model.a.compile(mode="reduce-overhead")
+        return model
+    kwargs = {"torch.compile(reduce-overhead)": dict(mode="reduce-overhead"),
+              "torch.compile(default)": {}, "torch.compile(aot_eager)": dict(backend="aot_eager"),
+              "torch.compile(max-autotune-no-cudagraphs)": dict(mode="max-autotune-no-cudagraphs"),
+              "torch.compile(options cudagraphs)": dict(options={"triton.cudagraphs": True})}[mode]
+    model.a = torch.compile(model.a, **kwargs)
+    return model
+
+
+@pytest.mark.parametrize("mode, replays", [
+    ("plain", False), ("torch.compile(default)", False), ("torch.compile(aot_eager)", False),
+    ("torch.compile(max-autotune-no-cudagraphs)", False),
+    ("torch.compile(reduce-overhead)", True), ("module.compile(reduce-overhead)", True),
+    ("torch.compile(options cudagraphs)", True)])
+def test_replays_cuda_graphs_reads_the_compile_mode(mode, replays):
+    assert auto_paths.replays_cuda_graphs(_compiled(mode)) is replays
+
+
+@pytest.mark.parametrize("mode, replays", [("reduce-overhead", True), ("default", False)])
+def test_a_compiled_lightning_module_lightning_unwrapped_says_its_mode(mode, replays):
+    """``trainer.fit(torch.compile(module, mode=...))``: Lightning unwraps the module before
+    the callback's setup and keeps the compile context on it."""
+    from conftest import TinyNet
+    from pytorch_lightning.utilities.compile import from_compiled
+
+    module = from_compiled(torch.compile(TinyNet(), mode=mode))
+    assert auto_paths.replays_cuda_graphs(module) is replays
 
 
 def test_2to4_is_measured_too(tmp_path):
