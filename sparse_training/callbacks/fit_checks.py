@@ -5,7 +5,7 @@ the one-line counts."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 
 from sparse_training.engine.dynamic import make_updater
 from sparse_training.engine.optimizer_hooks import fused_problem
+from sparse_training.engine.ownership import shared_tensor
 from sparse_training.engine.protocol import CompressedLayer
 from sparse_training.pieces.schedules import Gradual
 
@@ -117,3 +118,17 @@ def unused_warning(engine: SparsityEngine, optimizer: Optimizer) -> str | None:
     return (f"{len(unused)} selected tensors got no gradient in the first step (unused by the "
             f"loss, like a pooler?): {unused}; deny them to keep them dense and out of the "
             f"sparsity figures")
+
+
+def overlap_problem(callbacks: Sequence[object],
+                    plans: Sequence[SparsityPlan | None]) -> str | None:
+    """One owner per tensor: the first tensor two of ``callbacks`` (the SparsityCallbacks
+    of one Trainer, with their ``plans`` of its module) would both hold, naming both, or
+    None."""
+    shared = shared_tensor(plans)
+    if shared is None:
+        return None
+    name, i, j = shared
+    return (f"tensor {name!r} is selected by two callbacks, {callbacks[i]!r} and "
+            f"{callbacks[j]!r} (SparsityCallbacks {i + 1} and {j + 1} of the Trainer); a "
+            f"tensor has one owner: give them disjoint selections (allow/deny)")

@@ -22,6 +22,7 @@ from sparse_training.callbacks.fit_checks import (
     compute_dtype,
     counts,
     fit_problem,
+    overlap_problem,
     placeholder,
     uncompressed_problem,
     unused_warning,
@@ -42,7 +43,6 @@ from sparse_training.config import (
 )
 from sparse_training.engine import SparsityEngine
 from sparse_training.engine.optimizer_hooks import optimizer_problem
-from sparse_training.engine.ownership import shared_tensor
 from sparse_training.engine.plan import SparsityPlan
 from sparse_training.engine.protocol import CompressedLayer
 from sparse_training.engine.sharding import FSDP1_PROBLEM
@@ -255,13 +255,7 @@ class SparsityCallback(Callback):
         callbacks = [c for c in trainer.callbacks if isinstance(c, SparsityCallback)]
         if len(callbacks) < 2 or not find_weight_tensors(pl_module):
             return None
-        shared = shared_tensor([c._plan_or_none(pl_module) for c in callbacks])
-        if shared is None:
-            return None
-        name, i, j = shared
-        return (f"tensor {name!r} is selected by two callbacks, {callbacks[i]!r} and "
-                f"{callbacks[j]!r} (SparsityCallbacks {i + 1} and {j + 1} of the Trainer); a "
-                f"tensor has one owner: give them disjoint selections (allow/deny)")
+        return overlap_problem(callbacks, [c._plan_or_none(pl_module) for c in callbacks])
 
     def _plan_or_none(self, pl_module: nn.Module) -> SparsityPlan | None:
         """:meth:`_plan_for`, None where selection raises (this callback raises it itself)."""
