@@ -255,11 +255,21 @@ class SparsityConfig(SettingChecks):
 
     @classmethod
     def load(cls, source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
-        """Read settings from a YAML file or a dict (OmegaConf); unknown keys are an error.
+        """Read settings from a YAML (or JSON) file or a dict (OmegaConf); unknown keys are
+        an error.
+
+        Args:
+            source: the file's path (a str or ``pathlib.Path``), or a mapping of settings.
 
         Raises:
-            ValueError: not a mapping, or an unknown key (the nearest valid one named).
+            TypeError: ``source`` is neither a path nor a mapping.
+            ValueError: the file holds no mapping, or an unknown key (the nearest valid one
+                named).
         """
+        if not isinstance(source, str | Path | Mapping):
+            raise TypeError(f"SparsityConfig.load takes the path of a YAML or JSON file (a str "
+                            f"or pathlib.Path) or a mapping of settings, got {source!r} of type "
+                            f"{type(source).__name__}")
         from omegaconf import OmegaConf
 
         conf = OmegaConf.load(source) if isinstance(source, str | Path) else OmegaConf.create(

@@ -4,13 +4,18 @@ pieces given for ``schedule`` and ``regrow``, and the options no chosen method r
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import fields
 
-from sparse_training.config.values import check_choice, check_target, is_int, is_real
+from sparse_training.config.values import check_choice, check_target, is_int
 from sparse_training.pieces.patterns import Pattern
-from sparse_training.pieces.regrowth import DEFAULT_REGROW_END, SRSTE, RegrowthRule
+from sparse_training.pieces.regrowth import (
+    DEFAULT_REGROW_END,
+    SRSTE,
+    RegrowthRule,
+    check_decay,
+    check_fraction,
+)
 from sparse_training.pieces.schedules import Gradual, Schedule, check_step, schedule_settings
 from sparse_training.pieces.score_registry import TRAINING_SCORES, parse_training_score
 
@@ -82,9 +87,7 @@ class SettingChecks:
                              f"({pattern.spec!r}); use the plain N:M pattern")
         if self.regrow == "sr-ste" and not pattern.is_nm:
             raise ValueError(f"regrow='sr-ste' trains N:M masks; got pattern {pattern.spec!r}")
-        if not is_real(self.regrow_fraction) or not 0.0 < self.regrow_fraction <= 1.0:
-            raise ValueError(f"regrow_fraction must be a number in (0, 1], got "
-                             f"{self.regrow_fraction!r}")
+        check_fraction(self.regrow_fraction, "regrow_fraction")
         end, start = check_step(self.regrow_end, "regrow_end"), check_step(self.start, "start")
         if self.regrow != "sr-ste" and (end == 0 or (type(end) is type(start)
                                                      and end <= start)):
@@ -92,10 +95,7 @@ class SettingChecks:
                              f"{self.regrow!r} would never drop and grow; "
                              f"give a later step (int) or fraction of training (float; default "
                              f"{DEFAULT_REGROW_END})")
-        if (not is_real(self.sr_ste_decay) or not math.isfinite(self.sr_ste_decay)
-                or self.sr_ste_decay < 0):
-            raise ValueError(f"sr_ste_decay must be a finite number >= 0, got "
-                             f"{self.sr_ste_decay!r}")
+        check_decay(self.sr_ste_decay, "sr_ste_decay")
 
     def _check_units(self, pattern: Pattern) -> None:
         """Unit patterns (heads, neurons) tie several tensors to one choice of units: one

@@ -23,11 +23,14 @@ dimensions, tied ones once), in this order:
    (:func:`~sparse_training.engine.structure.find_units`): it takes the block pattern of
    its share, tied to the other selected members of its block, which must share one
    target;
-7. **shape**: a tensor whose 2-D view cannot take its N:M pattern (block patterns take
-   any shape, the last blocks overhanging), or whose target keeps none of its blocks,
-   stays dense, and so does a task head: fewer outputs than M under N:M (a 2-output QA
-   head), fewer rows than the block under a block pattern. A tensor named by ``allow`` or
-   ``overrides`` raises instead for the first two, and is pruned for the third.
+7. **shape**: a tensor stays dense when its 2-D view cannot take its N:M pattern (block
+   patterns take any shape, the last blocks overhanging), when it has three or more
+   dimensions, a pattern other than unstructured and an owner that is not a convolution
+   (stacked MoE experts: which dimension is the input is not known), or when its target
+   keeps none of its blocks; so does a task head: fewer outputs than M under N:M (a
+   2-output QA head), fewer rows than the block under a block pattern. A tensor named by
+   ``allow`` or ``overrides`` raises instead for the first three, and is pruned for the
+   last.
 
 Regexes are searched (``re.search``) in the qualified tensor names, e.g.
 ``bert.encoder.layer.0.attention.self.query.weight`` (a compressed layer's tensor also

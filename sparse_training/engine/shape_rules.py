@@ -1,16 +1,34 @@
-"""Why a selected tensor cannot take its pattern: its 2-D view's shape, a task head too
-small for the pattern, a target that keeps no block, a tie across layouts (rule 7 of
-:mod:`sparse_training.engine.selection`)."""
+"""Why a selected tensor cannot take its pattern: no known input dimension, its 2-D view's
+shape, a task head too small for the pattern, a target that keeps no block, a tie across
+layouts (rule 7 of :mod:`sparse_training.engine.selection`)."""
 
 from __future__ import annotations
+
+from torch import nn
 
 from sparse_training.engine.tensors import WeightTensor
 from sparse_training.pieces.masks import as_matrix, kept_count, view_shape_problem
 from sparse_training.pieces.patterns import Pattern
 
 
+def groups_along_input(pattern: Pattern) -> bool:
+    """Whether ``pattern`` groups a tensor's entries along its input dimension (N:M groups,
+    blocks): every pattern but unstructured."""
+    return pattern.is_nm or pattern.block_rows * pattern.block_cols > 1
+
+
 def shape_problem(tensor: WeightTensor, pattern: Pattern) -> str | None:
-    return view_shape_problem(pattern, tensor.param, tensor.input_dim)
+    """Why ``tensor`` cannot take ``pattern``: no known input dimension (a weight of three
+    or more dimensions of a module that is not a convolution, such as stacked MoE experts,
+    ``(experts, out, in)`` in transformers' ``MixtralExperts``), or its 2-D view's shape."""
+    weight = tensor.param
+    if groups_along_input(pattern) and weight.dim() > 2 and not all(
+            isinstance(module, nn.modules.conv._ConvNd) for module, _ in tensor.owners):
+        return (f"a {weight.dim()}-D weight ({'x'.join(map(str, weight.shape))}) of "
+                f"{tensor.kind}, not a convolution, names no input dimension to group along "
+                f"(stacked experts may be (experts, out, in) or (experts, in, out)); give it "
+                f"'unstructured' (an override) or deny it")
+    return view_shape_problem(pattern, weight, tensor.input_dim)
 
 
 def head_problem(tensor: WeightTensor, pattern: Pattern) -> str | None:
@@ -47,8 +65,7 @@ def empty_problem(pattern: Pattern, target: float | None, blocks: int,
 
 def layout_problem(tensor: WeightTensor, pattern: Pattern) -> str | None:
     """Why a tensor tied across layouts cannot take a structured pattern, or None."""
-    if len(set(tensor.input_dims)) == 1 or (
-            not pattern.is_nm and pattern.block_rows * pattern.block_cols == 1):
+    if len(set(tensor.input_dims)) == 1 or not groups_along_input(pattern):
         return None
     owners = ", ".join(f"{name!r} ({type(module).__name__}, input dim {dim})" for name,
                        (module, _), dim in zip(tensor.names, tensor.owners, tensor.input_dims,

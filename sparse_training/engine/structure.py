@@ -31,8 +31,10 @@ FFN neurons: ``intermediate.dense``/``output.dense`` (BERT, ViT), ``gate_proj``,
 ``up_proj``/``down_proj`` (Llama), ``c_fc``/``c_proj`` (GPT-2), ``wi`` or ``wi_0``,
 ``wi_1``/``wo`` (T5), ``fc1``/``fc2`` (OPT, BART), ``linear1``/``linear2``
 (``nn.TransformerEncoderLayer``), ``lin1``/``lin2`` (DistilBERT), ``w1``, ``w3``/``w2``
-(Mixtral experts), ``dense_h_to_4h``/``dense_4h_to_h``; the shapes must chain (up rows =
-down columns).
+(torchtitan's Llama; Mixtral's experts before transformers 5, whose ``MixtralExperts`` holds
+each projection of all experts as one 3-D tensor: no neuron layout, see
+:func:`~sparse_training.engine.shape_rules.shape_problem`),
+``dense_h_to_4h``/``dense_4h_to_h``; the shapes must chain (up rows = down columns).
 
 The head size is the pattern's (``"head:64"``) or the attention module's own
 (``head_dim``, ``attention_head_size``, ``key_value_proj_dim``, or the projection's rows
@@ -266,9 +268,8 @@ def check_unit_rows(rows: Sequence[Any], patterns: Sequence[Pattern]) -> None:
         wanted = any(not row.selected and row.reason == not_a_member(pattern) for row in rows)
         if wanted and not any(row.selected and row.tie is not None
                               and row.tie.kind == pattern.unit for row in rows):
-            layouts = "; ".join(LAYOUTS) if pattern.unit == "head" else (
-                "intermediate.dense/output.dense, gate_proj/up_proj/down_proj, c_fc/c_proj, "
-                "wi/wo, fc1/fc2, linear1/linear2, lin1/lin2")
+            layouts = "; ".join(LAYOUTS) if pattern.unit == "head" else ", ".join(
+                "/".join((*ups, down)) for ups, down in FFN_NAMES)
             raise ValueError(f"pattern {pattern.spec!r} found no {pattern.unit} in the model: "
                              f"no module of a recognized layout ({layouts}); use a block "
                              f"pattern, or deny these tensors")

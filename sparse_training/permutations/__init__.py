@@ -18,8 +18,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from sparse_training.engine.slots import MASK_SUFFIX
-from sparse_training.permutations.search import kept_magnitude, search_permutation
-from sparse_training.permutations.sites import Site, find_sites
+from sparse_training.permutations.search import check_seconds, kept_magnitude, search_permutation
+from sparse_training.permutations.sites import Site, check_model, find_sites
 from sparse_training.pieces.patterns import parse_pattern
 
 __all__ = ["Site", "find_sites", "kept_magnitude", "permute_channels", "search_permutation"]
@@ -72,15 +72,14 @@ def _check_site(site: Site, m: int, optimizer: Optimizer | None) -> None:
                                  f"{tuple(value.shape)}, not the parameter's {tuple(tensor.shape)}")
 
 
-def _search(weight: Tensor, n: int, m: int, heads: int, seed: int,
-            max_seconds: float | None) -> Tensor:
-    """A permutation of ``weight``'s input channels that maps each head onto itself."""
+def _search(weight: Tensor, n: int, m: int, heads: int, seed: int, max_seconds: float) -> Tensor:
+    """A permutation of ``weight``'s input channels that maps each head onto itself, within
+    ``max_seconds`` (inf: converge) shared evenly by the heads still to search."""
     size = weight.shape[1] // heads
-    deadline = time.perf_counter() + (float("inf") if max_seconds is None else max_seconds)
+    deadline = time.perf_counter() + max_seconds
     parts = []
     for h in range(heads):
-        budget = None if max_seconds is None else max(
-            0.0, (deadline - time.perf_counter()) / (heads - h))
+        budget = max(0.0, (deadline - time.perf_counter()) / (heads - h))
         perm = search_permutation(weight[:, h * size:(h + 1) * size], n, m, seed=seed,
                                   max_seconds=budget)
         parts.append(perm + h * size)
@@ -119,7 +118,7 @@ def permute_channels(
         pattern: the N:M pattern that pruning will use, e.g. ``"2:4"``.
         sites: the sites to permute (default: ``find_sites(model)``).
         seed: passed to :func:`search_permutation`.
-        max_seconds_per_site: search budget of each site (None: converge).
+        max_seconds_per_site: search budget of each site (None: converge; 0: no search).
         optimizer: an optimizer whose state follows the permuted parameters.
 
     Returns:
@@ -128,7 +127,9 @@ def permute_channels(
         ``gain = kept_after / kept_before - 1``.
 
     Raises:
-        ValueError: for a pattern that is not ``"N:M"``, or a site whose input channels
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: for a pattern that is not ``"N:M"``, a negative or NaN
+            ``max_seconds_per_site``, or a site whose input channels
             (per head) are not a multiple of M, whose tensors do not match its channels,
             that already has a mask, or whose optimizer state is not parameter-shaped;
             all checked before anything changes.
@@ -138,7 +139,9 @@ def permute_channels(
         >>> [row["site"] for row in permute_channels(mlp, "2:4")]
         ['2']
     """
+    check_model(model, "permute_channels")
     n, m = _parse_nm(pattern)
+    budget = check_seconds(max_seconds_per_site, "max_seconds_per_site")
     sites = find_sites(model) if sites is None else list(sites)
     for site in sites:
         _check_site(site, m, optimizer)
@@ -147,7 +150,7 @@ def permute_channels(
         start = time.perf_counter()
         weight = getattr(*site.consumer)
         before = kept_magnitude(weight, n, m)
-        _apply(site, _search(weight, n, m, site.heads, seed, max_seconds_per_site), optimizer)
+        _apply(site, _search(weight, n, m, site.heads, seed, budget), optimizer)
         after = kept_magnitude(weight, n, m)
         rows.append({"site": site.name, "kept_before": before, "kept_after": after,
                      "gain": after / before - 1 if before > 0 else 0.0,

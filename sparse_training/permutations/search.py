@@ -14,6 +14,8 @@ so the permutation acts on the dimension the N:M groups run along.
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 
 import torch
@@ -25,6 +27,17 @@ WINDOW_WORK = 2**30  # |x - t| terms in one window's first swap map: about 1 s o
 MAX_WINDOW = 4096  # columns; the swap map is (window x window) float64, 128 MiB at 4096
 MIN_PASS_GAIN = 0.01  # windows are reshuffled while a pass adds this fraction of the gain
 TOLERANCE = 1e-9  # a swap must gain this fraction of a mean column's magnitude
+
+
+def check_seconds(value: float | None, name: str) -> float:
+    """A search budget in seconds: None (converge) as inf, else a number >= 0 (0: no
+    search); ValueError naming ``name`` for anything else (negative, NaN, not a number)."""
+    if value is None:
+        return math.inf
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
+        raise ValueError(f"{name} must be a number of seconds >= 0 or None (search until "
+                         f"converged), got {value!r}")
+    return float(value)
 
 
 def _check_nm(weight: Tensor, n: int, m: int) -> Tensor:
@@ -54,8 +67,8 @@ def kept_magnitude(weight: Tensor, n: int, m: int) -> float:
     keeps for ``f"{n}:{m}"`` (which ranks in float32, so exact ties may differ).
 
     Raises:
-        ValueError: if N:M is not ``1 <= N <= M`` or the input channels are not a
-            multiple of M.
+        ValueError: if N:M is not ``1 <= N <= M``, the input channels are not a
+            multiple of M, or ``max_seconds`` is negative, NaN or not a number.
 
     Example:
         >>> kept_magnitude(torch.tensor([[0.1, -3.0, 2.0, 0.5]]), 2, 4)
@@ -166,14 +179,15 @@ def search_permutation(weight: Tensor, n: int, m: int, *, seed: int = 0,
         weight: a Linear ``(out, in)`` or Conv ``(out, in, *kernel)`` weight.
         n, m: N kept in every M consecutive input channels.
         seed: seeds the shuffles of the windows.
-        max_seconds: stop after the round that passes this budget (None: converge).
+        max_seconds: stop after the round that passes this budget (None: converge; 0:
+            the identity).
 
     Returns:
         A LongTensor permutation of ``range(in)`` on the weight's device.
 
     Raises:
-        ValueError: if N:M is not ``1 <= N <= M`` or the input channels are not a
-            multiple of M.
+        ValueError: if N:M is not ``1 <= N <= M``, the input channels are not a
+            multiple of M, or ``max_seconds`` is negative, NaN or not a number.
 
     Example:
         >>> w = torch.randn(64, 64)
@@ -182,11 +196,11 @@ def search_permutation(weight: Tensor, n: int, m: int, *, seed: int = 0,
         True
     """
     a = _check_nm(weight, n, m)
+    deadline = time.perf_counter() + check_seconds(max_seconds, "max_seconds")
     rows, c = a.shape
     identity = torch.arange(c, device=a.device)
     if n == m or c == m:  # nothing pruned, or a single group
         return identity
-    deadline = time.perf_counter() + (float("inf") if max_seconds is None else max_seconds)
     generator = torch.Generator().manual_seed(seed)
     per_window = max(2, min(MAX_WINDOW, int((WINDOW_WORK / rows) ** 0.5)) // m)  # groups
     perm, within = identity.clone(), torch.arange(m, device=a.device)

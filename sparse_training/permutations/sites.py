@@ -113,6 +113,14 @@ def _plain(site: Site, shared: set[int]) -> bool:
     return True
 
 
+def check_model(model: nn.Module, function: str) -> None:
+    """Raise TypeError, naming ``function`` and the value, unless ``model`` is an
+    ``nn.Module``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{function} takes a model (a torch.nn.Module), got {model!r} of type "
+                        f"{type(model).__name__}")
+
+
 def find_sites(model: nn.Module) -> list[Site]:
     """Every permutation site of ``model``, in module order.
 
@@ -122,11 +130,15 @@ def find_sites(model: nn.Module) -> list[Site]:
     attention's value -> ``output.dense``, permuted within each head. Sites whose tensors
     are parametrized or tied to another module are skipped.
 
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+
     Example:
         >>> mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
         >>> [site.name for site in find_sites(mlp)]
         ['2']
     """
+    check_model(model, "find_sites")
     seen: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         seen[id(p)] = seen.get(id(p), 0) + 1

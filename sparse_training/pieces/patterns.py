@@ -79,6 +79,11 @@ class Pattern:
         unit: ``"head"`` or ``"neuron"`` for unit patterns (several tensors per unit; the
             block fields are then resolved per tensor by selection), else None.
         unit_size: the head size a ``"head:D"`` pattern gives, or None (the model's).
+
+    Raises:
+        ValueError: fields no pattern string gives: a block dimension below 1, N:M not
+            ints ``1 <= N <= M`` (or both None), transposable without N:M or with
+            M > MAX_TRANSPOSABLE_M, a head size below 1.
     """
 
     block_rows: int = 1
@@ -89,6 +94,25 @@ class Pattern:
     spec: str = "unstructured"
     unit: str | None = None
     unit_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if problem := self._field_problem():
+            raise ValueError(f"pattern {self.spec!r}: {problem}")
+
+    def _field_problem(self) -> str | None:
+        """What no pattern string could give in these fields, or None."""
+        if not (_is_int(self.block_rows) and _is_int(self.block_cols)
+                and self.block_rows >= 1 and self.block_cols >= 1):
+            return f"block dimensions must be >= 1, got {self.block_rows!r}x{self.block_cols!r}"
+        if (self.n, self.m) != (None, None) and not (
+                _is_int(self.n) and _is_int(self.m) and 1 <= self.n <= self.m):
+            return f"N must satisfy 1 <= N <= M, got N={self.n!r}, M={self.m!r}"
+        if self.transposable and (self.m is None or self.m > MAX_TRANSPOSABLE_M):
+            return (f"transposable N:M supports M <= {MAX_TRANSPOSABLE_M} (exact search over "
+                    f"all N-regular tiles), got M={self.m!r}")
+        if self.unit_size is not None and not (_is_int(self.unit_size) and self.unit_size >= 1):
+            return f"the head size must be >= 1, got {self.unit_size!r}"
+        return None
 
     @property
     def is_unit(self) -> bool:
@@ -164,8 +188,8 @@ def parse_pattern(spec: str | Pattern) -> Pattern:
     """Parse a pattern string (see the module docstring) into a :class:`Pattern`.
 
     Raises:
-        ValueError: for an unknown form, N < 1, N > M, a block dimension below 1, or a
-            transposable pattern with M > MAX_TRANSPOSABLE_M.
+        ValueError: for an unknown form, or fields :class:`Pattern` refuses (N < 1, N > M,
+            a block dimension below 1, a transposable pattern with M > MAX_TRANSPOSABLE_M).
 
     Example:
         >>> parse_pattern("2:4")
@@ -188,20 +212,13 @@ def parse_pattern(spec: str | Pattern) -> Pattern:
         raise ValueError(f"unknown pattern {spec!r}; valid forms: {', '.join(PATTERN_FORMS)}")
     fields = {k: v for k, v in match.groupdict().items() if v is not None}
     n, m = (int(fields["n"]), int(fields["m"])) if "n" in fields else (None, None)
-    if m is not None and not 1 <= n <= m:
-        raise ValueError(f"pattern {spec!r}: N must satisfy 1 <= N <= M, got N={n}, M={m}")
-    if "transposable" in fields and m > MAX_TRANSPOSABLE_M:
-        raise ValueError(f"pattern {spec!r}: transposable N:M supports M <= {MAX_TRANSPOSABLE_M} "
-                         f"(exact search over all N-regular tiles), got M={m}")
-    rows = int(fields.get("rows", 1))
-    cols = int(fields.get("cols", 1))
-    if rows < 1 or cols < 1:
-        raise ValueError(f"pattern {spec!r}: block dimensions must be >= 1, got {rows}x{cols}")
     unit_size = int(fields["unit_size"]) if "unit_size" in fields else None
-    if unit_size is not None and unit_size < 1:
-        raise ValueError(f"pattern {spec!r}: the head size must be >= 1, got {unit_size}")
-    return Pattern(rows, cols, n, m, "transposable" in fields, text, fields.get("unit"),
-                   unit_size)
+    return Pattern(int(fields.get("rows", 1)), int(fields.get("cols", 1)), n, m,
+                   "transposable" in fields, text, fields.get("unit"), unit_size)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _checked(pattern: Pattern) -> Pattern:

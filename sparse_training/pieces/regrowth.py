@@ -27,6 +27,7 @@ gradient.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -42,12 +43,28 @@ from sparse_training.pieces.masks import (
     score_stack,
 )
 from sparse_training.pieces.patterns import Pattern
-from sparse_training.pieces.schedules import Step, to_steps
+from sparse_training.pieces.schedules import Step, check_step, to_steps
 from sparse_training.pieces.scores import Score
 
 DEFAULT_ALPHA = 0.3  # RigL's drop fraction (Evci et al. 2020, Table 1 setting)
 DEFAULT_REGROW_END = 0.75  # RigL stops mask updates at 75% of training
 DEFAULT_SR_STE_DECAY = 2e-4  # lambda_W of Zhou et al. 2021
+
+
+def check_fraction(value: float, name: str) -> float:
+    """``value`` as a float in (0, 1] (RigL's alpha); ValueError naming ``name`` else."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not 0.0 < value <= 1.0):
+        raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
+    return float(value)
+
+
+def check_decay(value: float, name: str) -> float:
+    """``value`` as a finite float >= 0 (SR-STE's lambda); ValueError naming ``name`` else."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(value) or value < 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
 
 
 def cosine_fraction(step: int, end: int, alpha: float) -> float:
@@ -100,11 +117,20 @@ class RegrowthRule:
     Attributes:
         fraction: alpha, the share of active blocks swapped at the first update.
         end: no swaps from this step (int) or fraction of training (float) on.
+
+    Raises:
+        ValueError: ``fraction`` outside (0, 1] or a bad ``end``, named as the piece's field
+            (``RigL.fraction``).
     """
 
     name: ClassVar[str]
     fraction: float = DEFAULT_ALPHA
     end: Step = DEFAULT_REGROW_END
+
+    def __post_init__(self) -> None:
+        piece = type(self).__name__
+        object.__setattr__(self, "fraction", check_fraction(self.fraction, f"{piece}.fraction"))
+        object.__setattr__(self, "end", check_step(self.end, f"{piece}.end"))
 
     def settings(self) -> dict[str, Any]:
         """The flat settings this piece stands for."""
@@ -129,10 +155,17 @@ class SET(RegrowthRule):
 class SRSTE:
     """SR-STE as a piece: ``regrow=SRSTE(decay=1e-4)`` is ``regrow="sr-ste",
     sr_ste_decay=1e-4`` (Zhou et al. 2021: N:M masks from |w| at every step, the pruned
-    weights decayed by ``decay``)."""
+    weights decayed by ``decay``).
+
+    Raises:
+        ValueError: ``decay`` not a finite number >= 0 (named ``SRSTE.decay``).
+    """
 
     name: ClassVar[str] = "sr-ste"
     decay: float = DEFAULT_SR_STE_DECAY
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "decay", check_decay(self.decay, "SRSTE.decay"))
 
     def settings(self) -> dict[str, Any]:
         """The flat settings this piece stands for."""

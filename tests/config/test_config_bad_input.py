@@ -174,6 +174,15 @@ def test_config_file_errors(tmp_path, text, message):
         SparsityCallback.from_config(path)
 
 
+@pytest.mark.parametrize("source", [[1, 2], 3, None, b"pattern: 2:4"])
+def test_config_source_neither_path_nor_mapping(source):
+    with pytest.raises(TypeError, match=rf"^SparsityConfig.load takes the path of a YAML or JSON "
+                                        rf"file \(a str or pathlib.Path\) or a mapping of "
+                                        rf"settings, got {re.escape(repr(source))} of type "
+                                        rf"{type(source).__name__}$"):
+        SparsityCallback.from_config(source)
+
+
 HANDLED = [  # accepted, normalized as the docs say
     (dict(pattern="unstructured", sparsity=np.float32(0.5)), "sparsity", 0.5),
     (dict(pattern="unstructured", sparsity=np.float64(0.25)), "sparsity", 0.25),

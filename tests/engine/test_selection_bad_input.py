@@ -6,6 +6,8 @@ by hand-made counts)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -38,6 +40,22 @@ class CrossLayoutTie(nn.Module):
         self.proj = _conv1d(16, 16)
         self.back = nn.Linear(16, 16)
         self.back.weight = self.proj.weight
+
+
+class StackedExperts(nn.Module):
+    """A MoE block's experts as one parameter, ``(experts, out, in)`` as transformers 5's
+    ``MixtralExperts`` holds them, beside a Conv2d, whose 4-D kernel still takes N:M."""
+
+    def __init__(self, experts: int = 8) -> None:
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(experts, 16, 8))
+        self.conv = nn.Conv2d(8, 8, 3)
+
+
+EXPERTS_TYPES = [StackedExperts, "Conv2d"]
+NO_INPUT_DIM = ("a 3-D weight ({}) of StackedExperts, not a convolution, names no input "
+                "dimension to group along (stacked experts may be (experts, out, in) or "
+                "(experts, in, out)); give it 'unstructured' (an override) or deny it")
 
 
 def _seq(*shapes: tuple[int, int]) -> nn.Module:
@@ -97,6 +115,10 @@ SELECTION_ERRORS = [  # (model, settings, message)
     (lambda: nn.Sequential(nn.ConvTranspose2d(6, 8, 3)), dict(layer_types=["ConvTranspose2d"],
                                                             allow=["0"]),
      r"'0.weight' \(shape \(6, 8, 3, 3\)\) .* cannot take pattern '2:4': 6 input features"),
+    (StackedExperts, dict(pattern="block:4x4", sparsity=0.5, layer_types=EXPERTS_TYPES,
+                          allow=["up"]),
+     r"^tensor 'up' \(shape \(8, 16, 8\)\) was asked for by name but cannot take pattern "
+     r"'block:4x4': " + re.escape(NO_INPUT_DIM.format("8x16x8")) + "$"),
 ]
 
 
@@ -193,6 +215,18 @@ def _global_overhang(model, plans, slots):
     assert kept == 10 - 5  # 3 x 2 blocks of 40x30, 1 x 4 of 10x64: round(0.5 x 10) pruned
 
 
+def _experts_dense(shape: str):
+    def check(model, plans, slots):
+        assert plans["up"].reason == f"shape cannot take '2:4': {NO_INPUT_DIM.format(shape)}"
+        assert set(slots) == {"conv.weight"} and (_groups(slots["conv.weight"].mask, 1, 4)
+                                                  == 2).all()
+    return check
+
+
+def _experts_unstructured(model, plans, slots):
+    assert int(slots["up"].mask.sum()) == 8 * 16 * 8 // 2
+
+
 def _lstm_and_attention_along_inputs(model, plans, slots):
     assert len(slots) == 5
     for slot in slots.values():  # (4H, in), (4H, proj), (proj, H), (3E, E), (E, E)
@@ -231,6 +265,11 @@ SELECTION_HANDLED = [  # (model, settings, check of (model, plans by name, slots
      _global_overhang),
     (lambda: nn.ModuleList([nn.LSTM(8, 8, proj_size=4), nn.MultiheadAttention(8, 2)]), dict(),
      _lstm_and_attention_along_inputs),
+    (StackedExperts, dict(layer_types=EXPERTS_TYPES), _experts_dense("8x16x8")),
+    (lambda: StackedExperts(2), dict(layer_types=EXPERTS_TYPES),  # not "2 outputs < M"
+     _experts_dense("2x16x8")),
+    (StackedExperts, dict(pattern="unstructured", sparsity=0.5, layer_types=EXPERTS_TYPES),
+     _experts_unstructured),
 ]
 
 
@@ -245,4 +284,21 @@ def test_selection_handled_as_documented(make_model, settings, check):
 
 def test_the_tables_hold_every_case():
     """Guards against a row lost in an edit: the exact size of every table here."""
-    assert (len(SELECTION_ERRORS), len(SELECTION_HANDLED)) == (14, 14)
+    assert (len(SELECTION_ERRORS), len(SELECTION_HANDLED)) == (15, 17)
+
+
+@pytest.mark.parametrize("experts", [2, 8])
+def test_mixtral_experts_stay_dense_under_nm_with_the_reason(experts):
+    """transformers 5's MixtralExperts: gate_up_proj (experts, 2 x ffn, hidden) and
+    down_proj (experts, hidden, ffn); 2 experts are no "task head", 8 no N:M along dim 1."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=experts, vocab_size=64))
+    kind = type(model.model.layers[0].mlp.experts)
+    plans, slots = _plans(model, layer_types=["Linear", kind])
+    for name, shape in (("gate_up_proj", f"{experts}x128x32"), ("down_proj", f"{experts}x32x64")):
+        reason = plans[f"model.layers.0.mlp.experts.{name}"].reason
+        assert reason.startswith(f"shape cannot take '2:4': a 3-D weight ({shape}) of "
+                                 f"{kind.__name__}, not a convolution"), reason
+    assert "model.layers.0.self_attn.q_proj.weight" in slots

@@ -213,6 +213,27 @@ def test_bad_shapes_change_nothing():
         search_permutation(torch.randn(8), 2, 4)
 
 
+@pytest.mark.parametrize("call", [lambda: permute_channels("x"), lambda: find_sites(3)])
+def test_a_model_that_is_no_module_is_a_type_error(call):
+    with pytest.raises(TypeError, match=r"^(permute_channels|find_sites) takes a model \(a "
+                                        r"torch.nn.Module\), got ('x'|3) of type (str|int)$"):
+        call()
+
+
+@pytest.mark.parametrize("seconds", [-1, float("nan"), "10", True])
+def test_a_bad_search_budget_is_refused_before_anything_changes(seconds):
+    model = _mlp()
+    weights = [p.clone() for p in model.parameters()]
+    shown = re.escape(repr(seconds))
+    with pytest.raises(ValueError, match=rf"^max_seconds_per_site must be a number of seconds "
+                                         rf">= 0 or None \(search until converged\), got {shown}$"):
+        permute_channels(model, max_seconds_per_site=seconds)
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
+    with pytest.raises(ValueError, match=rf"^max_seconds must be a number of seconds >= 0 .* "
+                                         rf"got {shown}$"):
+        search_permutation(torch.randn(8, 16), 2, 4, max_seconds=seconds)
+
+
 def test_bad_heads():
     model = _bert(hidden=24, heads=4, intermediate=32)  # 6 channels per head
     with pytest.raises(ValueError, match=r"site 'encoder.layer.0.attention.output.dense': "

@@ -1,5 +1,5 @@
 """Patterns at the edges: kernels whose taps a tile would straddle, float64 weights ranked in
-float64, hand-built ``Pattern`` objects checked like strings, non-string patterns."""
+float64, hand-built ``Pattern`` objects refusing what no string gives, non-string patterns."""
 
 from __future__ import annotations
 
@@ -40,22 +40,35 @@ def test_float64_weights_are_ranked_in_float64():
     assert pattern_mask(tiny, "unstructured", 0.75)[0].tolist() == [False, True, False, False]
 
 
-@pytest.mark.parametrize("pattern, match", [
-    (Pattern(1, 1, 5, 4, False, "5:4"), r"is not a valid pattern: pattern '5:4': N must "
-                                         r"satisfy 1 <= N <= M"),
-    (Pattern(1, 1, 0, 4, False, "0:4"), r"is not a valid pattern"),
-    (Pattern(0, 4, None, None, False, "block:0x4"), r"is not a valid pattern"),
-    (Pattern(1, 1, 2, 4, False, "unstructured"), r"is not the pattern its spec 'unstructured' "
-                                                  r"names .*build patterns with parse_pattern"),
-    (Pattern(1, 1, 2, 8, True, "2:8:2d"), r"transposable N:M supports M <= "),
+@pytest.mark.parametrize("fields, match", [
+    (dict(n=5, m=4), r"^pattern 'unstructured': N must satisfy 1 <= N <= M, got N=5, M=4$"),
+    (dict(n=0, m=4, spec="0:4"), r"^pattern '0:4': N must satisfy 1 <= N <= M, got N=0, M=4$"),
+    (dict(n=2), r"N must satisfy 1 <= N <= M, got N=2, M=None$"),
+    (dict(n=2.0, m=4), r"N must satisfy 1 <= N <= M, got N=2.0, M=4$"),
+    (dict(block_rows=0, block_cols=4, spec="block:0x4"),
+     r"^pattern 'block:0x4': block dimensions must be >= 1, got 0x4$"),
+    (dict(block_rows=True), r"block dimensions must be >= 1, got Truex1$"),
+    (dict(n=2, m=8, transposable=True, spec="2:8:2d"),
+     r"^pattern '2:8:2d': transposable N:M supports M <= 5 \(.*\), got M=8$"),
+    (dict(transposable=True), r"transposable N:M supports M <= 5 \(.*\), got M=None$"),
+    (dict(unit="head", unit_size=0, spec="head:0"),
+     r"^pattern 'head:0': the head size must be >= 1, got 0$"),
 ])
-def test_a_hand_built_pattern_is_checked_like_its_string(pattern, match):
+def test_a_hand_built_pattern_refuses_what_no_string_gives(fields, match):
+    with pytest.raises(ValueError, match=match):
+        Pattern(**fields)
+
+
+def test_a_hand_built_pattern_must_be_what_its_spec_names():
+    pattern = Pattern(1, 1, 2, 4, False, "unstructured")
+    match = r"is not the pattern its spec 'unstructured' names .*build patterns with parse_pattern"
     with pytest.raises(ValueError, match=match):
         parse_pattern(pattern)
     with pytest.raises(ValueError, match=match):
         SparsityConfig(pattern=pattern)
-    good = parse_pattern("2:4:2d")
-    assert parse_pattern(Pattern(1, 1, 2, 4, True, "2:4:2d")) == good
+    with pytest.raises(ValueError, match=r"is not a valid pattern: unknown pattern '2-4'"):
+        parse_pattern(Pattern(1, 1, 2, 4, False, "2-4"))
+    assert parse_pattern(Pattern(1, 1, 2, 4, True, "2:4:2d")) == parse_pattern("2:4:2d")
 
 
 @pytest.mark.parametrize("settings, match", [

@@ -59,6 +59,20 @@ def test_a_pieces_own_checks_come_first():
         GMP(start=10, end=5)
 
 
+@pytest.mark.parametrize(("build", "message"), [
+    (lambda: RigL(fraction=2), r"^RigL.fraction must be a number in \(0, 1\], got 2$"),
+    (lambda: SET(fraction=float("nan")), r"^SET.fraction must be a number in \(0, 1\], got nan$"),
+    (lambda: RigL(fraction=True), r"^RigL.fraction must be a number .* got True$"),
+    (lambda: SET(end=-3), r"^SET.end must be >= 0 optimizer steps, got -3$"),
+    (lambda: RigL(end=1.5), r"^RigL.end as a fraction of training must lie in \[0, 1\]"),
+    (lambda: SRSTE(decay=-1), r"^SRSTE.decay must be a finite number >= 0, got -1$"),
+    (lambda: SRSTE(decay=float("inf")), r"^SRSTE.decay must be a finite number >= 0, got inf$"),
+])
+def test_a_regrowth_piece_refuses_a_bad_option_naming_its_own_field(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
 @dataclass(frozen=True)
 class Cubed(Gradual):
     """A ramp of p^3 (a user's schedule)."""
