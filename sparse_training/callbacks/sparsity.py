@@ -343,7 +343,7 @@ class SparsityCallback(Callback):
         engine = self._engine()
         weights = sum(s.numel for s in engine.slots)
         rank_zero_info(f"SparsityCallback: {engine.sparsity:.2%} of {weights:,} weights in "
-                       f"{counts(engine)} tensors are zero (target now {engine.target:.2%}, "
+                       f"{counts(engine)} tensors are pruned (target now {engine.target:.2%}, "
                        f"final {engine.final_sparsity:.2%}); last mask update at step "
                        f"{engine.updater.last_update}")
 
