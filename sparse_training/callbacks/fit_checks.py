@@ -23,6 +23,14 @@ if TYPE_CHECKING:
     from sparse_training.engine import SparsityEngine
     from sparse_training.engine.plan import SparsityPlan
 
+# what reading SparsityCallback.engine says where no fit trained with it in this process
+NO_ENGINE = ("SparsityCallback has no engine in this process: no fit trained with it here. Add "
+             "it to a Trainer and fit; a strategy that starts its processes in fit "
+             "(strategy='ddp_spawn', 'ddp_fork', 'ddp_notebook') trains in those processes and "
+             "sends back only the model's weights and the logged metrics "
+             "(trainer.callback_metrics['sparsity/global']), not the engine nor the masks: use "
+             "strategy='ddp', or resume from the fit's checkpoint (docs/distributed.md, "
+             "'ddp_spawn')")
 MIN_GRADUAL_UPDATES = 3  # fewer and a gradual schedule is a few jumps: warn
 # the dtype of the layers' products under each Lightning precision (autocast's for mixed)
 PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,
@@ -106,6 +114,15 @@ def placeholder(optimizer: Optimizer) -> bool:
 def counts(engine: SparsityEngine) -> str:
     """``"4 masked-dense and 13 compressed"``: the tensors the engine keeps sparse."""
     return f"{len(engine.masked)} masked-dense and {len(engine.compressed)} compressed"
+
+
+def summary(engine: SparsityEngine) -> str:
+    """The end-of-fit line: the share pruned, of how many weights, the targets, the last
+    mask update."""
+    weights = sum(s.numel for s in engine.slots)
+    return (f"{engine.sparsity:.2%} of {weights:,} weights in {counts(engine)} tensors are "
+            f"pruned (target now {engine.target:.2%}, final {engine.final_sparsity:.2%}); "
+            f"last mask update at step {engine.updater.last_update}")
 
 
 def unused_warning(engine: SparsityEngine, optimizer: Optimizer) -> str | None:

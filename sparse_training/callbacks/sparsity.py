@@ -19,11 +19,12 @@ from torch.optim import Optimizer
 
 from sparse_training.callbacks.averaging import AveragedMasks, averaged_copies, averaging_problem
 from sparse_training.callbacks.fit_checks import (
+    NO_ENGINE,
     compute_dtype,
-    counts,
     fit_problem,
     overlap_problem,
     placeholder,
+    summary,
     uncompressed_problem,
     unused_warning,
 )
@@ -128,7 +129,7 @@ class SparsityCallback(Callback):
                                             for name in SparsityConfig.names()})
         for warning in said:  # said again at the line that built the callback
             warnings.warn(warning.message, warning.category, stacklevel=2)
-        self.engine: SparsityEngine | None = None
+        self._fit_engine: SparsityEngine | None = None  # the last fit's, in this process
         self._restored: dict[str, Any] | None = None
         self._unused_checked = False
         self._fitting = False  # between on_fit_start and teardown
@@ -165,10 +166,16 @@ class SparsityCallback(Callback):
         return self._generate_state_key(allow=list(c.allow), deny=list(c.deny),
                                         layer_types=[t.__name__ for t in c.layer_types])
 
-    def _engine(self) -> SparsityEngine:
-        if self.engine is None:
-            raise RuntimeError("SparsityCallback was not set up: add it to a Trainer and fit")
-        return self.engine
+    @property
+    def engine(self) -> SparsityEngine:
+        """The engine of this callback's last fit in this process: masks, sparsity, state.
+
+        Raises:
+            RuntimeError: no fit trained with it here (ddp_spawn fits in other processes).
+        """
+        if self._fit_engine is None:
+            raise RuntimeError(NO_ENGINE)
+        return self._fit_engine
 
     # -- setup and fit start ---------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -285,9 +292,10 @@ class SparsityCallback(Callback):
         if problem := (uncompressed_problem(self.config, plan, pl_module, self._compress_ran)
                        or fit_problem(self.config, plan, optimizers, total, restored)):
             raise ValueError(f"SparsityCallback: {problem}")
-        self._start = FitStart(plan, self.engine, restored is not None)  # back on an error
-        self.engine = engine_for_fit(self.engine, pl_module, self.config, plan, restored,
-                                     {name for name, _ in self._swapped}, trainer.global_step)
+        self._start = FitStart(plan, self._fit_engine, restored is not None)  # back on an error
+        self._fit_engine = engine_for_fit(self._fit_engine, pl_module, self.config, plan,
+                                          restored, {name for name, _ in self._swapped},
+                                          trainer.global_step)
         self._averaged = start_engine(self.engine, trainer, self.config, total,
                                       restored is not None)
         self._unused_checked, self._fitting, self._optimizers = False, True, trainer.optimizers
@@ -296,14 +304,14 @@ class SparsityCallback(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                              batch: Any, batch_idx: int) -> None:
         self._start, self._swapped = None, []  # trained from now on: an error keeps them
-        self._optimizers = follow_optimizers(self._engine(), trainer, pl_module, self._optimizers)
-        self._engine().on_step_start(schedule_step(trainer))
+        self._optimizers = follow_optimizers(self.engine, trainer, pl_module, self._optimizers)
+        self.engine.on_step_start(schedule_step(trainer))
         if self._averaged is not None:
             self._averaged.sync()
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: Optimizer) -> None:
-        engine = self._engine()
+        engine = self.engine
         self._optimizers = follow_optimizers(engine, trainer, pl_module, self._optimizers)
         if not self._unused_checked:
             self._unused_checked = True
@@ -316,7 +324,7 @@ class SparsityCallback(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._engine().on_step_end()
+        self.engine.on_step_end()
         # at the loggers' cadence: a ``self.log`` costs about half a millisecond of Python,
         # too much for every step
         if logs_batch(trainer):
@@ -326,7 +334,7 @@ class SparsityCallback(Callback):
         self._log(pl_module, on_step=False)
 
     def _log(self, pl_module: pl.LightningModule, on_step: bool) -> None:
-        engine = self._engine()
+        engine = self.engine
         metrics = {"sparsity/global": engine.sparsity, "sparsity/target": engine.target}
         if self.config.log_layers:
             metrics.update({f"sparsity/{name}": s for name, s in engine.tensor_sparsity.items()})
@@ -335,19 +343,14 @@ class SparsityCallback(Callback):
                            on_epoch=not on_step)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        engine = self._engine()
-        weights = sum(s.numel for s in engine.slots)
-        rank_zero_info(f"SparsityCallback: {engine.sparsity:.2%} of {weights:,} weights in "
-                       f"{counts(engine)} tensors are zero (target now {engine.target:.2%}, "
-                       f"final {engine.final_sparsity:.2%}); last mask update at step "
-                       f"{engine.updater.last_update}")
+        rank_zero_info(f"SparsityCallback: {summary(self.engine)}")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._fitting = False
         self._restored, self._swapped, self._start = None, [], None  # ends with the stage
         self._compressing, self._plan, self._averaged, self._optimizers = None, None, None, []
-        if self.engine is not None:
-            self.engine.detach()
+        if self._fit_engine is not None:
+            self._fit_engine.detach()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
@@ -360,7 +363,7 @@ class SparsityCallback(Callback):
         moves the model to the CPU, which fails on meta tensors and would replace the error
         with its own."""
         if self._start is not None:
-            self.engine = self._start.undo(self.engine)
+            self._fit_engine = self._start.undo(self._fit_engine)
         undo_swaps(pl_module, self._swapped)
         self.teardown(trainer, pl_module, "fit")
         unreadable_checkpoint(trainer.ckpt_path, exception)
@@ -377,7 +380,9 @@ class SparsityCallback(Callback):
         strategy but ``ModelParallelStrategy``), the layers the checkpoint trained
         compressed become this fit's (:func:`~sparse_training.layers.compress.
         follow_checkpoint`): ``compress="auto"`` may have decided otherwise here."""
-        state = own_state(checkpoint.get("callbacks") or {}, self._claims(trainer), self.config)
+        claimed = [c.state_key for c in trainer.callbacks if isinstance(c, SparsityCallback)]
+        state = own_state(checkpoint.get("callbacks") or {}, (self.state_key, claimed),
+                          self.config)
         if state is None:
             return
         check_state(state)
@@ -386,18 +391,13 @@ class SparsityCallback(Callback):
             self._plan = follow_checkpoint(pl_module, self._plan, state.get("compressed"),
                                            self._swapped)
 
-    def _claims(self, trainer: pl.Trainer) -> tuple[str, list[str]]:
-        """This callback's state key and every SparsityCallback's of the Trainer."""
-        return self.state_key, [c.state_key for c in trainer.callbacks
-                                if isinstance(c, SparsityCallback)]
-
     def state_dict(self) -> dict[str, Any]:
-        if self.engine is not None:
-            return self.engine.state_dict()
+        if self._fit_engine is not None:
+            return self._fit_engine.state_dict()
         return dict(self._restored or {})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self._fitting:  # strategies that restore checkpoints after on_fit_start
-            self._engine().load_state_dict(state_dict)
+            self.engine.load_state_dict(state_dict)
         else:  # the usual order: installed at on_fit_start, once the model is final
             self._restored = dict(state_dict)

@@ -68,7 +68,7 @@ class SparsityConfig(SettingChecks):
     Args:
         pattern: see :mod:`sparse_training.pieces.patterns` ("2:4", "unstructured", "block:4x4",
             ...). Quote it in YAML: an unquoted 2:4 is read as the base-60 number 124.
-        sparsity: target fraction of zeros per selected tensor; implied by N:M when None.
+        sparsity: target fraction of pruned weights per selected tensor; implied by N:M when None.
         schedule: "oneshot" | "gmp" | "linear" | "constant", or a schedule piece carrying
             its options (``GMP(start=0.1, end=0.8, frequency=50)``; a ``Schedule``
             subclass of your own, :func:`~sparse_training.pieces.schedules.register_schedule`)

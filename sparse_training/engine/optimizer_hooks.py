@@ -4,7 +4,8 @@
 optimizer, either the fused path (a step pre-hook running the masked Triton step,
 :func:`fused_step`) or the hook path (a pre-hook zeroing pruned gradients right before the
 update, :func:`masked_gradients_step`, and a post-hook zeroing pruned weights after it,
-:func:`after_step`). Both run a step's closure first, so everything that changes gradients
+:func:`after_step`, and their optimizer state where the optimizer's update may move a zero:
+:data:`KEEPS_ZERO_STATE`). Both run a step's closure first, so everything that changes gradients
 inside it (Lightning's backward, clipping) has happened. :func:`optimizer_problem` checks,
 before any of this, that the optimizers train the model's sparse tensors.
 """
@@ -20,6 +21,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from sparse_training.engine.sharding import is_sharded, local
+from sparse_training.engine.slots import state_tensors
 from sparse_training.kernels import zero_pruned_
 
 if TYPE_CHECKING:
@@ -30,19 +32,34 @@ if TYPE_CHECKING:
 
 _GRAD = operator.attrgetter("grad")
 
+# Optimizers whose update keeps every state entry at zero where the gradient, the weight and
+# the state are zero (the hooks make them so: state zeroed at attach and at mask updates,
+# gradients before the step, weights after it). Each state is a sum of terms proportional to
+# g, g^2, the weight or the state itself: Adam's m = b1 m + (1 - b1) g, v = b2 v + (1 - b2) g^2,
+# SGD's b = mu b + g, Adagrad's s = s + g^2 (its initial_accumulator_value is zeroed at
+# attach), Adadelta's a = rho a + (1 - rho) (sqrt(d + eps) / sqrt(v + eps) g)^2, ASGD's
+# ax = ax + mu (w - ax). Exact classes: a subclass may change the update. Any other optimizer
+# (Adamax: u = max(b2 u, |g| + eps); Rprop: step sizes clamped to step_size_min; a user's) gets
+# its weight-shaped state zeroed at pruned positions after every step, in the weights' pass.
+KEEPS_ZERO_STATE: frozenset[type[Optimizer]] = frozenset({
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam,
+    torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.ASGD})
+
 
 class Attached:
     """An optimizer's slots and the lists its per-step passes read, built once (the hot
     path is a few C-level maps, not a Python loop over slots): the ``enforced`` slots'
     weights and gradients are masked (masked-dense tensors, 2:4 layers' dense weights),
     the others keep their structure themselves (block layers). ``groups``: the optimizer's
-    parameter groups when they were read."""
+    parameter groups when they were read. ``zeroes_state``: whether the step's post-hook
+    zeroes the optimizer's state too (one not in :data:`KEEPS_ZERO_STATE`)."""
 
     def __init__(self, slots: list[Slot], groups: int) -> None:
         self.handles: list[RemovableHandle] = []
         # True while the optimizer re-runs a step's closure (LBFGS): the step's once-only
         # work (the updater's before_step, RigL's dense-gradient reads) is not repeated
         self.repeating = False
+        self.zeroes_state = False
         self.use(slots, groups)
 
     def use(self, slots: list[Slot], groups: int) -> None:
@@ -63,6 +80,7 @@ class Attached:
         <sparse_training.engine.protocol.Slot.attach>`: unless the updater keeps
         ``dense_state``, state and weights are zeroed where pruned; a 2:4 layer leaves
         masking its gradient to the step)."""
+        self.zeroes_state = not dense_state and type(optimizer) not in KEEPS_ZERO_STATE
         for slot in self.slots:
             slot.attach(optimizer, dense_state)
 
@@ -92,10 +110,18 @@ class Attached:
             grads, masks = [g for g, _ in pairs], [m for _, m in pairs]
         zero_pruned_(grads, masks)
 
-    def zero_pruned_weights(self) -> None:
+    def zero_pruned_weights(self, optimizer: Optimizer | None = None) -> None:
+        """Zero the pruned weights and, given ``optimizer``, its state tensors shaped like
+        them (``state[~mask] = 0``), in the same pass."""
+        tensors = list(map(local, self.params)) if self.sharded else self.params
+        masks = self.masks
+        if optimizer is not None:
+            pairs = [(local(value), mask) for param, mask in zip(self.params, masks, strict=True)
+                     for value in state_tensors(optimizer, param)]
+            tensors = tensors + [value for value, _ in pairs]
+            masks = masks + [mask for _, mask in pairs]
         with torch.no_grad():
-            zero_pruned_(list(map(local, self.params)) if self.sharded else self.params,
-                         self.masks)
+            zero_pruned_(tensors, masks)
 
 
 def use_fused(fused: bool | str, dense_state: bool, optimizer: Optimizer,
@@ -191,9 +217,10 @@ def fused_step(attached: Attached, optimizer: Optimizer, args: tuple[Any, ...],
 def after_step(updater: ScheduledMasks, slot_set: SlotSet, attached: Attached,
                optimizer: Optimizer, args: Any, kwargs: Any) -> None:
     """Optimizer post-step hook: the updater's step end, then the pruned weights zeroed,
-    whatever moved them (the optimizer, or gradients changed after they were masked)."""
+    whatever moved them (the optimizer, or gradients changed after they were masked), and
+    the state of an optimizer whose update may move a zero (:attr:`Attached.zeroes_state`)."""
     updater.after_step(slot_set, attached.slots)
-    attached.zero_pruned_weights()
+    attached.zero_pruned_weights(optimizer if attached.zeroes_state else None)
 
 
 def optimizer_problem(model: nn.Module, plan: SparsityPlan,

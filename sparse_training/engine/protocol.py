@@ -111,7 +111,7 @@ class Slot(Protocol):
         follow the mask as that state does."""
 
     def sparsity(self, kept: int) -> float:
-        """The fraction of the dense weight's entries that are zero, its mask keeping
+        """The fraction of the dense weight's entries that are pruned, its mask keeping
         ``kept`` entries (:func:`~sparse_training.engine.slots.whole_counts`)."""
 
     # -- regrowth ---------------------------------------------------------------------------

@@ -92,13 +92,14 @@ class SlotSet:
 
     @property
     def tensor_sparsity(self) -> dict[str, float]:
-        """Fraction of zeros in each selected tensor's mask and each compressed layer's dense
-        form, as counted at the last mask change."""
+        """Share of each selected tensor's entries its mask prunes, and of each compressed
+        layer's dense form its structure drops, as counted at the last mask change (a kept
+        weight that happens to be zero counts as kept)."""
         return self._stats
 
     @property
     def sparsity(self) -> float:
-        """Fraction of zeros over all selected and compressed weights."""
+        """Share of pruned weights over all selected and compressed weights."""
         masked = self.masked
         numel = sum(s.numel for s in masked)
         zeros = sum(self.tensor_sparsity[s.name] * s.numel for s in masked)

@@ -342,9 +342,15 @@ class SemiStructuredSlot(CompressedSlot):
             for state in [*states, *carried]:
                 state.masked_fill_(restart, 0)
 
+    @torch.no_grad()
     def attach(self, optimizer: Optimizer, dense_state: bool) -> None:
-        """The optimizer step masks the gradient from now on: the layer need not."""
+        """The optimizer step masks the gradient from now on: the layer need not; unless
+        the updater keeps ``dense_state``, the state is zeroed where pruned (Adagrad's
+        starts at ``initial_accumulator_value``)."""
         self.layer.masks_gradient = False
+        if not dense_state:
+            for state in state_tensors(optimizer, self.param):
+                state.masked_fill_(~self.mask, 0)
 
     def detach(self) -> None:
         """The layer masks its own gradient again."""

@@ -47,6 +47,21 @@ def test_conv_net_and_gradient_accumulation_count_optimizer_steps():
     assert names == ["net.0.weight", "net.2.weight"]  # 4 and 8 input channels; head denied
 
 
+def test_a_layer_initialized_to_zero_reports_its_pruned_share():
+    """The audit's rule: the logged sparsity is the share pruned; the zero layer's kept
+    weights (zero until the first step moves them) count as kept."""
+
+    class ZeroInit(TinyNet):
+        def __init__(self):
+            super().__init__()
+            nn.init.zeros_(self.net[2].weight)
+
+    sparse = SparsityCallback("unstructured", sparsity=0.8, log_layers=True)
+    audit = MaskAudit(sparse)
+    make_trainer([sparse, audit], max_epochs=1, log_every_n_steps=1).fit(ZeroInit(), make_loader())
+    assert audit.updates == 1 and audit.logged_checks >= 8
+
+
 def test_bf16_autocast_on_cpu():
     sparse = SparsityCallback("unstructured", sparsity=0.5, schedule="gmp", frequency=2)
     audit = MaskAudit(sparse)
@@ -116,7 +131,7 @@ def test_setup_table_lists_every_candidate(lightning_log):
     assert "dense_ratio 0.5: block 'net.0' is one of the first 1 of 2 blocks" in table
     assert [slot.name for slot in sparse.engine.slots] == ["net.2.weight"]
     assert ("SparsityCallback: 50.00% of 1,024 weights in 1 masked-dense and 0 compressed "
-            "tensors are zero") in table
+            "tensors are pruned") in table
 
 
 def test_fit_start_and_end_lines_count_masked_and_compressed_tensors(lightning_log):
@@ -133,7 +148,7 @@ def test_fit_start_and_end_lines_count_masked_and_compressed_tensors(lightning_l
             "updates at steps 0 (one update)") in text
     weights = 64 * 16 + 64 * 64
     assert (f"SparsityCallback: 75.00% of {weights:,} weights in 1 masked-dense and 1 "
-            f"compressed tensors are zero (target now 75.00%, final 75.00%)") in text
+            f"compressed tensors are pruned (target now 75.00%, final 75.00%)") in text
     assert "weight tensors selected" not in text
 
 
@@ -373,7 +388,7 @@ class LBFGSNet(TinyNet):
 
     def training_step(self, batch, batch_idx):
         self.closure_calls += 1
-        if self.sparse is not None and self.sparse.engine is not None:
+        if self.sparse is not None:
             for slot in self.sparse.engine.slots:  # LBFGS moved no pruned weight in the step
                 assert not slot.param[~slot.mask].any(), slot.name
         return super().training_step(batch, batch_idx)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TinyNet, assert_reported_is_forward, make_loader, make_trainer
+from conftest import TinyNet, assert_reported_is_pruned, make_loader, make_trainer
 from pytorch_lightning.callbacks import (
     Callback,
     EMAWeightAveraging,
@@ -93,7 +93,7 @@ def test_the_averaged_model_is_sparse_with_the_fits_masks(averaging, settings, a
     for module, mask in zip(masked(model), recorder.masks, strict=True):
         assert torch.equal(module.weight_mask, mask)
     assert sparse.engine.sparsity == pytest.approx(0.8, abs=0.01)
-    assert_reported_is_forward(sparse.engine)  # the summary's figure is the model's
+    assert_reported_is_pruned(sparse.engine)  # the summary's figure is the model's
     saved = torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]
     for name, module in model.named_modules():
         if hasattr(module, "weight_mask"):

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import assert_masks_hold, assert_reported_is_forward
+from conftest import assert_masks_hold, assert_reported_is_pruned
 from torch import nn
 
 from sparse_training import SparsityConfig, SparsityEngine, make_permanent
@@ -63,7 +63,7 @@ def test_gmp_loop_keeps_zeros_and_state(name):
         optimizer.step()
         optimizer.zero_grad()
         assert_masks_hold(engine, [optimizer])
-        assert_reported_is_forward(engine)
+        assert_reported_is_pruned(engine)
         target = zhu_gupta_sparsity(step, s_f, t0, n, dt)
         for slot in engine.slots:
             pruned = int((~slot.mask).sum())
@@ -89,6 +89,19 @@ def test_mask_update_zeroes_state_that_training_filled():
     assert engine.on_step_start(3)
     assert_masks_hold(engine, [optimizer])
     assert (model[0].weight_mask.reshape(32, -1, 4).sum(-1) == 2).all()
+
+
+def test_reported_sparsity_is_the_pruned_share_not_the_zero_fraction():
+    """A layer initialized to zero: the masks prune 80% of it, its forward weights are all
+    zero, and the reported sparsity is the share pruned (its kept zeros count as kept)."""
+    model = mlp()
+    nn.init.zeros_(model[2].weight)
+    engine = SparsityEngine(model, SparsityConfig("unstructured", sparsity=0.8))
+    engine.prune()
+    assert engine.tensor_sparsity["2.weight"] == pytest.approx(0.8, abs=0.01)
+    assert not model[2].weight.any()
+    assert engine.sparsity == pytest.approx(0.8, abs=1e-3)
+    assert_reported_is_pruned(engine)
 
 
 def test_skipped_amp_step_changes_nothing():
