@@ -129,7 +129,7 @@ class SparsityCallback(Callback):
                                             for name in SparsityConfig.names()})
         for warning in said:  # said again at the line that built the callback
             warnings.warn(warning.message, warning.category, stacklevel=2)
-        self._fit_engine: SparsityEngine | None = None  # the last fit's, in this process
+        self.engine: SparsityEngine | None = None  # the last fit's, in this process
         self._restored: dict[str, Any] | None = None
         self._unused_checked = False
         self._fitting = False  # between on_fit_start and teardown
@@ -166,16 +166,10 @@ class SparsityCallback(Callback):
         return self._generate_state_key(allow=list(c.allow), deny=list(c.deny),
                                         layer_types=[t.__name__ for t in c.layer_types])
 
-    @property
-    def engine(self) -> SparsityEngine:
-        """The engine of this callback's last fit in this process: masks, sparsity, state.
-
-        Raises:
-            RuntimeError: no fit trained with it here (ddp_spawn fits in other processes).
-        """
-        if self._fit_engine is None:
+    def _engine(self) -> SparsityEngine:
+        if self.engine is None:
             raise RuntimeError(NO_ENGINE)
-        return self._fit_engine
+        return self.engine
 
     # -- setup and fit start ---------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -292,11 +286,11 @@ class SparsityCallback(Callback):
         if problem := (uncompressed_problem(self.config, plan, pl_module, self._compress_ran)
                        or fit_problem(self.config, plan, optimizers, total, restored)):
             raise ValueError(f"SparsityCallback: {problem}")
-        self._start = FitStart(plan, self._fit_engine, restored is not None)  # back on an error
-        self._fit_engine = engine_for_fit(self._fit_engine, pl_module, self.config, plan,
+        self._start = FitStart(plan, self.engine, restored is not None)  # back on an error
+        self.engine = engine_for_fit(self.engine, pl_module, self.config, plan,
                                           restored, {name for name, _ in self._swapped},
                                           trainer.global_step)
-        self._averaged = start_engine(self.engine, trainer, self.config, total,
+        self._averaged = start_engine(self._engine(), trainer, self.config, total,
                                       restored is not None)
         self._unused_checked, self._fitting, self._optimizers = False, True, trainer.optimizers
 
@@ -304,14 +298,14 @@ class SparsityCallback(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                              batch: Any, batch_idx: int) -> None:
         self._start, self._swapped = None, []  # trained from now on: an error keeps them
-        self._optimizers = follow_optimizers(self.engine, trainer, pl_module, self._optimizers)
-        self.engine.on_step_start(schedule_step(trainer))
+        self._optimizers = follow_optimizers(self._engine(), trainer, pl_module, self._optimizers)
+        self._engine().on_step_start(schedule_step(trainer))
         if self._averaged is not None:
             self._averaged.sync()
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: Optimizer) -> None:
-        engine = self.engine
+        engine = self._engine()
         self._optimizers = follow_optimizers(engine, trainer, pl_module, self._optimizers)
         if not self._unused_checked:
             self._unused_checked = True
@@ -324,7 +318,7 @@ class SparsityCallback(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.engine.on_step_end()
+        self._engine().on_step_end()
         # at the loggers' cadence: a ``self.log`` costs about half a millisecond of Python,
         # too much for every step
         if logs_batch(trainer):
@@ -334,7 +328,7 @@ class SparsityCallback(Callback):
         self._log(pl_module, on_step=False)
 
     def _log(self, pl_module: pl.LightningModule, on_step: bool) -> None:
-        engine = self.engine
+        engine = self._engine()
         metrics = {"sparsity/global": engine.sparsity, "sparsity/target": engine.target}
         if self.config.log_layers:
             metrics.update({f"sparsity/{name}": s for name, s in engine.tensor_sparsity.items()})
@@ -343,14 +337,14 @@ class SparsityCallback(Callback):
                            on_epoch=not on_step)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        rank_zero_info(f"SparsityCallback: {summary(self.engine)}")
+        rank_zero_info(f"SparsityCallback: {summary(self._engine())}")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._fitting = False
         self._restored, self._swapped, self._start = None, [], None  # ends with the stage
         self._compressing, self._plan, self._averaged, self._optimizers = None, None, None, []
-        if self._fit_engine is not None:
-            self._fit_engine.detach()
+        if self.engine is not None:
+            self.engine.detach()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
@@ -363,7 +357,7 @@ class SparsityCallback(Callback):
         moves the model to the CPU, which fails on meta tensors and would replace the error
         with its own."""
         if self._start is not None:
-            self._fit_engine = self._start.undo(self._fit_engine)
+            self.engine = self._start.undo(self.engine)
         undo_swaps(pl_module, self._swapped)
         self.teardown(trainer, pl_module, "fit")
         unreadable_checkpoint(trainer.ckpt_path, exception)
@@ -392,12 +386,12 @@ class SparsityCallback(Callback):
                                            self._swapped)
 
     def state_dict(self) -> dict[str, Any]:
-        if self._fit_engine is not None:
-            return self._fit_engine.state_dict()
+        if self.engine is not None:
+            return self.engine.state_dict()
         return dict(self._restored or {})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self._fitting:  # strategies that restore checkpoints after on_fit_start
-            self.engine.load_state_dict(state_dict)
+            self._engine().load_state_dict(state_dict)
         else:  # the usual order: installed at on_fit_start, once the model is final
             self._restored = dict(state_dict)

@@ -388,7 +388,7 @@ class LBFGSNet(TinyNet):
 
     def training_step(self, batch, batch_idx):
         self.closure_calls += 1
-        if self.sparse is not None:
+        if self.sparse is not None and self.sparse.engine is not None:
             for slot in self.sparse.engine.slots:  # LBFGS moved no pruned weight in the step
                 assert not slot.param[~slot.mask].any(), slot.name
         return super().training_step(batch, batch_idx)

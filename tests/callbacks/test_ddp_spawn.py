@@ -1,6 +1,6 @@
 """``strategy="ddp_spawn"`` on 2 CPU processes (gloo): the fit trains in the spawned
 processes, which send back the model's weights and the logged metrics only. Reading the
-callback's engine in the main process says so; a later fit's masks are its score's."""
+callback's engine in the main process is None; a later fit's masks are its score's."""
 
 import copy
 
@@ -30,9 +30,7 @@ def spawned(tmp_path_factory):
 
 def test_the_engine_stays_in_the_spawned_processes(spawned):
     model, sparse, trainer = spawned
-    with pytest.raises(RuntimeError, match=r"no fit trained with it here\. .*'ddp_spawn'.* "
-                                           r"use strategy='ddp'"):
-        sparse.engine  # noqa: B018
+    assert sparse.engine is None  # it lived in the spawned processes
     assert not any(name.endswith("_mask") for name, _ in model.named_buffers())
     # what comes back: the metrics, and the trained weights, zero where they were pruned
     assert float(trainer.callback_metrics["sparsity/global"]) == pytest.approx(0.8, abs=0.01)

@@ -342,8 +342,7 @@ def test_callback_refuses_lightning_fsdp1_strategy():
     sparse = SparsityCallback(pattern="2:4")
     with pytest.raises(ValueError, match="ModelParallelStrategy with fully_shard"):
         sparse.on_fit_start(SimpleNamespace(strategy=FSDPStrategy()), torch.nn.Linear(8, 8))
-    with pytest.raises(RuntimeError, match="SparsityCallback has no engine in this process"):
-        sparse.engine  # noqa: B018
+    assert sparse.engine is None
 
 
 def test_setup_table_type_undoes_fsdp_and_parametrize_in_either_order():
