@@ -175,9 +175,11 @@ class SlimLinear(CompressedLayer):
         doc), checked before anything is copied."""
         weight, bias = state_dict.get(prefix + "weight"), state_dict.get(prefix + "bias")
         dense = (self.out_features, self.in_features)
-        if weight is None:
+        if weight is None:  # (strict=False) the bias alone loads beside the weight kept
             missing_keys.append(prefix + "weight")
-            return
+            if bias is None:
+                return
+            weight = self.dense_weight().detach()
         # set_model_state_dict(full_state_dict=True) hands each rank the dense tensors
         # sharded as the parameters are: gathered (a collective; every rank loads)
         weight, bias = full(weight), None if bias is None else full(bias)
