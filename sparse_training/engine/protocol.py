@@ -187,3 +187,15 @@ class CompressedLayer(nn.Module):
     def sparsity(self) -> float:
         """Fraction of the dense weight's entries that are zero by structure."""
         raise NotImplementedError
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        """Refuse ``torch.jit.script`` (which calls this on every submodule) with what works
+        instead: its own errors name a line of Python, not the layer.
+
+        Raises:
+            RuntimeError: always.
+        """
+        raise RuntimeError(f"torch.jit.script cannot compile {type(self).__name__}: its "
+                           f"forward is Python that TorchScript does not take (kernel "
+                           f"launches, path choices); use torch.compile, or script the dense "
+                           f"model (sparse_training.densify(model), or layer.to_dense())")

@@ -238,7 +238,7 @@ class BlockSparseLinear(CompressedLayer):
         self.block_mask.copy_(mask)
         self.mask_unset = False
         packed = None if self._topology is None else self._topology.packed
-        if (packed is not None and packed.device == mask.device and not packed.is_inference()
+        if (packed is not None and packed.device == mask.device
                 and packed.shape == topology.packed.shape):
             # the index tensors keep their addresses, which a CUDA graph captured under
             # torch.compile(mode="reduce-overhead") reads (an autograd graph that saved them

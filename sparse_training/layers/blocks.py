@@ -222,7 +222,7 @@ def compact_from(layer: nn.Module, state_dict: dict, prefix: str) -> None:
     turn a dense ``weight`` into the compact ``values`` and ``block_mask``, in place.
 
     The block mask of a dense weight is the layer's current ``block_mask`` where it is set
-    and the weight is zero outside it, else the blocks that hold a nonzero if they are at
+    (not unset, not on the meta device) and the weight is zero outside it, else the blocks that hold a nonzero if they are at
     most ``nnz`` (:func:`fill_blocks` adds zero blocks up to ``nnz``).
 
     Raises:
@@ -248,19 +248,23 @@ def compact_from(layer: nn.Module, state_dict: dict, prefix: str) -> None:
         raise ValueError(f"{prefix}weight is dense but the layer's values are sharded (FSDP2): "
                          f"sharded layers load the compact form they save")
     nonzero = nonzero_blocks(weight.detach(), layer.block)
-    mask = layer.block_mask.to(nonzero.device)
-    if layer.mask_unset or (nonzero & ~mask).any():
+    # no mask to keep: unset (to_empty of a meta layer), or on the meta device (a meta
+    # layer loading with assign=True)
+    unset = layer.mask_unset or layer.block_mask.is_meta
+    mask = None if unset else layer.block_mask.to(nonzero.device)
+    if mask is None or (nonzero & ~mask).any():
         if (kept := int(nonzero.sum())) > layer.nnz:
             (r, c) = layer.block
             where = ("the layer's block_mask unset (to_empty of a meta layer)"
-                     if layer.mask_unset else "some outside the layer's block_mask")
+                     if layer.mask_unset else "the layer's block_mask on the meta device"
+                     if mask is None else "some outside the layer's block_mask")
             raise ValueError(
                 f"{prefix}weight has nonzeros in {kept} of its {nonzero.numel()} {r}x{c} "
                 f"blocks, {where}, and the layer keeps nnz = {layer.nnz}: load a weight "
                 f"that is zero outside {layer.nnz} blocks (resuming a checkpoint saved with "
                 f"other settings, pattern or sparsity, or by a dense run? resume with its "
                 f"settings, or compress its weights in a new fit)")
-        mask = fill_blocks(nonzero, None if layer.mask_unset else mask, layer.nnz)
+        mask = fill_blocks(nonzero, mask, layer.nnz)
     topology = BlockTopology.from_block_mask(mask, *shape, layer.block, nnz=layer.nnz)
     del state_dict[prefix + "weight"]
     state_dict[prefix + "values"] = dense_to_values(weight.detach(), topology)

@@ -279,6 +279,9 @@ class SemiStructuredLinear(CompressedLayer):
         if prefix + "mask" in unexpected_keys:  # a legacy state dict's mask, used above
             unexpected_keys.remove(prefix + "mask")
         if len(error_msgs) == errors and mask is not None:  # torch refused nothing
+            if self.mask.is_meta and not self.weight.is_meta:
+                # assign=True gave the weight storage; the mask (not in the state dict) too
+                self.mask = torch.empty_like(self.weight, dtype=torch.bool)
             self.set_mask(mask)
 
     @torch.no_grad()
@@ -304,9 +307,10 @@ class SemiStructuredLinear(CompressedLayer):
                        f"{self._owner()}, state dict key {prefix + 'mask'!r}")
             return legacy
         weight = state_dict.get(prefix + "weight")
+        unset = self.mask_unset or self.mask.is_meta  # no mask to keep
         if not isinstance(weight, Tensor):  # torch reports a missing weight, or no tensor
-            return None if self.mask_unset else self.mask
-        if not self.mask_unset and zero_outside(weight, self.mask):
+            return None if unset else self.mask
+        if not unset and zero_outside(weight, self.mask):
             return self.mask
         return pattern_mask(weight, self.pattern)
 

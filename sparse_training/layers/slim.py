@@ -175,9 +175,11 @@ class SlimLinear(CompressedLayer):
         doc), checked before anything is copied."""
         weight, bias = state_dict.get(prefix + "weight"), state_dict.get(prefix + "bias")
         dense = (self.out_features, self.in_features)
-        if weight is None:
+        if weight is None:  # (strict=False) the bias alone loads beside the weight kept
             missing_keys.append(prefix + "weight")
-            return
+            if bias is None:
+                return
+            weight = self.dense_weight().detach()
         # set_model_state_dict(full_state_dict=True) hands each rank the dense tensors
         # sharded as the parameters are: gathered (a collective; every rank loads)
         weight, bias = full(weight), None if bias is None else full(bias)
@@ -188,10 +190,14 @@ class SlimLinear(CompressedLayer):
         if (self.bias is None) != (bias is None):
             (missing_keys if bias is None else unexpected_keys).append(prefix + "bias")
             return
+        assign = local_metadata.get("assign_to_params_buffers", False)
+        if assign and self.band_mask.is_meta:  # a meta layer given the loaded tensors: its
+            # band mask (not in the state dict) is made from them, on their device
+            self.band_mask = torch.empty_like(self.band_mask, device=weight.device)
         held = self.bands_held(weight.to(self.band_mask.device))
         if self.axis == ROWS and bias is not None:
             held |= (bias.to(held.device).reshape(-1, self.band) != 0).any(1)
-        count = int(self.band_mask.sum())
+        count = self.weight.shape[self.axis] // self.band  # kept bands (no sync, any device)
         if int(held.sum()) > count:
             error_msgs.append(
                 f"{prefix.rstrip('.') or 'SlimLinear'}: the loaded weight is nonzero in "
@@ -202,12 +208,16 @@ class SlimLinear(CompressedLayer):
         free = (~held).nonzero().flatten()[: count - int(held.sum())]  # empty bands to fill
         self.band_mask.copy_(held.index_fill(0, free, True))
         index = self.kept_index
+        kept = {"weight": weight.index_select(self.axis, index.to(weight.device))}
+        if bias is not None:
+            kept["bias"] = bias.index_select(0, index.to(bias.device)) if self.axis == ROWS else bias
         with torch.no_grad():
-            copy_whole(self.weight, weight.to(index.device, self.weight.dtype).index_select(
-                self.axis, index))
-            if bias is not None:
-                bias = bias.to(index.device, self.bias.dtype)
-                copy_whole(self.bias, bias.index_select(0, index) if self.axis == ROWS else bias)
+            for name, value in kept.items():
+                param = getattr(self, name)
+                if assign:  # as nn.Linear's assign=True: the loaded tensors become the params
+                    setattr(self, name, nn.Parameter(value, param.requires_grad))
+                else:
+                    copy_whole(param, value.to(param.device, param.dtype))
 
     def extra_repr(self) -> str:
         kept = int(self.band_mask.sum())

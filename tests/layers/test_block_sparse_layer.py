@@ -263,21 +263,25 @@ def test_set_block_mask_before_a_backward_is_refused_not_silently_wrong():
         out.float().sum().backward()
 
 
-def test_set_block_mask_after_inference_mode_builds_a_new_topology():
-    """A topology built under ``torch.inference_mode`` (a load_state_dict or a device move
-    there) cannot be written in place outside it: the layer takes a new one."""
+def test_a_topology_built_under_inference_mode_trains_after_it():
+    """A load_state_dict under ``torch.inference_mode`` (an evaluation script, a hook of
+    Lightning's validation loop) builds the topology there: its indices are still normal
+    tensors, so the next training step can save them for backward (as ``nn.Linear``
+    trains after such a load) and ``set_block_mask`` rewrites them in place."""
     old = masks_for_cases()["random"]
     layer = BlockSparseLinear(IN, OUT, BLOCK, block_mask=old)
     with torch.inference_mode():
         layer.load_state_dict({k: v.clone() for k, v in layer.state_dict().items()})
     built = layer.topology
-    assert built.packed.is_inference()
+    assert not built.packed.is_inference()
+    x = torch.randn(3, IN, dtype=torch.float64)
+    weight = layer.to_dense().weight.detach().double().requires_grad_()
+    layer(x.float()).sum().backward()
+    nn.functional.linear(x, weight).sum().backward()
+    torch.testing.assert_close(layer.values.grad.double(),
+                               dense_to_values(weight.grad, layer.topology), **TOL)
     layer.set_block_mask(old.roll(1, 1))
-    assert layer.topology is not built and not layer.topology.packed.is_inference()
-    assert torch.equal(layer.topology.block_mask(), old.roll(1, 1))
-    x = torch.randn(3, IN)
-    torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.to_dense().weight,
-                                                              layer.bias), **TOL)
+    assert layer.topology is built and torch.equal(built.block_mask(), old.roll(1, 1))
 
 
 def test_adamw_keeps_padded_tails_zero_and_state_compressed():

@@ -1,7 +1,8 @@
 """Compressed layers built on the meta device, as large models are: ``to_empty()`` gives the
 mask uninitialized memory, so the layer refuses to run until ``reset_parameters()``,
 ``load_state_dict`` or a mask set by hand writes a valid one; ``from_dense`` of a meta
-``nn.Linear`` builds a meta layer."""
+``nn.Linear`` builds a meta layer; ``load_state_dict(..., assign=True)`` gives a meta layer
+the loaded tensors, as it does an ``nn.Linear``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from sparse_training import BlockSparseLinear, SemiStructuredLinear
+from sparse_training import BlockSparseLinear, SemiStructuredLinear, SlimLinear, sparsify
 
 BLOCK = (16, 16)
 
@@ -113,3 +114,35 @@ def test_a_2to4_layer_on_the_meta_device_refuses_a_mask_it_could_not_keep():
         SemiStructuredLinear(4, 4, device="meta", mask=mask)
     with torch.device("meta"), pytest.raises(ValueError, match="takes no mask"):
         SemiStructuredLinear(4, 4, mask=mask)
+
+
+def test_a_meta_model_of_compressed_layers_loads_with_assign():
+    """torch's meta-device loading idiom: the state dict of a compressed model (nn.Linear's
+    keys) into the same model built on the meta device, with ``assign=True``. Each layer
+    takes its mask from the loaded weight (a meta mask holds none to keep) on the weight's
+    device, and trains like the model saved."""
+    torch.manual_seed(0)
+    saved = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(),
+                          nn.Linear(64, 32))
+    saved[4] = SlimLinear.from_dense(saved[4], axis=0, band=16,
+                                     band_mask=torch.tensor([False, True]))
+    sparsify(saved, {r"^0$": {"pattern": "block:16x16", "sparsity": 0.5},
+                     r"^2$": {"pattern": "2:4"}}, verbose=False)
+    bands = torch.tensor([True, False])  # (a meta mask would not say how many are kept)
+    with torch.device("meta"):
+        model = nn.Sequential(BlockSparseLinear(64, 64, BLOCK, density=0.5), nn.ReLU(),
+                              SemiStructuredLinear(64, 32), nn.ReLU(),
+                              SlimLinear(64, 32, 0, 16, bands))
+    model.load_state_dict({k: v.clone() for k, v in saved.state_dict().items()}, assign=True)
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    assert torch.equal(model[0].block_mask, saved[0].block_mask)
+    assert torch.equal(model[2].mask, saved[2].mask)
+    assert torch.equal(model[4].band_mask, saved[4].band_mask)
+    x = torch.randn(3, 64)
+    block_and_2to4 = nn.Sequential(*model[:4]), nn.Sequential(*saved[:4])
+    torch.testing.assert_close(block_and_2to4[0](x), block_and_2to4[1](x), rtol=0, atol=0)
+    torch.testing.assert_close(model[4](x), saved[4](x), rtol=0, atol=0)
+    for net in (model, saved):
+        (net[:4](x).sum() + net[4](x).sum()).backward()
+    for (name, param), other in zip(model.named_parameters(), saved.parameters(), strict=True):
+        torch.testing.assert_close(param.grad, other.grad, rtol=0, atol=0, msg=name)

@@ -87,6 +87,18 @@ def test_state_dict_is_the_dense_linears_and_loads_back_its_bands(axis):
     assert torch.equal(other.weight, layer.weight) and torch.equal(other.bias, layer.bias)
 
 
+@pytest.mark.parametrize("axis", [ROWS, COLUMNS])
+def test_a_bias_loads_alone_with_strict_false_beside_the_weight_kept(axis):
+    """As nn.Linear's: the missing weight is reported and kept, the given bias loaded."""
+    bands = torch.tensor([True, False, True, False][:3 if axis == ROWS else 4])
+    layer = SlimLinear.from_dense(nn.Linear(8, 6), axis, 2, bands)
+    weight = layer.dense_weight().detach().clone()
+    bias = torch.arange(1.0, 7.0) * (layer.dense_bias() != 0)  # zero where rows are removed
+    result = layer.load_state_dict({"bias": bias}, strict=False)
+    assert result.missing_keys == ["weight"] and not result.unexpected_keys
+    assert torch.equal(layer.dense_bias(), bias) and torch.equal(layer.dense_weight(), weight)
+
+
 def test_loading_a_weight_nonzero_in_more_bands_than_kept_names_the_layer():
     layer = SlimLinear(8, 6, ROWS, 2, torch.tensor([True, False, False]))
     with pytest.raises(RuntimeError, match="nonzero in 3 bands of 2 rows, the layer keeps 1"):

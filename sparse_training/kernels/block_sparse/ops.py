@@ -1,5 +1,6 @@
 """The block-sparse Linear's autograd: an ``autograd.Function`` for eager calls and
-``torch.library`` custom ops for ``torch.compile``, and the functional over both.
+``torch.library`` custom ops for ``torch.compile`` and ``torch.jit.trace``, and the functional
+over both.
 
 ``sparse_training::block_sparse_linear`` (forward), ``..._input_grad`` and
 ``..._weight_grad`` each run the Triton launcher where the kernels can run (CUDA, or CPU
@@ -248,7 +249,9 @@ def block_sparse_linear(x: Tensor, values: Tensor, topology: BlockTopology,
     the Triton kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``), float64 and other
     devices the pure-torch references. Eager calls go through
     :class:`BlockSparseLinearFunction`; under ``torch.compile`` through the custom ops,
-    which the compiler traces without a graph break.
+    which the compiler traces without a graph break, and under ``torch.jit.trace`` too,
+    which records them (the traced module runs, differentiates and saves; its calls
+    check their operands).
 
     Raises:
         ValueError: an operand that does not fit ``topology``
@@ -274,10 +277,11 @@ def block_sparse_linear(x: Tensor, values: Tensor, topology: BlockTopology,
                              f"(F.linear's rule); cast the input")
         x = _autocast(x, dtype)
     flat = x.reshape(-1, x.shape[-1])
-    if torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if compiling or torch.jit.is_tracing():  # a graph's op: torch.jit.trace records it too
         out = _linear_op(flat, _autocast(values, dtype), _autocast(bias, dtype),
                          topology.out_features, topology.in_features, topology.packed,
-                         checked=True)  # by the fake implementation, as the graph traces
+                         checked=compiling)  # compiled: the fake implementation checked
     else:  # values and bias cast inside (BlockSparseLinearFunction)
         out = BlockSparseLinearFunction.apply(flat, values, topology, bias, dtype)
     return out.view(*x.shape[:-1], topology.out_features)

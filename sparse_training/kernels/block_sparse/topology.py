@@ -100,7 +100,10 @@ class BlockTopology:
                     f"({length},) on {device} for a ({self.out_features}, "
                     f"{self.in_features}) weight in {tuple(self.block)} blocks with {nnz} "
                     f"kept, got {got}: build topologies with BlockTopology.from_block_mask")
-        packed = torch.cat([getattr(self, name).to(torch.int32) for name in INDEX_FIELDS])
+        # never an inference tensor, also when built under torch.inference_mode (a load or
+        # device move there): the forward saves it for backward, which refuses those
+        with torch.inference_mode(False):
+            packed = torch.cat([getattr(self, name).to(torch.int32) for name in INDEX_FIELDS])
         object.__setattr__(self, "packed", packed)  # (frozen)
         for name, view in zip(INDEX_FIELDS, _split(packed, rows, cols, nnz), strict=True):
             object.__setattr__(self, name, view)
