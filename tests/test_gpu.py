@@ -292,14 +292,34 @@ def test_auto_measures_on_the_gpu_trainer_and_takes_the_faster_path(lightning_lo
     assert isinstance(model.net[0], BlockSparseLinear) == compresses
 
 
-@pytest.mark.parametrize("pattern, density", [("block:64x64", 0.1), ("2:4", 0.5)])
-def test_auto_times_cuda_graph_replays_of_both_paths(pattern, density):
+@pytest.mark.parametrize("block", [64, 128])
+def test_auto_times_cuda_graph_replays_of_both_paths(block):
     """A graphed key captures each path's training step (forward, backward, capturable
     fused AdamW) in a CUDA graph and times its replays."""
-    key = auto_paths.PathKey((1024, 768), pattern, density, "bf16",
+    key = auto_paths.PathKey((1024, 768), f"block:{block}x{block}", 0.25, "bf16",
                              auto_paths.device_name(torch.device("cuda")), 4096, graphed=True)
     timing = auto_paths.measure_step(key, torch.device("cuda"), budget_ms=5.0)
     assert 0 < timing.compressed_ms < 1e3 and 0 < timing.masked_dense_ms < 1e3
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_replayed_step_trains(compressed):
+    """What auto times under CUDA graphs is a whole step: each replay moves the weights by
+    AdamW and gives the input its gradient."""
+    layer = nn.Linear(256, 128, bias=False, device="cuda")
+    if compressed:
+        layer = BlockSparseLinear.from_dense(layer, (64, 64), density=0.5)
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(512, 128, device="cuda", dtype=torch.bfloat16)
+    replay = auto_paths._replayed(
+        auto_paths._train_step(layer, x, grad, torch.bfloat16, capturable=True),
+        torch.device("cuda"))
+    for _ in range(2):
+        before = [p.detach().clone() for p in layer.parameters()]
+        replay()
+        torch.cuda.synchronize()
+        assert all(not torch.equal(b, p) for b, p in zip(before, layer.parameters(), strict=True))
+        assert x.grad is not None and bool(x.grad.abs().sum() > 0)
 
 
 def test_auto_under_reduce_overhead_times_replays_and_trains(lightning_log, tmp_path,

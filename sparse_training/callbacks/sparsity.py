@@ -49,7 +49,7 @@ from sparse_training.engine.protocol import CompressedLayer
 from sparse_training.engine.sharding import FSDP1_PROBLEM
 from sparse_training.engine.state import check_mask_settings, check_state
 from sparse_training.engine.tensors import find_weight_tensors
-from sparse_training.layers.auto_paths import dtype_name, replays_cuda_graphs
+from sparse_training.layers.auto_paths import compile_mode, dtype_name
 from sparse_training.layers.compress import (
     compress_selected,
     follow_checkpoint,
@@ -239,7 +239,7 @@ class SparsityCallback(Callback):
         rows, self._plan = compress_selected(
             pl_module, self._plan_for(pl_module), device, dtype, progress=rank_zero_info,
             agree=functools.partial(trainer.strategy.broadcast, src=0),
-            graphed=replays_cuda_graphs(pl_module))
+            mode=compile_mode(pl_module))
         self._compress_ran = True
         # kept until the optimizers are checked at fit start, to put back if they are wrong
         self._swapped += [(name, before[name]) for name, module in pl_module.named_modules()

@@ -17,13 +17,22 @@ def groups_along_input(pattern: Pattern) -> bool:
     return pattern.is_nm or pattern.block_rows * pattern.block_cols > 1
 
 
+def conv_like(module: nn.Module) -> bool:
+    """A convolution: torch's (``nn.Conv*``), or a module stating ``in_channels`` and
+    ``kernel_size`` as they do (torchvision's ``DeformConv2d``, a user's layer calling
+    ``F.conv2d``): its weight is ``(out, in / groups, *kernel)``."""
+    return isinstance(module, nn.modules.conv._ConvNd) or (
+        hasattr(module, "in_channels") and hasattr(module, "kernel_size"))
+
+
 def shape_problem(tensor: WeightTensor, pattern: Pattern) -> str | None:
     """Why ``tensor`` cannot take ``pattern``: no known input dimension (a weight of three
     or more dimensions of a module that is not a convolution, such as stacked MoE experts,
-    ``(experts, out, in)`` in transformers' ``MixtralExperts``), or its 2-D view's shape."""
+    ``(experts, out, in)`` in transformers' ``MixtralExperts``; :func:`conv_like` names
+    one), or its 2-D view's shape."""
     weight = tensor.param
     if groups_along_input(pattern) and weight.dim() > 2 and not all(
-            isinstance(module, nn.modules.conv._ConvNd) for module, _ in tensor.owners):
+            conv_like(module) for module, _ in tensor.owners):
         return (f"a {weight.dim()}-D weight ({'x'.join(map(str, weight.shape))}) of "
                 f"{tensor.kind}, not a convolution, names no input dimension to group along "
                 f"(stacked experts may be (experts, out, in) or (experts, in, out)); give it "

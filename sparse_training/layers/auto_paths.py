@@ -9,9 +9,8 @@ and the weight under autocast, then ``AdamW`` on its fp32 weight) and compressed
 pattern and density, the same step). After warm-up calls (Triton's autotuning, the 2:4
 layer's own path choice) it takes the median of repetitions that fill a budget of
 :data:`BUDGET_MS`. A model compiled to replay CUDA graphs (``mode="reduce-overhead"``,
-:func:`replays_cuda_graphs`) has no host time between its kernels, so its keys are timed
-the same way: each step captured once in a CUDA graph and its replays timed, the GPU's
-time alone. The layer compresses where
+:func:`compile_mode`) has no host time between its kernels, so its keys are timed the same
+way: each step captured once in a CUDA graph and its replays timed, the GPU's time alone. The layer compresses where
 
     compressed_ms <= (1 - MARGIN) * masked_dense_ms
 
@@ -33,7 +32,7 @@ import statistics
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -44,6 +43,7 @@ from sparse_training.layers.block_sparse import BlockSparseLinear
 from sparse_training.layers.semi_structured import SemiStructuredLinear
 from sparse_training.pieces.patterns import parse_pattern
 
+EAGER, COMPILED, CUDA_GRAPHS = "eager", "compiled", "cuda graphs"  # compile_mode's answers
 MARGIN = 0.03  # compressed must save this share of the masked-dense step to be chosen
 BUDGET_MS = 20.0  # timed milliseconds per key, both candidates together
 MIN_REPEATS, MAX_REPEATS, WARMUP = 3, 50, 2
@@ -80,7 +80,7 @@ class PathKey:
         for a graphed key: the cache's entry."""
         return "|".join((versions, self.device, "x".join(map(str, self.shape)), self.pattern,
                          f"{self.density:g}", self.dtype, str(self.tokens),
-                         *["cuda graph"] * self.graphed))
+                         *(["cuda graph"] if self.graphed else [])))
 
 
 @dataclass(frozen=True)
@@ -102,20 +102,25 @@ class Timing:
         times = {"compressed": self.compressed_ms, "masked-dense": self.masked_dense_ms}
         return (f"auto: {first} measured {times[first]:.3f} ms, {second} {times[second]:.3f} "
                 f"ms per step at {key.tokens} tokens"
-                + " as CUDA-graph replays" * key.graphed)
+                + (" as CUDA-graph replays" if key.graphed else ""))
 
 
 Measure = Callable[[PathKey, torch.device], Timing]
 
 
-def unmeasured_reason(device: torch.device, compute_dtype: torch.dtype) -> str | None:
+def unmeasured_reason(device: torch.device, compute_dtype: torch.dtype, nm: bool = False,
+                      mode: str = EAGER) -> str | None:
     """Why ``"auto"`` keeps a layer masked-dense without measuring on ``device`` with
-    products in ``compute_dtype``, or None: measure it."""
+    products in ``compute_dtype`` (an N:M pattern's with ``nm``, the model running as
+    :func:`compile_mode` says), or None: measure it."""
     if device.type != "cuda":
         return f"auto: on {device.type} the compressed layer multiplies a dense copy"
     if compute_dtype not in MEASURED_DTYPES:
         return (f"auto: {dtype_name(compute_dtype)} compute; the compressed kernels take "
                 f"bf16, fp16 and fp32")
+    if nm and mode != EAGER:
+        return ("auto: compiled, a 2:4 layer multiplies its dense weight (cuBLAS), as "
+                "masked-dense does")
     return None
 
 
@@ -137,23 +142,32 @@ def versions() -> str:
     return f"torch {torch.__version__}|triton {triton_version}"
 
 
-def replays_cuda_graphs(module: nn.Module) -> bool:
-    """Whether ``module`` (or a submodule) is compiled to replay CUDA graphs: Inductor's
-    ``triton.cudagraphs`` (``mode="reduce-overhead"``) in the compiler config of an
-    ``OptimizedModule`` (``torch.compile(module)``), of ``module.compile()``, or of the
-    ``torch.compile``-d LightningModule Lightning unwrapped (its ``_compiler_ctx``)."""
-    def cudagraphs(config: object) -> bool:
-        return isinstance(config, Mapping) and bool(config.get("triton.cudagraphs"))
-
+def compile_mode(module: nn.Module) -> str:
+    """How ``module``'s layers run: :data:`CUDA_GRAPHS` where a submodule (or the module) is
+    compiled with Inductor's ``triton.cudagraphs`` (``mode="reduce-overhead"``), else
+    :data:`COMPILED` where one is compiled at all, else :data:`EAGER`. It reads the compiler
+    config of an ``OptimizedModule`` (``torch.compile(module)``), of ``module.compile()``,
+    and of the ``torch.compile``-d LightningModule Lightning unwrapped (its
+    ``_compiler_ctx``); a backend with no config (``"aot_eager"``, ``"cudagraphs"``) counts
+    as compiled."""
+    mode = EAGER
     for sub in module.modules():
-        compiled = (sub, getattr(sub, "_compiled_call_impl", None))
-        if any(cudagraphs(getattr(f, "get_compiler_config", lambda: None)()) for f in compiled):
-            return True
-        context = getattr(sub, "_compiler_ctx", None)
-        if isinstance(context, Mapping) and cudagraphs(
-                getattr(context.get("dynamo_ctx"), "compiler_config", None)):
-            return True
-    return False
+        for config in _compiler_configs(sub):
+            if isinstance(config, Mapping) and config.get("triton.cudagraphs"):
+                return CUDA_GRAPHS
+            mode = COMPILED
+    return mode
+
+
+def _compiler_configs(module: nn.Module) -> Iterator[object]:
+    """The compiler config (None for a backend without one) of each compiled form of
+    ``module``."""
+    for compiled in (module, getattr(module, "_compiled_call_impl", None)):
+        if callable(config := getattr(compiled, "get_compiler_config", None)):
+            yield config()
+    context = getattr(module, "_compiler_ctx", None)
+    if isinstance(context, Mapping) and "dynamo_ctx" in context:
+        yield getattr(context["dynamo_ctx"], "compiler_config", None)
 
 
 def time_steps(steps: Mapping[str, Callable[[], object]], device: torch.device,

@@ -42,6 +42,8 @@ from sparse_training.engine.tensors import is_conv1d
 from sparse_training.kernels.block_sparse import block_grid
 from sparse_training.kernels.semi_structured.masks import features_problem
 from sparse_training.layers.auto_paths import (
+    CUDA_GRAPHS,
+    EAGER,
     Measure,
     PathCache,
     PathKey,
@@ -114,7 +116,7 @@ def compress_selected(model: nn.Module, plan: SparsityPlan,
                       compute_dtype: torch.dtype | None = None, *,
                       measure: Measure | None = None, cache: PathCache | None = None,
                       progress: Callable[[str], object] | None = None,
-                      agree: Callable[[list], list] | None = None, graphed: bool = False
+                      agree: Callable[[list], list] | None = None, mode: str = EAGER
                       ) -> tuple[list[SwapRow], SparsityPlan]:
     """Swap the selected Linear weights of ``plan`` that can train compressed, in place
     (module doc), each with the mask masked-dense training keeps at step 0.
@@ -128,8 +130,9 @@ def compress_selected(model: nn.Module, plan: SparsityPlan,
         measure, cache, progress, agree: how ``"auto"`` times the layers, where it keeps
             the times, says each measurement and makes ranks agree
             (:func:`~sparse_training.layers.auto_paths.choose_paths`).
-        graphed: the model replays CUDA graphs: ``"auto"`` times CUDA-graph replays
-            (:func:`~sparse_training.layers.auto_paths.replays_cuda_graphs`).
+        mode: how the model runs (:func:`~sparse_training.layers.auto_paths.compile_mode`):
+            replaying CUDA graphs, ``"auto"`` times graph replays; compiled, it keeps 2:4
+            layers masked-dense (their compiled forward is cuBLAS on the dense weight).
 
     Returns:
         One row per selected tensor's module (``compressed``, or why it trains
@@ -169,8 +172,8 @@ def compress_selected(model: nn.Module, plan: SparsityPlan,
             reason = kept_all
         elif config.compress == "auto":
             where, dtype = device or module.weight.device, compute_dtype or module.weight.dtype
-            if (reason := unmeasured_reason(where, dtype)) is None:
-                reason = _path_key(row, where, dtype, config.auto_tokens, graphed)
+            if (reason := unmeasured_reason(where, dtype, row.pattern.is_nm, mode)) is None:
+                reason = _path_key(row, where, dtype, config.auto_tokens, mode == CUDA_GRAPHS)
                 keys.setdefault(reason, where)
         else:
             reason = None

@@ -302,3 +302,22 @@ def test_mixtral_experts_stay_dense_under_nm_with_the_reason(experts):
         assert reason.startswith(f"shape cannot take '2:4': a 3-D weight ({shape}) of "
                                  f"{kind.__name__}, not a convolution"), reason
     assert "model.layers.0.self_attn.q_proj.weight" in slots
+
+
+class ConvLike(nn.Module):
+    """A user's convolution through ``F.conv2d`` stating ``in_channels`` and ``kernel_size``
+    as torch's and torchvision's do: its 4-D weight groups along its input channels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_channels, self.kernel_size = 16, (3, 3)
+        self.weight = nn.Parameter(torch.randn(8, 16, 3, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.conv2d(x, self.weight, padding=1)
+
+
+def test_a_conv_like_module_of_the_users_takes_nm_along_its_input_channels():
+    plans, slots = _plans(nn.Sequential(ConvLike()), layer_types=[ConvLike])
+    assert "0.weight" in slots, plans["0.weight"].reason
+    assert (_groups(slots["0.weight"].mask, 1, 4) == 2).all()  # 2 of each 4 input channels

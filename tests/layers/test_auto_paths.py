@@ -43,11 +43,11 @@ class FakeMeasure:
 
 
 def decide(cache: PathCache, measure, model: nn.Module | None = None, dtype=torch.bfloat16,
-           graphed: bool = False, **settings):
+           mode: str = auto_paths.EAGER, **settings):
     model = model or Layers()
     plan = SparsityPlan.build(model, SparsityConfig(**{**BLOCKS, **settings}))
     rows, plan = compress_selected(model, plan, CUDA, dtype, measure=measure, cache=cache,
-                                   graphed=graphed)
+                                   mode=mode)
     return model, {r.name: r.decision for r in rows}, plan
 
 
@@ -90,7 +90,7 @@ def test_a_model_replaying_cuda_graphs_is_timed_as_replays_cached_apart(tmp_path
     replays, the rows say so, and the cache keeps those times apart from eager ones."""
     path = tmp_path / "t.json"
     graphed = FakeMeasure()
-    _, decisions, _ = decide(PathCache(path), graphed, graphed=True)
+    _, decisions, _ = decide(PathCache(path), graphed, mode=auto_paths.CUDA_GRAPHS)
     assert [k.graphed for k in graphed.keys] == [True, True]
     assert decisions["a"].endswith("per step at 8192 tokens as CUDA-graph replays")
     assert all(entry.endswith("|8192|cuda graph")
@@ -101,41 +101,57 @@ def test_a_model_replaying_cuda_graphs_is_timed_as_replays_cached_apart(tmp_path
     assert decisions["a"].endswith("per step at 8192 tokens")
 
 
-def _compiled(mode: str) -> nn.Module:
-    """A model holding a Linear compiled the way ``mode`` names (nothing runs: compiling is
+def _compiled(how: str) -> nn.Module:
+    """A model holding a Linear compiled the way ``how`` names (nothing runs: compiling is
     lazy)."""
     model = Layers()
-    if mode == "plain":
+    if how == "plain":
         return model
-    if mode == "module.compile(reduce-overhead)":
+    if how == "module.compile(reduce-overhead)":
         model.a.compile(mode="reduce-overhead")
         return model
     kwargs = {"torch.compile(reduce-overhead)": dict(mode="reduce-overhead"),
+              "torch.compile(max-autotune)": dict(mode="max-autotune"),
               "torch.compile(default)": {}, "torch.compile(aot_eager)": dict(backend="aot_eager"),
               "torch.compile(max-autotune-no-cudagraphs)": dict(mode="max-autotune-no-cudagraphs"),
-              "torch.compile(options cudagraphs)": dict(options={"triton.cudagraphs": True})}[mode]
+              "torch.compile(options cudagraphs)": dict(options={"triton.cudagraphs": True})}[how]
     model.a = torch.compile(model.a, **kwargs)
     return model
 
 
-@pytest.mark.parametrize("mode, replays", [
-    ("plain", False), ("torch.compile(default)", False), ("torch.compile(aot_eager)", False),
-    ("torch.compile(max-autotune-no-cudagraphs)", False),
-    ("torch.compile(reduce-overhead)", True), ("module.compile(reduce-overhead)", True),
-    ("torch.compile(options cudagraphs)", True)])
-def test_replays_cuda_graphs_reads_the_compile_mode(mode, replays):
-    assert auto_paths.replays_cuda_graphs(_compiled(mode)) is replays
+@pytest.mark.parametrize("how, mode", [
+    ("plain", "eager"), ("torch.compile(default)", "compiled"),
+    ("torch.compile(aot_eager)", "compiled"),
+    ("torch.compile(max-autotune-no-cudagraphs)", "compiled"),
+    ("torch.compile(max-autotune)", "cuda graphs"),
+    ("torch.compile(reduce-overhead)", "cuda graphs"),
+    ("module.compile(reduce-overhead)", "cuda graphs"),
+    ("torch.compile(options cudagraphs)", "cuda graphs")])
+def test_compile_mode_reads_how_the_model_was_compiled(how, mode):
+    assert auto_paths.compile_mode(_compiled(how)) == mode
 
 
-@pytest.mark.parametrize("mode, replays", [("reduce-overhead", True), ("default", False)])
-def test_a_compiled_lightning_module_lightning_unwrapped_says_its_mode(mode, replays):
+@pytest.mark.parametrize("mode, said", [("reduce-overhead", "cuda graphs"),
+                                        ("default", "compiled")])
+def test_a_compiled_lightning_module_lightning_unwrapped_says_its_mode(mode, said):
     """``trainer.fit(torch.compile(module, mode=...))``: Lightning unwraps the module before
     the callback's setup and keeps the compile context on it."""
     from conftest import TinyNet
     from pytorch_lightning.utilities.compile import from_compiled
 
     module = from_compiled(torch.compile(TinyNet(), mode=mode))
-    assert auto_paths.replays_cuda_graphs(module) is replays
+    assert auto_paths.compile_mode(module) == said
+
+
+@pytest.mark.parametrize("mode", ["compiled", "cuda graphs"])
+def test_compiled_2to4_stays_masked_dense_unmeasured(tmp_path, mode):
+    """Compiled, a 2:4 layer's forward is cuBLAS on its dense weight: nothing to time."""
+    measure = FakeMeasure()
+    model, decisions, _ = decide(PathCache(tmp_path / "t.json"), measure, pattern="2:4",
+                                 sparsity=None, mode=mode)
+    assert measure.keys == [] and type(model.a) is nn.Linear
+    assert decisions["a"] == ("masked-dense: auto: compiled, a 2:4 layer multiplies its dense "
+                              "weight (cuBLAS), as masked-dense does")
 
 
 def test_2to4_is_measured_too(tmp_path):
