@@ -287,9 +287,8 @@ class SparsityCallback(Callback):
                        or fit_problem(self.config, plan, optimizers, total, restored)):
             raise ValueError(f"SparsityCallback: {problem}")
         self._start = FitStart(plan, self.engine, restored is not None)  # back on an error
-        self.engine = engine_for_fit(self.engine, pl_module, self.config, plan,
-                                          restored, {name for name, _ in self._swapped},
-                                          trainer.global_step)
+        self.engine = engine_for_fit(self.engine, pl_module, self.config, plan, restored,
+                                     {name for name, _ in self._swapped}, trainer.global_step)
         self._averaged = start_engine(self._engine(), trainer, self.config, total,
                                       restored is not None)
         self._unused_checked, self._fitting, self._optimizers = False, True, trainer.optimizers

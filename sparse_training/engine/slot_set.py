@@ -4,8 +4,9 @@
 protocol.Slot` protocol: masked-dense tensors and compressed layers alike), installs new
 masks through them (each writes its weight and optimizer state under its mask; checked
 across ranks), makes their recorded dense gradients comparable (averaged over ranks and
-unscaled, here only), and counts the sparsity after every change. :class:`~sparse_training.engine.SparsityEngine`
-is a SlotSet with a lifecycle (selection, optimizer hooks, state); updaters
+unscaled, here only), and counts the sparsity after every change.
+:class:`~sparse_training.engine.SparsityEngine` is a SlotSet with a lifecycle (selection,
+optimizer hooks, state); updaters
 (:mod:`sparse_training.engine.updaters`) see the SlotSet only.
 """
 

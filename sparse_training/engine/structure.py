@@ -280,5 +280,6 @@ def check_unit_rows(rows: Sequence[Any], patterns: Sequence[Pattern]) -> None:
     for group, members in targets.items():
         if len(set(members.values())) > 1:
             shown = ", ".join(f"{name}: {target}" for name, target in members.items())
-            raise ValueError(f"block {group!r} prunes whole units across its tensors, which need one target; they got {shown}: "
-                             f"give them one sparsity (an override matching them all)")
+            raise ValueError(f"block {group!r} prunes whole units across its tensors, which "
+                             f"need one target; they got {shown}: give them one sparsity (an "
+                             f"override matching them all)")

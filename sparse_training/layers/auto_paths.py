@@ -10,7 +10,10 @@ pattern and density, the same step). After warm-up calls (Triton's autotuning, t
 layer's own path choice) it takes the median of repetitions that fill a budget of
 :data:`BUDGET_MS`. A model compiled to replay CUDA graphs (``mode="reduce-overhead"``,
 :func:`compile_mode`) has no host time between its kernels, so its keys are timed the same
-way: each step captured once in a CUDA graph and its replays timed, the GPU's time alone. The layer compresses where
+way: each step captured once in a CUDA graph and its replays timed, the GPU's time alone.
+Compiled without CUDA graphs the eager step stands for it; compiled in any mode a 2:4 layer
+is cuBLAS on its dense weight, so it is not timed (:func:`unmeasured_reason`). The layer
+compresses where
 
     compressed_ms <= (1 - MARGIN) * masked_dense_ms
 

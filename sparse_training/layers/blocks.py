@@ -222,8 +222,9 @@ def compact_from(layer: nn.Module, state_dict: dict, prefix: str) -> None:
     turn a dense ``weight`` into the compact ``values`` and ``block_mask``, in place.
 
     The block mask of a dense weight is the layer's current ``block_mask`` where it is set
-    (not unset, not on the meta device) and the weight is zero outside it, else the blocks that hold a nonzero if they are at
-    most ``nnz`` (:func:`fill_blocks` adds zero blocks up to ``nnz``).
+    (not unset, not on the meta device) and the weight is zero outside it, else the blocks
+    that hold a nonzero if they are at most ``nnz`` (:func:`fill_blocks` adds zero blocks up
+    to ``nnz``).
 
     Raises:
         ValueError: naming the key: a weight of another shape, with nonzeros in more than

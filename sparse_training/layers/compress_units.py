@@ -9,12 +9,12 @@ swappable ``nn.Linear`` (units are fixed from the first step: the settings refus
 regrowth of units), and, for
 heads, when the attention module's ``forward`` infers the head count from the projections'
 shapes (BERT, ViT, Llama, BART) or reads it from int attributes (:data:`HEAD_COUNTS`:
-OPT's ``num_heads``, GPT-2's ``split_size``), which are
-scaled to the kept heads while the heads are removed
-(:func:`~sparse_training.layers.slim.sync_head_counts`); T5's relative attention bias per
-head keeps its heads masked-dense, as does any other tensor sized by the heads (OLMo-2's
-and Cohere's query/key norms, StableLM's per-head norms, DeBERTa's ``pos_key_proj``). The kept units are the ones the masked-dense engine
-keeps at step 0 (the same score and ranking, :func:`~sparse_training.pieces.units.unit_masks`).
+OPT's ``num_heads``, GPT-2's ``split_size``), which are scaled to the kept heads while the
+heads are removed (:func:`~sparse_training.layers.slim.sync_head_counts`); T5's relative
+attention bias per head keeps its heads masked-dense, as does any other tensor sized by the
+heads (OLMo-2's and Cohere's query/key norms, StableLM's per-head norms, DeBERTa's
+``pos_key_proj``). The kept units are the ones the masked-dense engine keeps at step 0 (the
+same score and ranking, :func:`~sparse_training.pieces.units.unit_masks`).
 """
 
 from __future__ import annotations

@@ -190,22 +190,27 @@ class SlimLinear(CompressedLayer):
         if (self.bias is None) != (bias is None):
             (missing_keys if bias is None else unexpected_keys).append(prefix + "bias")
             return
+        # a meta layer given the loaded tensors (assign=True) makes its band mask, which is
+        # not in the state dict, from them, on their device
         assign = local_metadata.get("assign_to_params_buffers", False)
-        if assign and self.band_mask.is_meta:  # a meta layer given the loaded tensors: its
-            # band mask (not in the state dict) is made from them, on their device
-            self.band_mask = torch.empty_like(self.band_mask, device=weight.device)
-        held = self.bands_held(weight.to(self.band_mask.device))
+        mask_device = weight.device if assign and self.band_mask.is_meta else (
+            self.band_mask.device)
+        held = self.bands_held(weight.to(mask_device))
+        by_weight = int(held.sum())
         if self.axis == ROWS and bias is not None:
             held |= (bias.to(held.device).reshape(-1, self.band) != 0).any(1)
         count = self.weight.shape[self.axis] // self.band  # kept bands (no sync, any device)
         if int(held.sum()) > count:
+            loaded = "weight is" if by_weight > count else "weight and bias are"
             error_msgs.append(
-                f"{prefix.rstrip('.') or 'SlimLinear'}: the loaded weight is nonzero in "
+                f"{prefix.rstrip('.') or 'SlimLinear'}: the loaded {loaded} nonzero in "
                 f"{int(held.sum())} bands of {self.band} {AXES[self.axis]}, the layer keeps "
                 f"{count} (a checkpoint of another sparsity, or of a dense run; densify the "
                 f"model to load it)")
             return
         free = (~held).nonzero().flatten()[: count - int(held.sum())]  # empty bands to fill
+        if self.band_mask.device != mask_device:
+            self.band_mask = torch.empty_like(self.band_mask, device=mask_device)
         self.band_mask.copy_(held.index_fill(0, free, True))
         index = self.kept_index
         kept = {"weight": weight.index_select(self.axis, index.to(weight.device))}

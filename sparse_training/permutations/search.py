@@ -67,8 +67,8 @@ def kept_magnitude(weight: Tensor, n: int, m: int) -> float:
     keeps for ``f"{n}:{m}"`` (which ranks in float32, so exact ties may differ).
 
     Raises:
-        ValueError: if N:M is not ``1 <= N <= M``, the input channels are not a
-            multiple of M, or ``max_seconds`` is negative, NaN or not a number.
+        ValueError: if N:M is not ``1 <= N <= M``, or the input channels are not a
+            multiple of M.
 
     Example:
         >>> kept_magnitude(torch.tensor([[0.1, -3.0, 2.0, 0.5]]), 2, 4)
@@ -186,8 +186,8 @@ def search_permutation(weight: Tensor, n: int, m: int, *, seed: int = 0,
         A LongTensor permutation of ``range(in)`` on the weight's device.
 
     Raises:
-        ValueError: if N:M is not ``1 <= N <= M``, the input channels are not a
-            multiple of M, or ``max_seconds`` is negative, NaN or not a number.
+        ValueError: if N:M is not ``1 <= N <= M``, or the input channels are not a
+            multiple of M.
 
     Example:
         >>> w = torch.randn(64, 64)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import numbers
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 PATTERN_FORMS = (
     '"unstructured"',
@@ -97,7 +97,12 @@ class Pattern:
 
     def __post_init__(self) -> None:
         if problem := self._field_problem():
-            raise ValueError(f"pattern {self.spec!r}: {problem}")
+            # a parsed string names itself; a Pattern built by hand is named by its fields
+            given = {f.name: getattr(self, f.name) for f in fields(self)
+                     if f.name != "spec" and getattr(self, f.name) != f.default}
+            built = ", ".join(f"{name}={value!r}" for name, value in given.items())
+            name = repr(self.spec) if self.spec != "unstructured" else f"Pattern({built})"
+            raise ValueError(f"pattern {name}: {problem}")
 
     def _field_problem(self) -> str | None:
         """What no pattern string could give in these fields, or None."""
@@ -107,7 +112,9 @@ class Pattern:
         if (self.n, self.m) != (None, None) and not (
                 _is_int(self.n) and _is_int(self.m) and 1 <= self.n <= self.m):
             return f"N must satisfy 1 <= N <= M, got N={self.n!r}, M={self.m!r}"
-        if self.transposable and (self.m is None or self.m > MAX_TRANSPOSABLE_M):
+        if self.transposable and self.m is None:
+            return "transposable needs an N:M pattern (n and m), got none"
+        if self.transposable and self.m > MAX_TRANSPOSABLE_M:
             return (f"transposable N:M supports M <= {MAX_TRANSPOSABLE_M} (exact search over "
                     f"all N-regular tiles), got M={self.m!r}")
         if self.unit_size is not None and not (_is_int(self.unit_size) and self.unit_size >= 1):

@@ -41,7 +41,7 @@ def test_float64_weights_are_ranked_in_float64():
 
 
 @pytest.mark.parametrize("fields, match", [
-    (dict(n=5, m=4), r"^pattern 'unstructured': N must satisfy 1 <= N <= M, got N=5, M=4$"),
+    (dict(n=5, m=4), r"^pattern Pattern\(n=5, m=4\): N must satisfy 1 <= N <= M, got N=5, M=4$"),
     (dict(n=0, m=4, spec="0:4"), r"^pattern '0:4': N must satisfy 1 <= N <= M, got N=0, M=4$"),
     (dict(n=2), r"N must satisfy 1 <= N <= M, got N=2, M=None$"),
     (dict(n=2.0, m=4), r"N must satisfy 1 <= N <= M, got N=2.0, M=4$"),
@@ -50,7 +50,8 @@ def test_float64_weights_are_ranked_in_float64():
     (dict(block_rows=True), r"block dimensions must be >= 1, got Truex1$"),
     (dict(n=2, m=8, transposable=True, spec="2:8:2d"),
      r"^pattern '2:8:2d': transposable N:M supports M <= 5 \(.*\), got M=8$"),
-    (dict(transposable=True), r"transposable N:M supports M <= 5 \(.*\), got M=None$"),
+    (dict(transposable=True),
+     r"^pattern Pattern\(transposable=True\): transposable needs an N:M pattern \(n and m\)"),
     (dict(unit="head", unit_size=0, spec="head:0"),
      r"^pattern 'head:0': the head size must be >= 1, got 0$"),
 ])
