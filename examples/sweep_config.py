@@ -212,6 +212,10 @@ def _check_key(cfg: DictConfig, dotted: str, open_keys: list[str]) -> None:
     node: Any = cfg
     path: list[str] = []
     for part in dotted.split("."):
+        if isinstance(node, ListConfig):  # OmegaConf's merge fails without naming it
+            raise ConfigError(f"{dotted!r}: {'.'.join(path)} is a list, replaced whole "
+                              f"({'.'.join(path)}=[...]) or by a config=PATH file; its "
+                              f"entries cannot be set one by one")
         if not isinstance(node, DictConfig) or ".".join(path) in open_keys:
             return
         if part not in list(node):  # `in node` is False for a ??? value

@@ -166,8 +166,9 @@ class DropAndGrow(ScheduledMasks):
 class SparseRefinedSTE(ScheduledMasks):
     """SR-STE, as overrides of the step hooks: the optimizer updates dense weights (kept
     aside between steps); at every step the forward pass sees them N:M-masked by
-    magnitude, and the gradient gets the ``refinement``'s sparse-refined term
-    g <- g + lambda (1 - mask) w (Zhou et al. 2021)."""
+    magnitude (a gradual schedule's N':M stage that of its latest update step), and the
+    gradient gets the ``refinement``'s sparse-refined term g <- g + lambda (1 - mask) w
+    (Zhou et al. 2021)."""
 
     dense_state = True
     masks_gradients = False
@@ -196,7 +197,7 @@ class SparseRefinedSTE(ScheduledMasks):
             self.dense = {s.name: s.param.detach().clone() for s in masked}
         elif next(iter(self.dense.values())).device != masked[0].param.device:
             self.dense = {s.name: self.dense[s.name].to(s.param.device) for s in masked}
-        fraction = self.schedule.fraction(step)
+        fraction = self.schedule.fraction(due)  # the stage of the latest update step
         for slot in masked:
             slot.param.copy_(self.dense[slot.name])
         masks = {}
@@ -210,7 +211,7 @@ class SparseRefinedSTE(ScheduledMasks):
         check = created or (step - self.schedule.start) % self.schedule.frequency == 0
         engine.set_masks(masks, step, broadcast=created, reset_state=False, check=check)
         self.target = self.target_at(engine, fraction)
-        self.last_update = step
+        self.last_update = due
         return True
 
     @torch.no_grad()

@@ -283,7 +283,8 @@ class ScheduledMasks:
                 created: bool) -> None:
         """Install a scheduled update's masks; a training score's statistics follow them
         (or restart), and the second-order score first moves the kept weights to make up
-        for the newly pruned ones."""
+        for the newly pruned ones (every weight the new mask prunes is in its set Q: those
+        an earlier update pruned stay at zero)."""
         if self.statistics is None:
             engine.set_masks(new_masks, step, broadcast=created)
             return
@@ -291,7 +292,7 @@ class ScheduledMasks:
             if slot.name in new_masks:
                 new = shard_like(new_masks[slot.name], slot.param) if slot.sharded else (
                     new_masks[slot.name])
-                self.statistics.compensate(slot, slot.mask & ~new)
+                self.statistics.compensate(slot, ~new)
         engine.set_masks(new_masks, step, broadcast=created,
                          carried=self.statistics.carried(list(new_masks)))
         self.statistics.changed(new_masks)

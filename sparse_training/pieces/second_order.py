@@ -139,11 +139,13 @@ class SecondOrderScore:
                    count: int) -> Tensor:
         """The weights after the OBS update for removing the entries ``pruned`` (bool, like
         ``weight``): ``w - F^-1 E_Q ([F^-1]_QQ)^-1 w_Q`` per Fisher block, so the pruned
-        entries become zero and the others make up for them."""
+        entries become zero and the others make up for them. ``pruned`` is every entry
+        that is zero afterwards: one an earlier update pruned (w_q = 0) is in Q so that it
+        stays at zero (the optimum of 1/2 dw^T F dw under every constraint dw_q = -w_q)."""
         size = statistics["fisher"].shape[-1]
         chosen = pruned.reshape(-1, size)
         w = weight.to(torch.float64).reshape(-1, size)
-        touched = chosen.any(1).nonzero().squeeze(1)  # blocks that prune something
+        touched = (chosen & (w != 0)).any(1).nonzero().squeeze(1)  # blocks that remove some w
         if len(touched) == 0:
             return weight.clone()
         block_inverse = self.inverse(statistics, count, touched)

@@ -1,5 +1,7 @@
 """Regrowth (RigL, SET, SR-STE), ERK, exact counts at every update, AMP skips, resume."""
 
+import copy
+
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -351,6 +353,32 @@ def test_sr_ste_masks_weights_after_a_skipped_step():
     assert (model[0].weight != 0).all()
     engine.on_step_end()  # ...but the grad scaler skipped the step: masked again
     assert (model[0].weight == 0).sum() == 32
+
+
+def test_sr_ste_under_gmp_changes_its_n_at_the_update_steps_only():
+    """A gradual schedule's N':M stage is s_t at the latest update step (every `frequency`
+    steps), as for magnitude masks; SR-STE re-derives the mask every step at that stage."""
+    from sparse_training import SparsityConfig, SparsityEngine
+
+    model = nn.Sequential(nn.Linear(16, 8))
+    engine = SparsityEngine(model, SparsityConfig("2:8", schedule="gmp", start=0, end=10,
+                                                  frequency=5, regrow="sr-ste"))
+    engine.start(20)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine.attach(optimizer)
+    kept = []
+    for step in range(12):
+        engine.on_step_start(step)
+        kept.append(int(model[0].weight_mask[0].sum()))
+        model(torch.randn(2, 16)).sum().backward()
+        engine.before_optimizer_step(optimizer, step)
+        optimizer.step()
+        optimizer.zero_grad()
+        engine.on_step_end()
+        if step == 7:  # between two updates: a resume checks the counts of step 5's stage
+            SparsityEngine(copy.deepcopy(model), engine.config, state=engine.state_dict())
+    # s_0 = 0: 8 of 8; s_5 = 0.75 (1 - 0.5^3): round(8 * 0.34375) = 3 of 8; s_10: 2 of 8
+    assert kept == [16] * 5 + [6] * 5 + [4] * 2
 
 
 def test_checksum_tells_masks_with_equal_index_sums_apart():

@@ -120,6 +120,38 @@ def test_the_second_order_update_moves_the_kept_weights_by_the_obs_step():
     assert torch.equal(mask.flatten(), expected)
 
 
+def test_a_later_obs_update_keeps_the_earlier_pruned_weights_at_zero():
+    """At a gradual schedule's second pruning update, the weights an earlier update pruned
+    are zero and must stay so: the OBS step removes Q = every weight the new mask prunes
+    (those already zero with w_q = 0), dw = -F^-1 E_Q ([F^-1]_QQ)^-1 w_Q, the constrained
+    optimum of 1/2 dw^T F dw (Hassibi & Stork 1993), not moved with the new ones and
+    re-masked after."""
+    model = mlp()
+    config = SparsityConfig(pattern="unstructured", sparsity=0.8, schedule="gmp", start=0,
+                            end=8, frequency=4, score=SecondOrderScore(block_size=10, damp=0.1))
+    engine = SparsityEngine(model, config)
+    engine.start(9)
+    record = []
+    train(model, engine, 8, record=record)  # updates at 0 (nothing pruned) and 4
+    earlier = model[2].weight_mask.clone()
+    before = model[2].weight.detach().clone()
+    engine.on_step_start(8)  # the last update reads steps 4-7
+    after, mask = model[2].weight.detach(), model[2].weight_mask
+    assert (~earlier).any() and (earlier & ~mask).any()
+    for row in range(4):
+        grads = [step["2.weight"][1][row] for step in record[4:]]
+        fisher = sum(torch.outer(g, g) for g in grads) / 4
+        fisher += 0.1 * fisher.diagonal().mean() * torch.eye(10, dtype=torch.float64)
+        inverse = torch.linalg.inv(fisher)
+        pruned = (~mask[row]).nonzero().squeeze(1)
+        w = before[row]
+        if not (earlier[row] & ~mask[row]).any():
+            torch.testing.assert_close(after[row], w, rtol=0, atol=0)
+            continue
+        step = -inverse[:, pruned] @ torch.linalg.solve(inverse[pruned][:, pruned], w[pruned])
+        torch.testing.assert_close(after[row], w + step, rtol=1e-9, atol=1e-12)
+
+
 def test_a_training_score_before_any_step_is_refused_before_anything_changes():
     model = mlp()
     engine = SparsityEngine(model, SparsityConfig(pattern="unstructured", sparsity=0.5,

@@ -116,6 +116,8 @@ def test_load_config_overrides_and_other_base(small_yaml: Path, tmp_path: Path) 
         (["optim.lrr=0.2"], r"unknown key 'optim.lrr'; did you mean 'optim.lr'\?"),
         (["optim"], r"arguments must be key=value overrides, got \['optim'\]"),
         (["config=/nonexistent.yaml"], "config file /nonexistent.yaml not found"),
+        (["sparsities.0=0.7"], r"'sparsities.0': sparsities is a list, replaced whole "
+                               r"\(sparsities=\[...\]\) or by a config=PATH file"),
     ],
 )
 def test_load_config_errors(small_yaml: Path, argv: list[str], match: str) -> None:
