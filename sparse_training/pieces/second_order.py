@@ -19,6 +19,7 @@ the Fisher blocks).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -148,6 +149,13 @@ class SecondOrderScore:
         touched = (chosen & (w != 0)).any(1).nonzero().squeeze(1)  # blocks that remove some w
         if len(touched) == 0:
             return weight.clone()
+        if count < size:
+            warnings.warn(f"SecondOrderScore: an OBS weight update from {count} gradients, "
+                          f"fewer than the {size} entries of a Fisher block: the empirical "
+                          f"Fisher is rank-deficient there, and the update can cost more than "
+                          f"none; observe at least {size} steps between mask updates "
+                          f"(frequency), or set block_size <= {count} or update_weights=False",
+                          stacklevel=2)
         block_inverse = self.inverse(statistics, count, touched)
         q = chosen[touched].to(torch.float64)
         # [F^-1]_QQ on Q, identity elsewhere: the solve gives x_Q = ([F^-1]_QQ)^-1 w_Q, 0 off Q

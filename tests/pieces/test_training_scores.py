@@ -154,6 +154,23 @@ def test_second_order_removing_a_weight_costs_its_saliency_on_the_quadratic_mode
         assert float(0.5 * other @ fisher @ other) > float(cost)
 
 
+def test_an_update_from_fewer_gradients_than_a_fisher_block_warns(recwarn):
+    """Fewer gradients than a block's entries leave its Fisher rank-deficient (up to the
+    damping): the OBS step may cost more than no step, which the user is told."""
+    score = SecondOrderScore(block_size=6, damp=0.1)
+    pairs = steps((2, 6), 6, seed=3)
+    weight = pairs[0][0]
+    pruned = torch.zeros(2, 6, dtype=torch.bool)
+    pruned[0, 1] = True
+    enough = observed(score, [(weight, g) for _, g in pairs])
+    score.compensate(enough, weight, pruned, len(pairs))
+    assert not [w for w in recwarn if "rank-deficient" in str(w.message)]
+    few = observed(score, [(weight, g) for _, g in pairs[:5]])
+    with pytest.warns(UserWarning, match=r"from 5 gradients, fewer than the 6 entries of a "
+                                         r"Fisher block.*block_size <= 5 or update_weights"):
+        score.compensate(few, weight, pruned, 5)
+
+
 def test_second_order_keeps_its_fisher_blocks_inside_rows():
     assert [fisher_block(n, 32) for n in (384, 1536, 30, 7, 1)] == [32, 32, 30, 7, 1]
     statistics = SecondOrderScore(block_size=50).statistics(torch.zeros(8, 768))
