@@ -304,3 +304,32 @@ def test_entries_another_process_wrote_meanwhile_are_kept(tmp_path):
     mine.put(keys[1], Timing(3.0, 4.0))
     again = PathCache(path)
     assert again.get(keys[0]) == Timing(1.0, 2.0) and again.get(keys[1]) == Timing(3.0, 4.0)
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", None])
+def test_the_callback_decides_for_how_the_module_runs(monkeypatch, mode):
+    """The callback hands ``compile_mode`` of the LightningModule it sets up to the swap:
+    a network compiled in ``__init__`` with CUDA graphs is timed as replays."""
+    from conftest import TinyNet, make_loader, make_trainer
+
+    from sparse_training import SparsityCallback
+    from sparse_training.callbacks import sparsity
+
+    seen = []
+
+    class Decided(Exception):
+        """Stops the fit at the swap: the decision is all this test reads."""
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["mode"])
+        raise Decided
+
+    monkeypatch.setattr(sparsity, "compress_selected", recording)
+    module = TinyNet()
+    if mode:
+        module.net = torch.compile(module.net, mode=mode)
+    trainer = make_trainer([SparsityCallback("block:16x16", sparsity=0.5, compress="auto")],
+                           max_steps=1)
+    with pytest.raises(Decided):
+        trainer.fit(module, make_loader())
+    assert seen == ["cuda graphs" if mode else "eager"]
