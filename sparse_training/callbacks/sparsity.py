@@ -35,7 +35,13 @@ from sparse_training.callbacks.fit_engine import (
     start_engine,
 )
 from sparse_training.callbacks.resume import own_state, unreadable_checkpoint
-from sparse_training.callbacks.steps import clips_gradients, fit_length, logs_batch, schedule_step
+from sparse_training.callbacks.steps import (
+    clips_gradients,
+    fit_length,
+    log_sparsity,
+    logs_batch,
+    schedule_step,
+)
 from sparse_training.config import (
     DEFAULT_LAYER_TYPES,
     LayerTypes,
@@ -321,19 +327,10 @@ class SparsityCallback(Callback):
         # at the loggers' cadence: a ``self.log`` costs about half a millisecond of Python,
         # too much for every step
         if logs_batch(trainer):
-            self._log(pl_module, on_step=True)
+            log_sparsity(pl_module, self._engine(), self.config.log_layers, on_step=True)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._log(pl_module, on_step=False)
-
-    def _log(self, pl_module: pl.LightningModule, on_step: bool) -> None:
-        engine = self._engine()
-        metrics = {"sparsity/global": engine.sparsity, "sparsity/target": engine.target}
-        if self.config.log_layers:
-            metrics.update({f"sparsity/{name}": s for name, s in engine.tensor_sparsity.items()})
-        # CPU tensors: a Python float would be copied to the GPU, a sync at every call
-        pl_module.log_dict({k: torch.tensor(v) for k, v in metrics.items()}, on_step=on_step,
-                           on_epoch=not on_step)
+        log_sparsity(pl_module, self._engine(), self.config.log_layers, on_step=False)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         rank_zero_info(f"SparsityCallback: {summary(self._engine())}")

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from conftest import two_process_problem  # noqa: E402
+from conftest import TinyNet, make_loader, make_trainer, pruned_share, two_process_problem  # noqa: E402
 
-from sparse_training import SparsityConfig, SparsityEngine, sparsify  # noqa: E402
+from sparse_training import SparsityCallback, SparsityConfig, SparsityEngine, sparsify  # noqa: E402
 from sparse_training.engine.distributed import keep_masks_out_of_buffer_broadcast  # noqa: E402
 
 SCRIPT = Path(__file__).parents[1] / "ddp_regrowth.py"
@@ -127,3 +128,23 @@ def test_buffer_broadcast_is_off_only_where_the_masks_are_all_the_buffers(tmp_pa
         del ddp
         gc.collect()
         dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
+                    reason="needs torch.distributed with gloo")
+def test_epoch_metrics_are_reduced_across_ranks_without_a_warning():
+    """Under DDP (a world of 1 over gloo) the epoch-end sparsity metrics are reduced across
+    the ranks, so Lightning does not tell the user to add ``sync_dist=True`` to a
+    ``self.log`` call that is the callback's; the values stay the pruned shares."""
+    sparse = SparsityCallback(pattern="unstructured", sparsity=0.5, schedule="gmp",
+                              frequency=1, log_layers=True)
+    trainer = make_trainer([sparse], max_epochs=1, strategy="ddp", devices=1)
+    try:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            trainer.fit(TinyNet(), make_loader())
+    finally:
+        dist.destroy_process_group()
+    assert [str(w.message) for w in said if "sync_dist" in str(w.message)] == []
+    for name, value in pruned_share(sparse.engine).items():
+        assert float(trainer.callback_metrics[f"sparsity/{name}"]) == pytest.approx(value)
