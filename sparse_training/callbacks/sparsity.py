@@ -34,14 +34,9 @@ from sparse_training.callbacks.fit_engine import (
     follow_optimizers,
     start_engine,
 )
+from sparse_training.callbacks.metrics import log_sparsity
 from sparse_training.callbacks.resume import own_state, unreadable_checkpoint
-from sparse_training.callbacks.steps import (
-    clips_gradients,
-    fit_length,
-    log_sparsity,
-    logs_batch,
-    schedule_step,
-)
+from sparse_training.callbacks.steps import clips_gradients, fit_length, logs_batch, schedule_step
 from sparse_training.config import (
     DEFAULT_LAYER_TYPES,
     LayerTypes,
@@ -172,6 +167,11 @@ class SparsityCallback(Callback):
         return self._generate_state_key(allow=list(c.allow), deny=list(c.deny),
                                         layer_types=[t.__name__ for t in c.layer_types])
 
+    @staticmethod
+    def _all(trainer: pl.Trainer) -> list[SparsityCallback]:
+        """The Trainer's SparsityCallbacks, in its order."""
+        return [c for c in trainer.callbacks if isinstance(c, SparsityCallback)]
+
     def _engine(self) -> SparsityEngine:
         if self.engine is None:
             raise RuntimeError(NO_ENGINE)
@@ -259,7 +259,7 @@ class SparsityCallback(Callback):
         """One owner per tensor: which tensor two SparsityCallbacks of this Trainer would
         both hold (a compressed layer's by the dense weight it replaced), naming both; checked
         before any of them swaps or masks anything."""
-        callbacks = [c for c in trainer.callbacks if isinstance(c, SparsityCallback)]
+        callbacks = self._all(trainer)
         if len(callbacks) < 2 or not find_weight_tensors(pl_module):
             return None
         return overlap_problem(callbacks, [c._plan_or_none(pl_module) for c in callbacks])
@@ -327,10 +327,10 @@ class SparsityCallback(Callback):
         # at the loggers' cadence: a ``self.log`` costs about half a millisecond of Python,
         # too much for every step
         if logs_batch(trainer):
-            log_sparsity(pl_module, self._engine(), self.config.log_layers, on_step=True)
+            log_sparsity(pl_module, self, self._all(trainer), on_step=True)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        log_sparsity(pl_module, self._engine(), self.config.log_layers, on_step=False)
+        log_sparsity(pl_module, self, self._all(trainer), on_step=False)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         rank_zero_info(f"SparsityCallback: {summary(self._engine())}")
@@ -370,7 +370,7 @@ class SparsityCallback(Callback):
         strategy but ``ModelParallelStrategy``), the layers the checkpoint trained
         compressed become this fit's (:func:`~sparse_training.layers.compress.
         follow_checkpoint`): ``compress="auto"`` may have decided otherwise here."""
-        claimed = [c.state_key for c in trainer.callbacks if isinstance(c, SparsityCallback)]
+        claimed = [c.state_key for c in self._all(trainer)]
         state = own_state(checkpoint.get("callbacks") or {}, (self.state_key, claimed),
                           self.config)
         if state is None:

@@ -7,7 +7,7 @@ batch: the unit of ``trainer.estimated_stepping_batches``, which fractions of tr
 resolved against, whichever optimizers step in it.
 
 The loggers count neither: they write step metrics every ``log_every_n_steps`` batches that
-stepped (:func:`logs_batch`); :func:`log_sparsity` hands them the callback's metrics.
+stepped (:func:`logs_batch`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,7 @@ from __future__ import annotations
 import math
 
 import pytorch_lightning as pl
-import torch
 from pytorch_lightning.utilities.model_helpers import is_overridden
-
-from sparse_training.engine import SparsityEngine
 
 
 def schedule_step(trainer: pl.Trainer) -> int:
@@ -58,26 +55,3 @@ def logs_batch(trainer: pl.Trainer) -> bool:
     stops), which no step count above gives (manual optimization's ``global_step`` counts
     every ``opt.step()``, and an optimizer that skips batches leaves it behind)."""
     return trainer._logger_connector.should_update_logs
-
-
-def log_sparsity(pl_module: pl.LightningModule, engine: SparsityEngine, layers: bool,
-                 on_step: bool) -> None:
-    """Log ``sparsity/global`` and ``sparsity/target`` (with ``layers``, ``sparsity/<tensor>``
-    too) at a step or at the epoch's end; every rank holds the same values.
-
-    At a step: CPU tensors (a Python float would be copied to the GPU, a sync at every
-    call), nothing sent between ranks. At the epoch's end: reduced across ranks with
-    ``max`` (equal values: each of them, exactly, where a mean may round), one small
-    all-reduce per metric on the module's device (NCCL reduces no CPU tensor); unreduced,
-    Lightning warns under DDP and FSDP to add ``sync_dist=True`` to a ``self.log`` call the
-    user does not own.
-    """
-    metrics = {"sparsity/global": engine.sparsity, "sparsity/target": engine.target}
-    if layers:
-        metrics.update({f"sparsity/{name}": s for name, s in engine.tensor_sparsity.items()})
-    if on_step:
-        pl_module.log_dict({k: torch.tensor(v) for k, v in metrics.items()}, on_step=True,
-                           on_epoch=False)
-    else:
-        pl_module.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=True,
-                           reduce_fx="max")

@@ -1,10 +1,11 @@
 """Several SparsityCallbacks on one model: one owner per weight tensor. Each engine holds the
 tensors its own selection reaches (a compressed layer by the dense weight it replaced),
-overlapping selections are refused at setup naming both callbacks, and each callback
-checkpoints and resumes its own layers."""
+overlapping selections are refused at setup naming both callbacks, each callback
+checkpoints and resumes its own layers, and the global sparsity is logged over all of them."""
 
 from __future__ import annotations
 
+import csv
 import warnings
 
 import pytest
@@ -12,6 +13,7 @@ import pytorch_lightning as pl
 import torch
 from conftest import BlockNet, TinyNet, assert_same_training, make_loader, make_trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.loggers import CSVLogger
 from torch import nn
 
 from sparse_training import BlockSparseLinear, SparsityCallback, SparsityConfig, SparsityEngine
@@ -140,3 +142,25 @@ def test_two_compressing_callbacks_resume_their_own_layers_exactly(tmp_path):
                                                                       ["net.2.values"]]
     assert callbacks[1].engine.updater.last_regrow > 4  # SET moved blocks after the resume
     assert_same_training(*uninterrupted, *resumed)
+
+
+def test_global_sparsity_is_logged_over_every_callbacks_weights(tmp_path):
+    """Two callbacks log one ``sparsity/global`` (and ``sparsity/target``), the share over
+    both selections, at every step and at the epoch's end, and each its own tensors; each
+    logging its own under the one name left only the last callback's."""
+    half = SparsityCallback("2:4", allow=[r"net\.0"], log_layers=True)
+    most = SparsityCallback("unstructured", sparsity=0.9, allow=[r"net\.2"], log_layers=True)
+    trainer = make_trainer([half, most], max_epochs=1, logger=CSVLogger(tmp_path),
+                           log_every_n_steps=1)
+    trainer.fit(TinyNet(), make_loader())
+    slots = half.engine.slots + most.engine.slots
+    pruned = sum(int((~slot.mask).sum()) for slot in slots) / sum(s.mask.numel() for s in slots)
+    with open(trainer.logger.experiment.metrics_file_path) as file:
+        rows = list(csv.DictReader(file))
+    assert len(rows) == 8 + 1  # 8 steps, then the epoch's end
+    for row in rows:
+        assert float(row["sparsity/global"]) == pytest.approx(pruned)
+        assert float(row["sparsity/target"]) == pytest.approx((0.5 * 512 + 0.9 * 1024) / 1536)
+        assert float(row["sparsity/net.0.weight"]) == 0.5
+        assert float(row["sparsity/net.2.weight"]) == pytest.approx(0.9, abs=0.01)
+    assert float(trainer.callback_metrics["sparsity/global"]) == pytest.approx(pruned)
