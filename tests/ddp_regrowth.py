@@ -1,7 +1,8 @@
 """Two-process DDP runs of RigL (hook and fused steps) and SET masked-dense, RigL on
 compressed block layers and fixed 2:4 compressed (``SemiStructuredLinear``) layers; each
 rank writes its mask checksums and a checksum of its parameters. RigL also stops after
-the first epoch with a checkpoint and resumes from it.
+the first epoch with a checkpoint and resumes from it; the compressed runs also train on
+ranks that initialized their weights differently.
 
     python tests/ddp_regrowth.py OUT_DIR [cpu|gpu]   # Lightning relaunches it for rank 1
 
@@ -25,12 +26,14 @@ if __name__ == "__main__":
 
 import pytorch_lightning as pl  # noqa: E402
 from pytorch_lightning.callbacks import Callback  # noqa: E402
+from pytorch_lightning.strategies import DDPStrategy  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import BlockNet, SaveAndStop, TinyNet, exit_skipping_teardown, make_loader  # noqa: E402
 
 from sparse_training import SparsityCallback  # noqa: E402
 from sparse_training.engine.distributed import check_across_ranks, mask_checksum  # noqa: E402
+from sparse_training.engine.protocol import CompressedLayer  # noqa: E402
 
 
 class Recorder(Callback):
@@ -102,15 +105,17 @@ RUNS["rigl movement"] = (TinyNet, {**RUNS["rigl"][1], "score": "movement"})
 RUNS["2:4-compressed"] = (BlockNet, dict(pattern="2:4:2d", compress=True, regrow=None))
 
 
-def fit(name: str, accelerator: str, callbacks=(), ckpt_path: Path | None = None
+def fit(name: str, accelerator: str, callbacks=(), ckpt_path: Path | None = None,
+        strategy: str | DDPStrategy = "ddp", seed: int = 0
         ) -> tuple[pl.Trainer, SparsityCallback, Recorder]:
-    """Train run ``name`` for 2 epochs on 2 processes (from ``ckpt_path`` if given)."""
-    pl.seed_everything(0)
+    """Train run ``name`` for 2 epochs on 2 processes (from ``ckpt_path`` if given), the
+    model initialized after seeding with ``seed``."""
+    pl.seed_everything(seed)
     model, settings = RUNS[name]
     sparse = SparsityCallback(**{"regrow": "rigl", **settings}, schedule="constant",
                               frequency=2)
     recorder = Recorder(sparse)
-    trainer = pl.Trainer(strategy="ddp", accelerator=accelerator, devices=2, max_epochs=2,
+    trainer = pl.Trainer(strategy=strategy, accelerator=accelerator, devices=2, max_epochs=2,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[sparse, recorder, *callbacks])
     trainer.fit(TinyNet(lr=3e-2) if model is TinyNet else model(), make_loader(n=128),
@@ -134,6 +139,30 @@ def stop_and_resume(name: str, out: Path, accelerator: str) -> None:
         {"stopped": stopped.rows, "resumed": resumed.rows}))
 
 
+class SetupMasks(Callback):
+    """The checksums of the compressed layers' masks as each rank made them at setup."""
+
+    def __init__(self) -> None:
+        self.checksums: list[int] = []
+
+    def setup(self, trainer, pl_module, stage):
+        layers = [m for m in pl_module.modules() if isinstance(m, CompressedLayer)]
+        self.checksums = [int(mask_checksum(m.block_mask if hasattr(m, "block_mask") else m.mask))
+                          for m in layers]
+
+
+def differently_initialized(name: str, out: Path, accelerator: str) -> None:
+    """Run ``name`` (compressed at setup) on ranks whose weights differ (each seeded by its
+    rank, as an unseeded script), DDP's buffer broadcast off: it sends rank 0's parameters
+    at the wrap, and the masks the ranks made at setup only with the broadcast."""
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    setup = SetupMasks()
+    _, _, recorder = fit(name, accelerator, [setup], seed=rank,
+                         strategy=DDPStrategy(broadcast_buffers=False))
+    (out / f"{name}-unseeded_rank{rank}.json").write_text(json.dumps(
+        {"rows": recorder.rows, "at_setup": setup.checksums}))
+
+
 if __name__ == "__main__":
     out_dir = Path(sys.argv[1])
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -141,4 +170,6 @@ if __name__ == "__main__":
     for run_name in RUNS:
         run(run_name, out_dir, accelerator_name)
     stop_and_resume("rigl", out_dir, accelerator_name)
+    for run_name in ("rigl-compressed", "2:4-compressed"):
+        differently_initialized(run_name, out_dir, accelerator_name)
     exit_skipping_teardown()

@@ -24,7 +24,10 @@ from torch.optim import Optimizer
 from sparse_training.callbacks.averaging import AveragedMasks, averaged_copies
 from sparse_training.callbacks.fit_checks import counts, placeholder, schedule_warnings
 from sparse_training.engine import SparsityEngine
-from sparse_training.engine.distributed import keep_masks_out_of_buffer_broadcast
+from sparse_training.engine.distributed import (
+    agree_compressed,
+    keep_masks_out_of_buffer_broadcast,
+)
 from sparse_training.engine.optimizer_hooks import optimizer_problem
 from sparse_training.engine.slots import MASK_SUFFIX
 from sparse_training.layers.compress import held_apart
@@ -99,7 +102,9 @@ def start_engine(engine: SparsityEngine, trainer: pl.Trainer, config: SparsityCo
                  total: int | None, restored: bool) -> AveragedMasks | None:
     """Start ``engine`` for a fit of ``total`` steps (None: unknown) under ``trainer``: its
     plan's table and the schedule's warnings said, the loss scale read where AMP scales,
-    every optimizer attached, the masks kept out of the strategy's buffer broadcast and put
+    every optimizer attached, rank 0's compressed layers where a rank's differ
+    (:func:`~sparse_training.engine.distributed.agree_compressed`), the masks kept out of
+    the strategy's buffer broadcast and put
     in the averaged copies of weight-averaging callbacks (returned, to follow the masks;
     None without such callbacks, so that a step pays nothing for them).
 
@@ -128,6 +133,7 @@ def start_engine(engine: SparsityEngine, trainer: pl.Trainer, config: SparsityCo
         engine.loss_scale = lambda: float(scaler.get_scale())
     for optimizer in trainer.optimizers:
         engine.attach(optimizer)
+    agree_compressed(engine.slots)
     keep_masks_out_of_buffer_broadcast(trainer.strategy.model, engine.slots)
     copies = averaged_copies(trainer)
     return AveragedMasks(engine, trainer.lightning_module, copies) if copies else None

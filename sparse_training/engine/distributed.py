@@ -3,7 +3,8 @@
 Masks agree by construction (magnitudes of identical weights, RigL's gradients after
 DDP's all-reduce, random draws from (seed, step)). When they are created, rank 0's are
 broadcast once; after every update, one all-reduce of a checksum per tensor compares them
-(``check_masks``), and a difference raises, naming the tensors.
+(``check_masks``), and a difference raises, naming the tensors. Compressed layers, whose
+masks each rank made at the swap, take rank 0's at a fit's start where they differ.
 
 A tensor sharded by FSDP2 (:mod:`sparse_training.engine.sharding`) is compared by its whole mask:
 each rank computes it from the gathered tensor and keeps its shard, so the whole masks
@@ -12,7 +13,7 @@ must agree; its weights are not broadcast (each rank holds its own shard of them
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -80,16 +81,42 @@ def check_across_ranks(slots: Sequence[Slot], step: int | None,
             received[slot.name] = as_bytes.bool()
             slot.set_mask(received[slot.name])
         whole_masks = received
-    if not check:
-        return
+    if check and (differ := _differing(slots, whole)):
+        raise RuntimeError(f"masks differ across ranks at step {step} in tensors "
+                           f"{[s.name for s in differ]}; every rank must see the same "
+                           f"weights, gradients and seed")
+
+
+def _differing(slots: Sequence[Slot], whole: Callable[[Slot], Tensor]) -> list[Slot]:
+    """The slots whose ``whole`` mask differs on some rank: one all-reduce of checksums
+    (the same list on every rank)."""
     sums = torch.stack([mask_checksum(whole(slot)) for slot in slots])
     extremes = torch.cat([sums, -sums])
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
     high, low = extremes[: len(sums)], -extremes[len(sums):]
-    if not torch.equal(high, low):
-        differ = [s.name for s, h, lo in zip(slots, high, low, strict=True) if h != lo]
-        raise RuntimeError(f"masks differ across ranks at step {step} in tensors {differ}; "
-                           f"every rank must see the same weights, gradients and seed")
+    return [s for s, h, lo in zip(slots, high, low, strict=True) if h != lo]
+
+
+@torch.no_grad()
+def agree_compressed(slots: Sequence[Slot]) -> None:
+    """Under torch.distributed: rank 0's layout of every replicated compressed layer whose
+    mask differs on some rank (one checksum all-reduce), at a fit's start.
+
+    Each rank compresses its layers from its own weights; DDP then sends rank 0's
+    parameters, but the masks (buffers) only with ``broadcast_buffers``: ranks that
+    initialized their weights differently would train other blocks (2:4 masks, heads)
+    under the same values. Such a layer takes rank 0's mask (its values move), then rank
+    0's parameters. Layers whose weights FSDP2 shards are left out (no replica).
+    """
+    slots = [s for s in slots if s.compressed and not is_sharded(s.param)]
+    if not slots or not _distributed():
+        return
+    for slot in _differing(slots, lambda s: s.mask):
+        mask = slot.mask.to(torch.uint8)
+        dist.broadcast(mask, src=0)
+        slot.set_mask(mask.bool())
+        for param in slot.layer.parameters():
+            dist.broadcast(param.data, src=0)
 
 
 def keep_masks_out_of_buffer_broadcast(wrapper: nn.Module,

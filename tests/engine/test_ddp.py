@@ -97,6 +97,17 @@ def test_rigl_resumes_from_a_checkpoint_exactly(ddp_results):
         assert parts["resumed"] == whole[4:]
 
 
+@pytest.mark.parametrize("run", ["rigl-compressed", "2:4-compressed"])
+def test_compressed_layers_agree_on_ranks_that_initialized_differently(ddp_results, run):
+    """Each rank compressed its own weights at setup (other blocks, other 2:4 masks) and
+    DDP, its buffer broadcast off, sent only rank 0's parameters: at the fit's start the
+    layers take rank 0's masks, then train alike on both ranks."""
+    ranks = [json.loads((ddp_results / f"{run}-unseeded_rank{r}.json").read_text())
+             for r in (0, 1)]
+    assert ranks[0]["at_setup"] != ranks[1]["at_setup"]
+    assert len(ranks[0]["rows"]) == 1 + 8 and ranks[0]["rows"] == ranks[1]["rows"]
+
+
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                     reason="needs torch.distributed with gloo")
 @pytest.mark.parametrize("other_buffers", [False, True])
