@@ -18,6 +18,7 @@ from sparse_training.pieces.regrowth import (
 )
 from sparse_training.pieces.schedules import Gradual, Schedule, check_step, schedule_settings
 from sparse_training.pieces.score_registry import TRAINING_SCORES, parse_training_score
+from sparse_training.pieces.spelling import did_you_mean
 
 SCORES = ("magnitude", "random", *TRAINING_SCORES)
 REGROW = ("rigl", "set", "sr-ste")
@@ -122,7 +123,8 @@ class SettingChecks:
             raise ValueError(f"score {self.score!r}: {error}") from None
         if training is None:
             if not isinstance(self.score, str) or self.score not in SCORES:
-                raise ValueError(f"unknown score {self.score!r}; valid: "
+                raise ValueError(f"unknown score {self.score!r}; "
+                                 f"{did_you_mean(self.score, SCORES)}valid: "
                                  f"{', '.join(map(repr, SCORES))}, a mapping {{'name': ..., "
                                  f"options}} or a training score piece")
             return

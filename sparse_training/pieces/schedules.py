@@ -27,6 +27,8 @@ import numbers
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
+from sparse_training.pieces.spelling import did_you_mean
+
 DEFAULT_GRADUAL_END = 0.75  # leave the last quarter of training to fine-tune at the final mask
 
 Step = int | float
@@ -277,7 +279,8 @@ def parse_schedule(name: str, start: Step = 0, end: Step | None = None,
     """
     cls = SCHEDULES.get(name) if isinstance(name, str) else None
     if cls is None:
-        raise ValueError(f"unknown schedule {name!r}; valid: {', '.join(SCHEDULES)}")
+        raise ValueError(f"unknown schedule {name!r}; {did_you_mean(name, SCHEDULES)}valid: "
+                         f"{', '.join(SCHEDULES)}")
     if not issubclass(cls, Gradual):
         if end is not None:
             gradual = ", ".join(n for n, c in SCHEDULES.items() if issubclass(c, Gradual))
