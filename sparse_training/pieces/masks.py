@@ -354,8 +354,14 @@ def _input_dims(weights: Sequence[Tensor], input_dims: Sequence[int] | None) -> 
 
 def check_sparsity(sparsity: float, name: str = "sparsity") -> float:
     """Return ``sparsity`` as a float if it is a real number (numpy scalars included) in
-    [0, 1), else raise ValueError."""
+    [0, 1), else raise ValueError (one that reads as a percentage names its fraction)."""
     if isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Real) or not (
             0.0 <= sparsity < 1.0):
-        raise ValueError(f"{name} must be a number in [0, 1), got {sparsity!r}")
+        hint = ""
+        if isinstance(sparsity, numbers.Real) and not isinstance(sparsity, bool):
+            if sparsity == 1:
+                hint = " (1 would prune every weight)"
+            elif 1 < sparsity < 100:
+                hint = f" (a percentage? give the fraction pruned, {float(sparsity) / 100:g})"
+        raise ValueError(f"{name} must be a number in [0, 1), got {sparsity!r}{hint}")
     return float(sparsity)
