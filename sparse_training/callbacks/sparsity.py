@@ -155,7 +155,7 @@ class SparsityCallback(Callback):
         shown = {"pattern": c.parsed_pattern.spec, "sparsity": c.sparsity,
                  "allow": list(c.allow), "deny": list(c.deny), "compress": c.compress}
         return "SparsityCallback(" + ", ".join(
-            f"{k}={v!r}" for k, v in shown.items() if v or k == "pattern") + ")"
+            f"{k}={v!r}" for k, v in shown.items() if v or (k == "sparsity" and v is not None)) + ")"
 
     @functools.cached_property
     def state_key(self) -> str:
