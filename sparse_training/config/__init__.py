@@ -263,8 +263,9 @@ class SparsityConfig(SettingChecks):
 
         Raises:
             TypeError: ``source`` is neither a path nor a mapping.
-            ValueError: the file holds no mapping, or an unknown key (the nearest valid one
-                named).
+            FileNotFoundError: no file at the path (it names the path as resolved).
+            ValueError: the file holds no mapping or no setting, or an unknown key (the
+                nearest valid one named).
         """
         if not isinstance(source, str | Path | Mapping):
             raise TypeError(f"SparsityConfig.load takes the path of a YAML or JSON file (a str "
@@ -272,11 +273,19 @@ class SparsityConfig(SettingChecks):
                             f"{type(source).__name__}")
         from omegaconf import OmegaConf
 
+        if isinstance(source, str | Path) and not Path(source).is_file():
+            raise FileNotFoundError(f"SparsityConfig.load: no file {str(source)!r} (resolved: "
+                                    f"{Path(source).resolve()}); give the path of a YAML or "
+                                    f"JSON file of settings, or a mapping of them")
         conf = OmegaConf.load(source) if isinstance(source, str | Path) else OmegaConf.create(
             dict(source))
         settings = OmegaConf.to_container(conf, resolve=True)
         if not isinstance(settings, dict):
             raise ValueError(f"a sparsity config must be a mapping, got {settings!r}")
+        if not settings and not isinstance(source, Mapping):
+            raise ValueError(f"the sparsity config file {str(source)!r} holds no setting (an "
+                             f"empty file would train with every default); give them, e.g. "
+                             f"pattern: \"2:4\"")
         if message := cls.unknown_setting(settings):
             raise ValueError(message)
         return settings

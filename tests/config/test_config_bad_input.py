@@ -5,6 +5,7 @@ method does not read, or is normalized as the docs say."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -181,6 +182,9 @@ CONFIG_FILES = [
     ("sparsty: 0.5\n", "unknown setting 'sparsty'; did you mean 'sparsity'"),
     ("- 2:4\n", "a sparsity config must be a mapping"),
     ("layer_types: [Dense]\n", "layer_types entry 'Dense' is not a torch.nn.Module"),
+    ("", r"the sparsity config file '.*sparse.yaml' holds no setting \(an empty file would "
+         r"train with every default\); give them"),
+    ("# pattern: '2:4'\n", r"file '.*sparse.yaml' holds no setting"),
 ]
 
 
@@ -190,6 +194,18 @@ def test_config_file_errors(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
         SparsityCallback.from_config(path)
+
+
+@pytest.mark.parametrize("source", ["sparse.yaml", "pattern: '2:4'", Path("configs")])
+def test_config_path_that_is_no_file_is_named_with_the_valid_sources(tmp_path, source):
+    """A missing file, YAML text given as a path, and a folder."""
+    (tmp_path / "configs").mkdir()
+    source = tmp_path / source if isinstance(source, Path) else source
+    with pytest.raises(FileNotFoundError, match=rf"^SparsityConfig.load: no file "
+                                                rf"{re.escape(repr(str(source)))} \(resolved: "
+                                                rf".*\); give the path of a YAML or JSON file "
+                                                rf"of settings, or a mapping of them$"):
+        SparsityCallback.from_config(source)
 
 
 @pytest.mark.parametrize("source", [[1, 2], 3, None, b"pattern: 2:4"])
@@ -267,4 +283,4 @@ def test_wrong_types_given_to_the_config_are_named(call, message):
 def test_the_tables_hold_every_case():
     """Guards against a row lost in an edit: the exact size of every table here."""
     sizes = [len(CONSTRUCTION), len(UNREAD), len(CONFIG_FILES), len(HANDLED), len(WRONG_TYPES)]
-    assert sizes == [93, 5, 4, 12, 2], sizes
+    assert sizes == [93, 5, 6, 12, 2], sizes
