@@ -191,6 +191,7 @@ class SparsityConfig(SettingChecks):
         set_(self, "parsed_overrides", parse_overrides(self.overrides))
         self._check_overrides(pattern)
         self._check_units(pattern)
+        self._warn_if_nothing_pruned(pattern)
         set_(self, "parsed_schedule", parse_schedule(self.schedule, self.start, self.end,
                                                      self.frequency))
         self._warn_about_unread_options()

@@ -138,6 +138,24 @@ class SettingChecks:
                              f"before the first step: start later (e.g. start=0.1), use a "
                              f"gradual schedule ('gmp'), or score='magnitude'")
 
+    def _warn_if_nothing_pruned(self, pattern: Pattern) -> None:
+        """Targets that are all 0 (``sparsity=0.0``, an N:N pattern such as ``"4:4"``,
+        overrides of 0) train dense behind masks that keep every weight: said, not silent."""
+        def target(layer: Pattern, sparsity: float | None, default: float) -> float:
+            if sparsity is not None:
+                return sparsity
+            return layer.nm_sparsity if layer.is_nm else default
+
+        model_wide = target(pattern, self.sparsity, 0.0)
+        if not any(target(o.pattern or pattern, o.sparsity, model_wide) > 0
+                   for o in self.parsed_overrides.values()) and model_wide == 0:
+            given = f"pattern={pattern.spec!r}" + (
+                "" if self.sparsity is None else f", sparsity={self.sparsity!r}") + (
+                " and every override" if self.parsed_overrides else "")
+            warnings.warn(f"SparsityConfig: with {given} nothing is pruned (the masks keep every "
+                          f"weight) and the fit trains dense; give a sparsity in (0, 1), e.g. "
+                          f"0.9", UserWarning, stacklevel=CALLER_LEVEL)
+
     def _warn_about_unread_options(self) -> None:
         """Settings that the chosen ``regrow`` and schedule never read are said, not dropped
         silently: RigL and SET read ``regrow_fraction`` and ``regrow_end``, SR-STE

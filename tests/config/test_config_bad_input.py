@@ -160,6 +160,28 @@ def test_settings_the_method_does_not_read_are_said(kwargs, named):
         SparsityCallback(**kwargs)
 
 
+NOTHING_PRUNED = [  # (settings, as the warning names them): every target 0, said
+    (dict(pattern="unstructured", sparsity=0.0), "pattern='unstructured', sparsity=0.0"),
+    (dict(pattern="4:4"), "pattern='4:4'"),
+    (dict(pattern="block:4x4", sparsity=0.0, overrides={"fc": {"pattern": "1:1"}}),
+     "pattern='block:4x4', sparsity=0.0 and every override"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "named"), NOTHING_PRUNED, ids=[n for _, n in NOTHING_PRUNED])
+def test_settings_that_prune_nothing_are_said(kwargs, named):
+    with pytest.warns(UserWarning, match=rf"^SparsityConfig: with {re.escape(named)} nothing is "
+                                         rf"pruned \(the masks keep every weight\) and the fit "
+                                         rf"trains dense; give a sparsity in \(0, 1\), e.g. 0.9$"):
+        SparsityCallback(**kwargs)
+
+
+@pytest.mark.parametrize("overrides", [{"fc": {"sparsity": 0.5}}, {"fc": {"pattern": "2:4"}}])
+def test_a_zero_sparsity_beside_overrides_that_prune_says_nothing(recwarn, overrides):
+    SparsityCallback(pattern="unstructured", sparsity=0.0, overrides=overrides)
+    assert not [w for w in recwarn if "nothing is pruned" in str(w.message)]
+
+
 def test_settings_the_method_reads_say_nothing(recwarn):
     SparsityCallback(pattern="unstructured", sparsity=0.5, regrow="rigl", regrow_fraction=0.5,
                      regrow_end=0.5, frequency=7)
@@ -282,5 +304,6 @@ def test_wrong_types_given_to_the_config_are_named(call, message):
 
 def test_the_tables_hold_every_case():
     """Guards against a row lost in an edit: the exact size of every table here."""
-    sizes = [len(CONSTRUCTION), len(UNREAD), len(CONFIG_FILES), len(HANDLED), len(WRONG_TYPES)]
-    assert sizes == [93, 5, 6, 12, 2], sizes
+    sizes = [len(CONSTRUCTION), len(UNREAD), len(NOTHING_PRUNED), len(CONFIG_FILES), len(HANDLED),
+             len(WRONG_TYPES)]
+    assert sizes == [93, 5, 3, 6, 12, 2], sizes
