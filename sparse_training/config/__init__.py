@@ -265,8 +265,9 @@ class SparsityConfig(SettingChecks):
         Raises:
             TypeError: ``source`` is neither a path nor a mapping.
             FileNotFoundError: no file at the path (it names the path as resolved).
-            ValueError: the file holds no mapping or no setting, or an unknown key (the
-                nearest valid one named).
+            ValueError: the file holds no mapping, no setting or a LightningCLI entry
+                (``class_path``, ``init_args``), or an unknown key (the nearest valid one
+                named).
         """
         if not isinstance(source, str | Path | Mapping):
             raise TypeError(f"SparsityConfig.load takes the path of a YAML or JSON file (a str "
@@ -283,6 +284,11 @@ class SparsityConfig(SettingChecks):
         settings = OmegaConf.to_container(conf, resolve=True)
         if not isinstance(settings, dict):
             raise ValueError(f"a sparsity config must be a mapping, got {settings!r}")
+        if "class_path" in settings:
+            raise ValueError(f"a sparsity config holds the settings themselves; got a "
+                             f"LightningCLI entry (class_path: {settings['class_path']!r}): give "
+                             f"its init_args, or put the entry under trainer.callbacks of the "
+                             f"CLI's config")
         if not settings and not isinstance(source, Mapping):
             raise ValueError(f"the sparsity config file {str(source)!r} holds no setting (an "
                              f"empty file would train with every default); give them, e.g. "
