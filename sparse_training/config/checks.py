@@ -16,7 +16,13 @@ from sparse_training.pieces.regrowth import (
     check_decay,
     check_fraction,
 )
-from sparse_training.pieces.schedules import Gradual, Schedule, check_step, schedule_settings
+from sparse_training.pieces.schedules import (
+    SCHEDULES,
+    Gradual,
+    Schedule,
+    check_step,
+    schedule_settings,
+)
 from sparse_training.pieces.score_registry import TRAINING_SCORES, parse_training_score
 from sparse_training.pieces.spelling import did_you_mean
 
@@ -37,8 +43,14 @@ class SettingChecks:
         for, so checkpoints and messages read the same either way.
 
         Raises:
-            ValueError: a flat option given beside the piece that carries it.
+            ValueError: a piece's class given for its instance (``score=MovementScore``),
+                or a flat option given beside the piece that carries it.
         """
+        names = {"schedule": tuple(SCHEDULES), "regrow": REGROW, "score": SCORES}
+        for name, valid in names.items():
+            if isinstance(cls := getattr(self, name), type):
+                raise ValueError(f"{name}={cls.__name__} is a class; give an instance, "
+                                 f"{cls.__name__}(), or a name: {', '.join(map(repr, valid))}")
         defaults = {f.name: f.default for f in fields(self)}
         for name, kinds in (("schedule", Schedule), ("regrow", (RegrowthRule, SRSTE))):
             piece = getattr(self, name)
