@@ -73,9 +73,12 @@ def layer_type(entry: Any) -> type[nn.Module]:
         except ImportError:
             cls = None
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise ValueError(f"layer_types entry {entry!r} is not a torch.nn.Module subclass; give "
-                         f"classes, torch.nn names (e.g. 'Linear', 'Conv2d') or import paths "
-                         f"(e.g. 'transformers.pytorch_utils.Conv1D')")
+        modules = [n for n, c in vars(nn).items() if isinstance(c, type) and issubclass(
+            c, nn.Module)]
+        raise ValueError(f"layer_types entry {entry!r} is not a torch.nn.Module subclass; "
+                         f"{did_you_mean(entry, modules)}give classes, torch.nn names (e.g. "
+                         f"'Linear', 'Conv2d') or import paths (e.g. "
+                         f"'transformers.pytorch_utils.Conv1D')")
     return cls
 
 
