@@ -156,15 +156,17 @@ class Batches(torch.utils.data.IterableDataset):
         return iter(make_loader())
 
 
-@pytest.mark.parametrize("settings", [dict(GMP), dict(schedule="oneshot", start=0.5),
-                                      dict(schedule="constant", regrow="rigl")])
-def test_fractions_of_an_iterable_of_unknown_length_are_refused(settings):
+@pytest.mark.parametrize(("settings", "named"), [
+    (dict(GMP), r"0.75 \(end, the default\)"), (dict(GMP, end=0.5), r"0.5 \(end\)"),
+    (dict(schedule="oneshot", start=0.5), r"0.5 \(start\)"),
+    (dict(schedule="constant", regrow="rigl"), r"0.75 \(regrow_end\)")])
+def test_fractions_of_an_iterable_of_unknown_length_are_refused(settings, named):
     """Under max_epochs an iterable's length is unknown (Lightning's estimate is -1), so
     a fraction of training (a default end, start=0.5, RigL's regrow_end) is refused, not
-    resolved to step 0."""
+    resolved to step 0, naming the setting (a default the user never typed included)."""
     trainer = make_trainer([SparsityCallback(**settings)], max_epochs=2)
-    with pytest.raises(ValueError, match=r"is a fraction of training, but the training "
-                                         r"length is unknown; set max_steps"):
+    with pytest.raises(ValueError, match=rf"{named} is a fraction of training, but the "
+                                         rf"training length is unknown; set max_steps"):
         trainer.fit(TinyNet(), torch.utils.data.DataLoader(Batches(), batch_size=None))
 
 
