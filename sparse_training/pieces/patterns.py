@@ -211,8 +211,12 @@ def parse_pattern(spec: str | Pattern) -> Pattern:
             f"pattern: \"{n}:{m}\"" if 1 <= n <= m else
             f"; valid forms: {', '.join(PATTERN_FORMS)}"))
     if not isinstance(spec, str):
+        sparsity = isinstance(spec, numbers.Real) and not isinstance(spec, bool) and 0 < spec < 1
         raise ValueError(f"pattern must be a string, got {spec!r} of type "
-                         f"{type(spec).__name__}; valid forms: {', '.join(PATTERN_FORMS)}")
+                         f"{type(spec).__name__}" + (
+                             f" (a sparsity? give it as sparsity={spec!r} beside a pattern, e.g. "
+                             f"SparsityCallback('unstructured', sparsity={spec!r}))"
+                             if sparsity else "") + f"; valid forms: {', '.join(PATTERN_FORMS)}")
     text = spec.strip().lower()
     match = next((m for g in _GRAMMAR if (m := g.fullmatch(text))), None)
     if match is None:
