@@ -18,7 +18,8 @@ GMP = dict(pattern="unstructured", sparsity=0.5, schedule="gmp")
 V = ValueError
 
 CONSTRUCTION = [
-    (dict(pattern="2-4"), V, r"unknown pattern '2-4'; valid forms: \"unstructured\", \"N:M\""),
+    (dict(pattern="2-4"), V, r"unknown pattern '2-4'; did you mean '2:4'\? valid forms: "
+                             r"\"unstructured\", \"N:M\""),
     (dict(pattern="5:4"), V, "N must satisfy 1 <= N <= M, got N=5, M=4"),
     (dict(pattern="0:4"), V, "N must satisfy 1 <= N <= M, got N=0"),
     (dict(pattern="block:0x4", sparsity=0.5), V, "block dimensions must be >= 1, got 0x4"),
