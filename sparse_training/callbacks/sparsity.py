@@ -142,8 +142,10 @@ class SparsityCallback(Callback):
         self._optimizers: list[Optimizer] = []  # trainer.optimizers as the engine has them
 
     @classmethod
-    def from_config(cls, source: str | Path | Mapping[str, Any]) -> SparsityCallback:
-        """Build from a YAML file or dict with the constructor's keys; unknown keys raise."""
+    def from_config(cls, source: str | Path | Mapping[str, Any] | SparsityConfig
+                    ) -> SparsityCallback:
+        """Build from a YAML file, a dict with the constructor's keys (unknown keys raise)
+        or a SparsityConfig."""
         return cls(**SparsityConfig.load(source))
 
     def __repr__(self) -> str:

@@ -255,12 +255,13 @@ class SparsityConfig(SettingChecks):
         return cls(**settings)
 
     @classmethod
-    def load(cls, source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
-        """Read settings from a YAML (or JSON) file or a dict (OmegaConf); unknown keys are
-        an error.
+    def load(cls, source: str | Path | Mapping[str, Any] | SparsityConfig) -> dict[str, Any]:
+        """Read settings from a YAML (or JSON) file, a dict (OmegaConf) or a config (its
+        :meth:`as_dict`); unknown keys are an error.
 
         Args:
-            source: the file's path (a str or ``pathlib.Path``), or a mapping of settings.
+            source: the file's path (a str or ``pathlib.Path``), a mapping of settings, or
+                a SparsityConfig.
 
         Raises:
             TypeError: ``source`` is neither a path nor a mapping.
@@ -269,10 +270,12 @@ class SparsityConfig(SettingChecks):
                 (``class_path``, ``init_args``), or an unknown key (the nearest valid one
                 named).
         """
+        if isinstance(source, SparsityConfig):
+            return source.as_dict()
         if not isinstance(source, str | Path | Mapping):
             raise TypeError(f"SparsityConfig.load takes the path of a YAML or JSON file (a str "
-                            f"or pathlib.Path) or a mapping of settings, got {source!r} of type "
-                            f"{type(source).__name__}")
+                            f"or pathlib.Path), a mapping of settings or a SparsityConfig, got "
+                            f"{source!r} of type {type(source).__name__}")
         from omegaconf import OmegaConf
 
         if isinstance(source, str | Path) and not Path(source).is_file():

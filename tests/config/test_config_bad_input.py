@@ -261,10 +261,18 @@ def test_config_path_that_is_no_file_is_named_with_the_valid_sources(tmp_path, s
 @pytest.mark.parametrize("source", [[1, 2], 3, None, b"pattern: 2:4"])
 def test_config_source_neither_path_nor_mapping(source):
     with pytest.raises(TypeError, match=rf"^SparsityConfig.load takes the path of a YAML or JSON "
-                                        rf"file \(a str or pathlib.Path\) or a mapping of "
-                                        rf"settings, got {re.escape(repr(source))} of type "
+                                        rf"file \(a str or pathlib.Path\), a mapping of "
+                                        rf"settings or a SparsityConfig, got "
+                                        rf"{re.escape(repr(source))} of type "
                                         rf"{type(source).__name__}$"):
         SparsityCallback.from_config(source)
+
+
+def test_from_config_takes_a_config():
+    """The config a user holds builds the callback it describes (its as_dict settings)."""
+    config = SparsityConfig("unstructured", sparsity=0.8, schedule="gmp", end=0.5,
+                            score={"name": "movement"}, layer_types=[nn.Linear])
+    assert SparsityCallback.from_config(config).config.as_dict() == config.as_dict()
 
 
 HANDLED = [  # accepted, normalized as the docs say
