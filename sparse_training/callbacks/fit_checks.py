@@ -135,18 +135,6 @@ def summary(engine: SparsityEngine) -> str:
             f"last mask update at step {engine.updater.last_update}")
 
 
-def model_metrics(engines: Sequence[SparsityEngine]) -> dict[str, float]:
-    """``sparsity/global`` and ``sparsity/target`` over every weight the engines hold (the
-    SparsityCallbacks of one model: one owner per tensor), each engine's share weighted by
-    its count of weights: logged once, so that no callback's figure overwrites another's."""
-    if len(engines) == 1:
-        return {"sparsity/global": engines[0].sparsity, "sparsity/target": engines[0].target}
-    sizes = [sum(s.numel for s in engine.slots) for engine in engines]
-    total = sum(sizes) or 1
-    return {key: sum(getattr(e, name) * n for e, n in zip(engines, sizes, strict=True)) / total
-            for key, name in (("sparsity/global", "sparsity"), ("sparsity/target", "target"))}
-
-
 def unused_warning(engine: SparsityEngine, optimizer: Optimizer) -> str | None:
     """After the first backward: the selected tensors of ``optimizer`` that got no gradient
     (unused by the loss, like a pooler), or None."""

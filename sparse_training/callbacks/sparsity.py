@@ -22,7 +22,6 @@ from sparse_training.callbacks.fit_checks import (
     NO_ENGINE,
     compute_dtype,
     fit_problem,
-    model_metrics,
     overlap_problem,
     placeholder,
     summary,
@@ -51,7 +50,11 @@ from sparse_training.engine.sharding import FSDP1_PROBLEM
 from sparse_training.engine.state import check_mask_settings, check_state
 from sparse_training.engine.tensors import find_weight_tensors
 from sparse_training.layers.auto_paths import compile_mode, dtype_name
-from sparse_training.layers.compress import compress_selected, follow_checkpoint, undo_swaps
+from sparse_training.layers.compress import (
+    compress_selected,
+    follow_checkpoint,
+    undo_swaps,
+)
 from sparse_training.layers.swap import format_swaps
 from sparse_training.pieces.regrowth import (
     DEFAULT_ALPHA,
@@ -327,8 +330,7 @@ class SparsityCallback(Callback):
 
     def _log(self, pl_module: pl.LightningModule, on_step: bool) -> None:
         engine = self._engine()
-        peers = [c.engine for c in pl_module.trainer.callbacks if isinstance(c, SparsityCallback)]
-        metrics = model_metrics(peers) if peers[0] is engine else {}  # the first, for all
+        metrics = {"sparsity/global": engine.sparsity, "sparsity/target": engine.target}
         if self.config.log_layers:
             metrics.update({f"sparsity/{name}": s for name, s in engine.tensor_sparsity.items()})
         # CPU tensors: a Python float would be copied to the GPU, a sync at every call

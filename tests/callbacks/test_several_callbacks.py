@@ -5,7 +5,6 @@ checkpoints and resumes its own layers."""
 
 from __future__ import annotations
 
-import csv
 import warnings
 
 import pytest
@@ -13,7 +12,6 @@ import pytorch_lightning as pl
 import torch
 from conftest import BlockNet, TinyNet, assert_same_training, make_loader, make_trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
-from pytorch_lightning.loggers import CSVLogger
 from torch import nn
 
 from sparse_training import BlockSparseLinear, SparsityCallback, SparsityConfig, SparsityEngine
@@ -45,29 +43,6 @@ def test_disjoint_callbacks_each_hold_their_own_tensors():
     assert second.engine.sparsity == 0.75
     reasons = {p.name: p.reason for p in second.engine.plans}
     assert reasons["net.0.values"] == "compressed, another selection's: matches no allow regex"
-
-
-def test_the_logged_sparsity_is_the_models_over_every_callback(tmp_path):
-    """sparsity/global and sparsity/target are logged once, over the weights of both
-    callbacks (each weighted by its count); each callback logged its own under the one key,
-    the last one's overwriting at steps and Lightning averaging the two at epoch end."""
-    first = SparsityCallback("unstructured", sparsity=0.5, allow=[r"net\.0"])
-    second = SparsityCallback("unstructured", sparsity=0.75, allow=[r"net\.2"],
-                              schedule="gmp", end=6, frequency=2, log_layers=True)
-    fit_block_net([first, second], max_epochs=2, samples=64, log_every_n_steps=1,
-                  logger=CSVLogger(tmp_path, name="", version=""))
-    engines = (first.engine, second.engine)
-    sizes = [sum(s.numel for s in e.slots) for e in engines]
-    assert sizes == [1024, 4096]
-    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
-    assert len(rows) == 10  # 8 steps and 2 epoch ends
-    for row in rows:
-        own = float(row["sparsity/net.2.weight"])
-        expected = (0.5 * 1024 + own * 4096) / 5120
-        assert float(row["sparsity/global"]) == pytest.approx(expected, abs=1e-6), row
-    final = (1024 * first.engine.sparsity + 4096 * second.engine.sparsity) / 5120
-    assert float(rows[-1]["sparsity/global"]) == pytest.approx(final, abs=1e-6)
-    assert float(rows[-1]["sparsity/target"]) == pytest.approx(0.7, abs=1e-6)
 
 
 def test_a_compressed_layer_outside_the_layer_types_or_denied_is_not_held():
