@@ -17,6 +17,7 @@ from sparse_training.engine.optimizer_hooks import fused_problem
 from sparse_training.engine.ownership import shared_tensor
 from sparse_training.engine.protocol import CompressedLayer
 from sparse_training.pieces.schedules import Gradual
+from sparse_training.pieces.training_scores import TrainingScore
 
 if TYPE_CHECKING:
     from sparse_training.config import SparsityConfig
@@ -59,6 +60,15 @@ def fit_problem(config: SparsityConfig, plan: SparsityPlan, optimizers: list[Opt
             if any(id(p) in sparse for p in held) and (
                     reason := fused_problem(dense_state, optimizer)):
                 return f"fused=True {reason}"
+    learners = {f"score={config.parsed_score.name!r}": "score='magnitude'"} if isinstance(
+        config.parsed_score, TrainingScore) else {}
+    if config.regrow == "rigl":
+        learners["regrow='rigl'"] = "regrow='set'"
+    if learners and (frozen := [p.name for p, t in plan.masked if not t.param.requires_grad]):
+        return (f"{' and '.join(learners)} {'need' if len(learners) > 1 else 'needs'} the "
+                f"gradients of the tensors pruned, but {frozen} are frozen (requires_grad="
+                f"False) and get none: deny them, unfreeze them, or use "
+                f"{' and '.join(learners.values())}")
     if restored is None:
         try:
             make_updater(config.parsed_schedule, config.parsed_score, config.parsed_regrowth,

@@ -146,8 +146,10 @@ class SparsityCallback(Callback):
         self._optimizers: list[Optimizer] = []  # trainer.optimizers as the engine has them
 
     @classmethod
-    def from_config(cls, source: str | Path | Mapping[str, Any]) -> SparsityCallback:
-        """Build from a YAML file or dict with the constructor's keys; unknown keys raise."""
+    def from_config(cls, source: str | Path | Mapping[str, Any] | SparsityConfig
+                    ) -> SparsityCallback:
+        """Build from a YAML file, a dict with the constructor's keys (unknown keys raise)
+        or a SparsityConfig."""
         return cls(**SparsityConfig.load(source))
 
     def __repr__(self) -> str:
@@ -156,7 +158,7 @@ class SparsityCallback(Callback):
         shown = {"pattern": c.parsed_pattern.spec, "sparsity": c.sparsity,
                  "allow": list(c.allow), "deny": list(c.deny), "compress": c.compress}
         return "SparsityCallback(" + ", ".join(
-            f"{k}={v!r}" for k, v in shown.items() if v or k == "pattern") + ")"
+            f"{k}={v!r}" for k, v in shown.items() if v or (k == "sparsity" and v is not None)) + ")"
 
     @functools.cached_property
     def state_key(self) -> str:

@@ -191,6 +191,7 @@ class SparsityConfig(SettingChecks):
         set_(self, "parsed_overrides", parse_overrides(self.overrides))
         self._check_overrides(pattern)
         self._check_units(pattern)
+        self._warn_if_nothing_pruned(pattern)
         set_(self, "parsed_schedule", parse_schedule(self.schedule, self.start, self.end,
                                                      self.frequency))
         self._warn_about_unread_options()
@@ -254,29 +255,47 @@ class SparsityConfig(SettingChecks):
         return cls(**settings)
 
     @classmethod
-    def load(cls, source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
-        """Read settings from a YAML (or JSON) file or a dict (OmegaConf); unknown keys are
-        an error.
+    def load(cls, source: str | Path | Mapping[str, Any] | SparsityConfig) -> dict[str, Any]:
+        """Read settings from a YAML (or JSON) file, a dict (OmegaConf) or a config (its
+        :meth:`as_dict`); unknown keys are an error.
 
         Args:
-            source: the file's path (a str or ``pathlib.Path``), or a mapping of settings.
+            source: the file's path (a str or ``pathlib.Path``), a mapping of settings, or
+                a SparsityConfig.
 
         Raises:
             TypeError: ``source`` is neither a path nor a mapping.
-            ValueError: the file holds no mapping, or an unknown key (the nearest valid one
+            FileNotFoundError: no file at the path (it names the path as resolved).
+            ValueError: the file holds no mapping, no setting or a LightningCLI entry
+                (``class_path``, ``init_args``), or an unknown key (the nearest valid one
                 named).
         """
+        if isinstance(source, SparsityConfig):
+            return source.as_dict()
         if not isinstance(source, str | Path | Mapping):
             raise TypeError(f"SparsityConfig.load takes the path of a YAML or JSON file (a str "
-                            f"or pathlib.Path) or a mapping of settings, got {source!r} of type "
-                            f"{type(source).__name__}")
+                            f"or pathlib.Path), a mapping of settings or a SparsityConfig, got "
+                            f"{source!r} of type {type(source).__name__}")
         from omegaconf import OmegaConf
 
+        if isinstance(source, str | Path) and not Path(source).is_file():
+            raise FileNotFoundError(f"SparsityConfig.load: no file {str(source)!r} (resolved: "
+                                    f"{Path(source).resolve()}); give the path of a YAML or "
+                                    f"JSON file of settings, or a mapping of them")
         conf = OmegaConf.load(source) if isinstance(source, str | Path) else OmegaConf.create(
             dict(source))
         settings = OmegaConf.to_container(conf, resolve=True)
         if not isinstance(settings, dict):
             raise ValueError(f"a sparsity config must be a mapping, got {settings!r}")
+        if "class_path" in settings:
+            raise ValueError(f"a sparsity config holds the settings themselves; got a "
+                             f"LightningCLI entry (class_path: {settings['class_path']!r}): give "
+                             f"its init_args, or put the entry under trainer.callbacks of the "
+                             f"CLI's config")
+        if not settings and not isinstance(source, Mapping):
+            raise ValueError(f"the sparsity config file {str(source)!r} holds no setting (an "
+                             f"empty file would train with every default); give them, e.g. "
+                             f"pattern: \"2:4\"")
         if message := cls.unknown_setting(settings):
             raise ValueError(message)
         return settings

@@ -16,8 +16,15 @@ from sparse_training.pieces.regrowth import (
     check_decay,
     check_fraction,
 )
-from sparse_training.pieces.schedules import Gradual, Schedule, check_step, schedule_settings
+from sparse_training.pieces.schedules import (
+    SCHEDULES,
+    Gradual,
+    Schedule,
+    check_step,
+    schedule_settings,
+)
 from sparse_training.pieces.score_registry import TRAINING_SCORES, parse_training_score
+from sparse_training.pieces.spelling import did_you_mean
 
 SCORES = ("magnitude", "random", *TRAINING_SCORES)
 REGROW = ("rigl", "set", "sr-ste")
@@ -36,8 +43,14 @@ class SettingChecks:
         for, so checkpoints and messages read the same either way.
 
         Raises:
-            ValueError: a flat option given beside the piece that carries it.
+            ValueError: a piece's class given for its instance (``score=MovementScore``),
+                or a flat option given beside the piece that carries it.
         """
+        names = {"schedule": tuple(SCHEDULES), "regrow": REGROW, "score": SCORES}
+        for name, valid in names.items():
+            if isinstance(cls := getattr(self, name), type):
+                raise ValueError(f"{name}={cls.__name__} is a class; give an instance, "
+                                 f"{cls.__name__}(), or a name: {', '.join(map(repr, valid))}")
         defaults = {f.name: f.default for f in fields(self)}
         for name, kinds in (("schedule", Schedule), ("regrow", (RegrowthRule, SRSTE))):
             piece = getattr(self, name)
@@ -122,7 +135,8 @@ class SettingChecks:
             raise ValueError(f"score {self.score!r}: {error}") from None
         if training is None:
             if not isinstance(self.score, str) or self.score not in SCORES:
-                raise ValueError(f"unknown score {self.score!r}; valid: "
+                raise ValueError(f"unknown score {self.score!r}; "
+                                 f"{did_you_mean(self.score, SCORES)}valid: "
                                  f"{', '.join(map(repr, SCORES))}, a mapping {{'name': ..., "
                                  f"options}} or a training score piece")
             return
@@ -135,6 +149,24 @@ class SettingChecks:
                              f"schedule={self.schedule!r} at start=0 makes its only mask "
                              f"before the first step: start later (e.g. start=0.1), use a "
                              f"gradual schedule ('gmp'), or score='magnitude'")
+
+    def _warn_if_nothing_pruned(self, pattern: Pattern) -> None:
+        """Targets that are all 0 (``sparsity=0.0``, an N:N pattern such as ``"4:4"``,
+        overrides of 0) train dense behind masks that keep every weight: said, not silent."""
+        def target(layer: Pattern, sparsity: float | None, default: float) -> float:
+            if sparsity is not None:
+                return sparsity
+            return layer.nm_sparsity if layer.is_nm else default
+
+        model_wide = target(pattern, self.sparsity, 0.0)
+        if not any(target(o.pattern or pattern, o.sparsity, model_wide) > 0
+                   for o in self.parsed_overrides.values()) and model_wide == 0:
+            given = f"pattern={pattern.spec!r}" + (
+                "" if self.sparsity is None else f", sparsity={self.sparsity!r}") + (
+                " and every override" if self.parsed_overrides else "")
+            warnings.warn(f"SparsityConfig: with {given} nothing is pruned (the masks keep every "
+                          f"weight) and the fit trains dense; give a sparsity in (0, 1), e.g. "
+                          f"0.9", UserWarning, stacklevel=CALLER_LEVEL)
 
     def _warn_about_unread_options(self) -> None:
         """Settings that the chosen ``regrow`` and schedule never read are said, not dropped

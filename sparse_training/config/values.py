@@ -4,7 +4,6 @@ an unknown setting. Each raises a ValueError naming the bad value and the valid 
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import numbers
 import re
@@ -16,6 +15,7 @@ from torch import nn
 
 from sparse_training.pieces.masks import check_sparsity
 from sparse_training.pieces.patterns import Pattern, parse_pattern
+from sparse_training.pieces.spelling import did_you_mean
 
 OVERRIDE_KEYS = ("sparsity", "pattern")
 
@@ -37,9 +37,8 @@ def unknown_setting(keys: Iterable[str], valid: Sequence[str]) -> str | None:
     or None."""
     for key in keys:
         if key not in valid:
-            near = difflib.get_close_matches(key, valid, n=1)
-            hint = f"; did you mean {near[0]!r}?" if near else ""
-            return f"unknown setting {key!r}{hint} Valid settings: {', '.join(valid)}"
+            return (f"unknown setting {key!r}; {did_you_mean(key, valid)}valid settings: "
+                    f"{', '.join(valid)}")
     return None
 
 
@@ -74,9 +73,12 @@ def layer_type(entry: Any) -> type[nn.Module]:
         except ImportError:
             cls = None
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise ValueError(f"layer_types entry {entry!r} is not a torch.nn.Module subclass; give "
-                         f"classes, torch.nn names (e.g. 'Linear', 'Conv2d') or import paths "
-                         f"(e.g. 'transformers.pytorch_utils.Conv1D')")
+        modules = [n for n, c in vars(nn).items() if isinstance(c, type) and issubclass(
+            c, nn.Module)]
+        raise ValueError(f"layer_types entry {entry!r} is not a torch.nn.Module subclass; "
+                         f"{did_you_mean(entry, modules)}give classes, torch.nn names (e.g. "
+                         f"'Linear', 'Conv2d') or import paths (e.g. "
+                         f"'transformers.pytorch_utils.Conv1D')")
     return cls
 
 
@@ -118,7 +120,8 @@ def check_target(pattern: Pattern | None, sparsity: float | None, where: str) ->
 
 def check_choice(value: Any, name: str, valid: Sequence[Any]) -> None:
     if not any(value is v or (isinstance(v, str) and value == v) for v in valid):
-        raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(map(repr, valid))}")
+        raise ValueError(f"unknown {name} {value!r}; {did_you_mean(value, valid)}valid: "
+                         f"{', '.join(map(repr, valid))}")
 
 
 def check_tokens(value: Any) -> None:

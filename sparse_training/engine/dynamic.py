@@ -71,9 +71,9 @@ class DropAndGrow(ScheduledMasks):
         self.regrown_period, self._period_done = {}, -1
 
     def describe(self, total_steps: int | None) -> str:
-        return (f"{super().describe(total_steps)}; drop and grow every "
-                f"{self.schedule.frequency} steps from step {self.schedule.start} until step "
-                f"{self.regrowth.end}")
+        every = "step" if self.schedule.frequency == 1 else f"{self.schedule.frequency} steps"
+        return (f"{super().describe(total_steps)}; drop and grow every {every} from step "
+                f"{self.schedule.start} until step {self.regrowth.end}")
 
     def grow_score(self, engine: SlotSet, slot: Slot, step: int) -> Tensor:
         """Dense-shaped scores where blocks grow (the regrowth rule's)."""

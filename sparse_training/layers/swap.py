@@ -29,7 +29,6 @@ optimizer and mask updates would go on with the replaced tensors.
 from __future__ import annotations
 
 import functools
-import numbers
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,6 +49,7 @@ from sparse_training.layers.block_sparse import BlockSparseLinear
 from sparse_training.layers.blocks import blocks_kept, check_block, check_density
 from sparse_training.layers.semi_structured import SemiStructuredLinear
 from sparse_training.layers.slim import sync_head_counts
+from sparse_training.pieces.masks import check_sparsity
 from sparse_training.pieces.patterns import Pattern, parse_pattern
 
 RULE_KEYS = ("pattern", "sparsity", "density")
@@ -94,12 +94,7 @@ def _parse_rule(regex: str, rule: Any) -> tuple[Pattern, tuple[int, int] | None,
             return pattern, block, check_density(rule["density"])
         except ValueError as err:
             raise ValueError(f"rule {regex!r}: {err}") from None
-    sparsity = rule["sparsity"]
-    if not isinstance(sparsity, numbers.Real) or isinstance(sparsity, bool) \
-            or not 0 <= sparsity < 1:
-        raise ValueError(f"rule {regex!r}: sparsity must be a number in [0, 1), got "
-                         f"{sparsity!r}")
-    return pattern, block, 1.0 - float(sparsity)
+    return pattern, block, 1.0 - check_sparsity(rule["sparsity"], f"rule {regex!r}: sparsity")
 
 
 def swap_checker(model: nn.Module) -> Callable[[str, nn.Linear], str | None]:
@@ -192,6 +187,16 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name), attr, new)
 
 
+def _linear_names(model: nn.Module, names: Sequence[str]) -> str:
+    """The names rules are searched in, and the compressed layers, which they skip."""
+    shown = ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
+    text = f"their names are: {shown or 'none'} (regexes are searched in these names)"
+    if compressed := [n for n, m in model.named_modules() if isinstance(m, CompressedLayer)]:
+        text += (f"; compressed already: {', '.join(repr(n) for n in compressed[:8])}"
+                 f"{', ...' if len(compressed) > 8 else ''} (densify them first)")
+    return text
+
+
 def sparsify(model: nn.Module, rules: Mapping[str, Mapping[str, Any]], *,
              verbose: bool = True) -> list[dict]:
     """Replace the ``nn.Linear`` layers that ``rules`` name by compressed layers (module
@@ -216,6 +221,10 @@ def sparsify(model: nn.Module, rules: Mapping[str, Mapping[str, Any]], *,
     if not isinstance(rules, Mapping) or not rules:
         raise ValueError(f"rules must be a non-empty dict of regex -> {{'pattern': "
                          f"'block:RxC', 'sparsity' or 'density': value}}, got {rules!r}")
+    if "pattern" in rules and not isinstance(rules["pattern"], Mapping):
+        raise ValueError(f"rules map a regex of module names to a rule; got one rule, "
+                         f"{dict(rules)!r}: name the Linears it is for, e.g. "
+                         f"{{'.': {dict(rules)!r}}} for all of them")
     parsed = {regex: _parse_rule(regex, rule) for regex, rule in rules.items()}
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     for regex in parsed:
@@ -224,10 +233,8 @@ def sparsify(model: nn.Module, rules: Mapping[str, Mapping[str, Any]], *,
         except (re.error, TypeError) as err:
             raise ValueError(f"rule regex {regex!r} is not a valid regex: {err}") from None
         if not matched:
-            names = [n for n, _ in linears]
-            shown = ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
-            raise ValueError(f"rule regex {regex!r} matches no nn.Linear; their names are: "
-                             f"{shown or 'none'} (regexes are searched in these names)")
+            raise ValueError(f"rule regex {regex!r} matches no nn.Linear; "
+                             f"{_linear_names(model, [n for n, _ in linears])}")
 
     if meta := [n for n, m in linears if m.weight.is_meta
                 and any(re.search(r, n) for r in parsed)]:

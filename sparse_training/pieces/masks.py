@@ -20,6 +20,7 @@ import math
 import numbers
 from collections.abc import Sequence
 from functools import cache
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -352,10 +353,29 @@ def _input_dims(weights: Sequence[Tensor], input_dims: Sequence[int] | None) -> 
     return [check_input_dim(d) for d in input_dims]
 
 
+def _sparsity_hint(value: Any) -> str:
+    """What a bad sparsity most likely meant: a percentage (90, "90%") names its fraction,
+    a number in a string (a quoted YAML value) the number."""
+    if isinstance(value, str):
+        text = value.strip().removesuffix("%")
+        try:
+            number = float(text)
+        except ValueError:
+            return ""
+        return _sparsity_hint(number) if value.strip().endswith("%") else (
+            f" (a string; give the number {number:g})" if 0 <= number < 1 else "")
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return ""
+    if value == 1:
+        return " (1 would prune every weight)"
+    return f" (a percentage? give the fraction pruned, {value / 100:g})" if 1 < value < 100 else ""
+
+
 def check_sparsity(sparsity: float, name: str = "sparsity") -> float:
     """Return ``sparsity`` as a float if it is a real number (numpy scalars included) in
-    [0, 1), else raise ValueError."""
+    [0, 1), else raise ValueError (naming what it most likely meant: :func:`_sparsity_hint`)."""
     if isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Real) or not (
             0.0 <= sparsity < 1.0):
-        raise ValueError(f"{name} must be a number in [0, 1), got {sparsity!r}")
+        raise ValueError(f"{name} must be a number in [0, 1), got {sparsity!r}"
+                         f"{_sparsity_hint(sparsity)}")
     return float(sparsity)

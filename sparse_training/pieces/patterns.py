@@ -211,17 +211,43 @@ def parse_pattern(spec: str | Pattern) -> Pattern:
             f"pattern: \"{n}:{m}\"" if 1 <= n <= m else
             f"; valid forms: {', '.join(PATTERN_FORMS)}"))
     if not isinstance(spec, str):
+        sparsity = isinstance(spec, numbers.Real) and not isinstance(spec, bool) and 0 < spec < 1
         raise ValueError(f"pattern must be a string, got {spec!r} of type "
-                         f"{type(spec).__name__}; valid forms: {', '.join(PATTERN_FORMS)}")
+                         f"{type(spec).__name__}" + (
+                             f" (a sparsity? give it as sparsity={spec!r} beside a pattern, e.g. "
+                             f"SparsityCallback('unstructured', sparsity={spec!r}))"
+                             if sparsity else "") + f"; valid forms: {', '.join(PATTERN_FORMS)}")
     text = spec.strip().lower()
     match = next((m for g in _GRAMMAR if (m := g.fullmatch(text))), None)
     if match is None:
-        raise ValueError(f"unknown pattern {spec!r}; valid forms: {', '.join(PATTERN_FORMS)}")
+        raise ValueError(f"unknown pattern {spec!r}; {_meant(text)}valid forms: "
+                         f"{', '.join(PATTERN_FORMS)}")
     fields = {k: v for k, v in match.groupdict().items() if v is not None}
     n, m = (int(fields["n"]), int(fields["m"])) if "n" in fields else (None, None)
     unit_size = int(fields["unit_size"]) if "unit_size" in fields else None
     return Pattern(int(fields.get("rows", 1)), int(fields.get("cols", 1)), n, m,
                    "transposable" in fields, text, fields.get("unit"), unit_size)
+
+
+# near misses of the grammar (lower case), each rewritten to the form it likely meant
+_NEAR_MISSES = (
+    (r"\s+", ""),  # "2 :4", "block: 4x4"
+    (r"^(\d+)(?:/|of|in|-|_)(\d+)", r"\1:\2"),  # "2/4", "2of4", "2-4"
+    (r"^(\d+)[x*](\d+)$", r"block:\1x\2"),  # "1x4", "32*32"
+    (r"^block:(\d+)$", r"block:\1x\1"),  # "block:32"
+    (r"^(block|vector|head)s?[-_:]?(?=\d)", r"\1:"),  # "block32x32", "blocks:4x4"
+    (r"^(head|neuron)s$", r"\1"),  # "heads", "neurons"
+)
+
+
+def _meant(text: str) -> str:
+    """``"did you mean 'X'? "`` for a near miss of the grammar (:data:`_NEAR_MISSES`,
+    applied in turn), or ``""``."""
+    for regex, form in _NEAR_MISSES:
+        text = re.sub(regex, form, text)
+        if any(g.fullmatch(text) for g in _GRAMMAR):
+            return f"did you mean {text!r}? "
+    return ""
 
 
 def _is_int(value: object) -> bool:

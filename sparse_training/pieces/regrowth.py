@@ -91,7 +91,7 @@ class Regrowth:
 
     def resolve(self, total_steps: int | None) -> Regrowth:
         """This rule with ``end`` in steps of a run of ``total_steps``."""
-        return replace(self, end=to_steps(self.end, total_steps))
+        return replace(self, end=to_steps(self.end, total_steps, "regrow_end"))
 
     def fraction(self, step: int) -> float:
         """The share of active blocks swapped at ``step`` (``end`` resolved)."""

@@ -27,6 +27,8 @@ import numbers
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
+from sparse_training.pieces.spelling import did_you_mean
+
 DEFAULT_GRADUAL_END = 0.75  # leave the last quarter of training to fine-tune at the final mask
 
 Step = int | float
@@ -47,19 +49,19 @@ def check_step(value: Step, name: str) -> Step:
     return float(value)
 
 
-def to_steps(value: Step, total_steps: int | None) -> int:
-    """Optimizer steps of ``value``: an int as it is, a float as that fraction of
-    ``total_steps``, rounded.
+def to_steps(value: Step, total_steps: int | None, name: str) -> int:
+    """Optimizer steps of ``value`` (the setting ``name``): an int as it is, a float as that
+    fraction of ``total_steps``, rounded.
 
     Raises:
-        ValueError: a fraction when the training length is unknown.
+        ValueError: a fraction when the training length is unknown, naming the setting.
     """
     if isinstance(value, int):
         return value
     if total_steps is None:
-        raise ValueError(f"{value!r} is a fraction of training, but the training length is "
-                         f"unknown; set max_steps (or max_epochs, where the training data has a "
-                         f"length), or give steps as ints")
+        raise ValueError(f"{value!r} ({name}) is a fraction of training, but the training "
+                         f"length is unknown; set max_steps (or max_epochs, where the training "
+                         f"data has a length), or give steps as ints")
     return int(value * total_steps + 0.5)
 
 
@@ -111,7 +113,7 @@ class Schedule:
         Raises:
             ValueError: a fraction and no finite ``total_steps``.
         """
-        return replace(self, start=to_steps(self.start, total_steps))
+        return replace(self, start=to_steps(self.start, total_steps, "start"))
 
     @property
     def is_resolved(self) -> bool:
@@ -182,7 +184,8 @@ class Gradual(Schedule):
     def update_steps(self, total_steps: int | None, limit: int = 8) -> str:
         steps = [s for s in self.updates() if total_steps is None or s < total_steps]
         shown = steps if len(steps) <= limit else [*steps[:3], "...", *steps[-2:]]
-        return f"{', '.join(map(str, shown))} ({len(steps)} updates)"
+        count = "one update" if len(steps) == 1 else f"{len(steps)} updates"
+        return f"{', '.join(map(str, shown))} ({count})"
 
     def resolve(self, total_steps: int | None) -> Gradual:
         """This schedule with fractions turned into steps of a run of ``total_steps``.
@@ -191,8 +194,9 @@ class Gradual(Schedule):
             ValueError: a fraction (or no ``end``) and no finite ``total_steps``, or start
                 not before end once resolved.
         """
-        start = to_steps(self.start, total_steps)
-        end = to_steps(DEFAULT_GRADUAL_END if self.end is None else self.end, total_steps)
+        start = to_steps(self.start, total_steps, "start")
+        end = to_steps(DEFAULT_GRADUAL_END, total_steps, "end, the default") if (
+            self.end is None) else to_steps(self.end, total_steps, "end")
         if start >= end:
             raise ValueError(f"start must come before end, got start={self.start!r} -> "
                              f"step {start}, end={self.end!r} -> step {end} "
@@ -277,7 +281,8 @@ def parse_schedule(name: str, start: Step = 0, end: Step | None = None,
     """
     cls = SCHEDULES.get(name) if isinstance(name, str) else None
     if cls is None:
-        raise ValueError(f"unknown schedule {name!r}; valid: {', '.join(SCHEDULES)}")
+        raise ValueError(f"unknown schedule {name!r}; {did_you_mean(name, SCHEDULES)}valid: "
+                         f"{', '.join(SCHEDULES)}")
     if not issubclass(cls, Gradual):
         if end is not None:
             gradual = ", ".join(n for n, c in SCHEDULES.items() if issubclass(c, Gradual))

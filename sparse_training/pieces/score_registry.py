@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from sparse_training.pieces.second_order import SecondOrderScore
+from sparse_training.pieces.spelling import did_you_mean
 from sparse_training.pieces.training_scores import MovementScore, SoftMovementScore, TrainingScore
 
 TRAINING_SCORES: dict[str, type] = {cls.name: cls for cls in (
@@ -40,7 +41,8 @@ def parse_training_score(setting: Any) -> TrainingScore | None:
     cls = TRAINING_SCORES.get(name) if isinstance(name, str) else None
     if cls is None:
         raise ValueError(f"a score given as a mapping needs 'name' from "
-                         f"{', '.join(map(repr, TRAINING_SCORES))}, got {setting!r}")
+                         f"{', '.join(map(repr, TRAINING_SCORES))}; "
+                         f"{did_you_mean(name, TRAINING_SCORES)}got {setting!r}")
     valid = [f.name for f in dataclasses.fields(cls)]
     if unknown := sorted(set(options) - set(valid)):
         raise ValueError(f"score {name!r} takes the options {valid}, got {unknown}")

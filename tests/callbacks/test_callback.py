@@ -469,3 +469,14 @@ class ValidatedNet(TinyNet):
     def validation_step(self, batch, batch_idx):
         x, y = batch
         self.log("val", nn.functional.cross_entropy(self(x), y))
+
+
+@pytest.mark.parametrize(("settings", "shown"), [
+    (dict(pattern="unstructured", sparsity=0.0), "pattern='unstructured', sparsity=0.0"),
+    (dict(pattern="2:4"), "pattern='2:4'"),
+    (dict(pattern=" Block:16x16", sparsity=0.5, deny=["head"]),
+     "pattern='block:16x16', sparsity=0.5, deny=['head']"),
+])
+def test_repr_shows_every_setting_that_tells_callbacks_apart(settings, shown):
+    """A sparsity of 0.0 is shown (without it the repr reads as a callback that needs one)."""
+    assert repr(SparsityCallback(**settings)) == f"SparsityCallback({shown})"

@@ -438,7 +438,7 @@ def test_bad_callback_arguments():
     with pytest.raises(TypeError, match="teacher must be a torch.nn.Module, got dict"):
         DistillationCallback({})
     with pytest.raises(TypeError, match=r"DistillationCallback got an unknown setting "
-                                        r"'temprature'; did you mean 'temperature'\? Valid "
+                                        r"'temprature'; did you mean 'temperature'\? valid "
                                         r"settings: temperature, hardness"):
         DistillationCallback(mlp(0), temprature=2.0)
     with pytest.raises(TypeError, match="cache must be True, False or a TeacherCache"):

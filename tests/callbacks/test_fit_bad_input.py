@@ -35,6 +35,14 @@ from sparse_training import (
 GMP = dict(pattern="unstructured", sparsity=0.5, schedule="gmp")
 
 
+class FrozenFirst(TinyNet):
+    """TinyNet with its first layer frozen (requires_grad False), the rest trained."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net[0].requires_grad_(False)
+
+
 class OnlyEmbedding(TinyNet):
     def __init__(self):
         super().__init__()
@@ -107,6 +115,13 @@ SETUP = [  # (callbacks' settings, model, trainer settings, message)
     ([dict(**GMP, end=0.5)], TinyNet, dict(max_epochs=-1, max_steps=-1, max_time="00:00:00:05"),
      "0.75 is a fraction of training, but the training length is unknown|training length is "
      "unknown"),
+    ([dict(**GMP, score="movement", regrow="rigl")], FrozenFirst, {},
+     r"^SparsityCallback: score='movement' and regrow='rigl' need the gradients of the tensors "
+     r"pruned, but \['net.0.weight'\] are frozen \(requires_grad=False\) and get none: deny "
+     r"them, unfreeze them, or use score='magnitude' and regrow='set'$"),
+    ([dict(pattern="unstructured", sparsity=0.5, schedule="constant", regrow="rigl")],
+     FrozenFirst, {}, r"^SparsityCallback: regrow='rigl' needs the gradients .* or use "
+                      r"regrow='set'$"),
     ([dict()], OnlyEmbedding, {}, "(?s)selected no weight tensor .*type Embedding not in"),
     ([dict(pattern="unstructured", sparsity=0.5, layer_types=["Embedding"])], SparseEmbedding,
      {}, r"tensor 'net.0.weight' \(Embedding\) has sparse gradients \(sparse=True\)"),
@@ -156,15 +171,17 @@ class Batches(torch.utils.data.IterableDataset):
         return iter(make_loader())
 
 
-@pytest.mark.parametrize("settings", [dict(GMP), dict(schedule="oneshot", start=0.5),
-                                      dict(schedule="constant", regrow="rigl")])
-def test_fractions_of_an_iterable_of_unknown_length_are_refused(settings):
+@pytest.mark.parametrize(("settings", "named"), [
+    (dict(GMP), r"0.75 \(end, the default\)"), (dict(GMP, end=0.5), r"0.5 \(end\)"),
+    (dict(schedule="oneshot", start=0.5), r"0.5 \(start\)"),
+    (dict(schedule="constant", regrow="rigl"), r"0.75 \(regrow_end\)")])
+def test_fractions_of_an_iterable_of_unknown_length_are_refused(settings, named):
     """Under max_epochs an iterable's length is unknown (Lightning's estimate is -1), so
     a fraction of training (a default end, start=0.5, RigL's regrow_end) is refused, not
-    resolved to step 0."""
+    resolved to step 0, naming the setting (a default the user never typed included)."""
     trainer = make_trainer([SparsityCallback(**settings)], max_epochs=2)
-    with pytest.raises(ValueError, match=r"is a fraction of training, but the training "
-                                         r"length is unknown; set max_steps"):
+    with pytest.raises(ValueError, match=rf"{named} is a fraction of training, but the "
+                                         rf"training length is unknown; set max_steps"):
         trainer.fit(TinyNet(), torch.utils.data.DataLoader(Batches(), batch_size=None))
 
 
@@ -520,4 +537,4 @@ def test_a_fit_without_training_steps_still_runs(trainer_kwargs):
 def test_the_tables_hold_every_case():
     """Guards against a row lost in an edit: the exact size of every table here."""
     sizes = [len(SETUP), len(FIT_START), len(MID_FIT), len(FIT_HANDLED)]
-    assert sizes == [16, 6, 5, 3], sizes
+    assert sizes == [18, 6, 5, 3], sizes

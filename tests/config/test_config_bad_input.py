@@ -5,18 +5,21 @@ method does not read, or is normalized as the docs say."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 from torch import nn
 
-from sparse_training import SparsityCallback, SparsityConfig
+from sparse_training import GMP as GMPSchedule
+from sparse_training import SRSTE, MovementScore, SparsityCallback, SparsityConfig
 
 GMP = dict(pattern="unstructured", sparsity=0.5, schedule="gmp")
 V = ValueError
 
 CONSTRUCTION = [
-    (dict(pattern="2-4"), V, r"unknown pattern '2-4'; valid forms: \"unstructured\", \"N:M\""),
+    (dict(pattern="2-4"), V, r"unknown pattern '2-4'; did you mean '2:4'\? valid forms: "
+                             r"\"unstructured\", \"N:M\""),
     (dict(pattern="5:4"), V, "N must satisfy 1 <= N <= M, got N=5, M=4"),
     (dict(pattern="0:4"), V, "N must satisfy 1 <= N <= M, got N=0"),
     (dict(pattern="block:0x4", sparsity=0.5), V, "block dimensions must be >= 1, got 0x4"),
@@ -25,10 +28,24 @@ CONSTRUCTION = [
     (dict(pattern=24), V, r"pattern must be a string, got the number 24; valid forms: "),
     (dict(pattern=124), V, r"got the number 124: YAML reads an unquoted 2:4 as the base-60 "
                            r"number 124; quote it: pattern: \"2:4\""),
+    (dict(pattern=0.9), V, r"^pattern must be a string, got 0.9 of type float \(a sparsity\? "
+                           r"give it as sparsity=0.9 beside a pattern, e.g. SparsityCallback\("
+                           r"'unstructured', sparsity=0.9\)\); valid forms: \"unstructured\""),
     (dict(pattern=None), V, "pattern must be a string, got None of type NoneType"),
     (dict(pattern=["2:4"]), V, r"pattern must be a string, got \['2:4'\] of type list"),
     (dict(pattern="unstructured"), V, r"pattern 'unstructured' needs a sparsity in \[0, 1\)"),
     (dict(pattern="unstructured", sparsity=1.0), V, r"sparsity must be a number in \[0, 1\)"),
+    (dict(pattern="unstructured", sparsity=1), V, r"got 1 \(1 would prune every weight\)"),
+    (dict(pattern="unstructured", sparsity=90), V, r"sparsity must be a number in \[0, 1\), "
+                                                   r"got 90 \(a percentage\? give the fraction "
+                                                   r"pruned, 0.9\)"),
+    (dict(pattern="unstructured", sparsity=0.5, overrides={"fc": {"sparsity": 75.0}}), V,
+     r"overrides\['fc'\]\['sparsity'\] must be .* got 75.0 \(a percentage\? .* 0.75\)"),
+    (dict(pattern="unstructured", sparsity="90%"), V, r"got '90%' \(a percentage\? give the "
+                                                      r"fraction pruned, 0.9\)$"),
+    (dict(pattern="unstructured", sparsity=" 0.75"), V, r"got ' 0.75' \(a string; give the "
+                                                       r"number 0.75\)$"),
+    (dict(pattern="unstructured", sparsity="most"), V, r"got 'most'$"),
     (dict(pattern="unstructured", sparsity=-0.1), V, r"sparsity must be a number in \[0, 1\), "
                                                      r"got -0.1"),
     (dict(pattern="unstructured", sparsity="0.5"), V, r"sparsity must be a number .* got '0.5'"),
@@ -114,7 +131,33 @@ CONSTRUCTION = [
     (dict(seed="0"), V, "seed must be an int, got '0'"),
     (dict(sparsty=0.5), TypeError, "unknown setting 'sparsty'; did you mean 'sparsity'\\?"),
     (dict(patern="2:4"), TypeError, "unknown setting 'patern'; did you mean 'pattern'\\?"),
-    (dict(warmup=10), TypeError, "unknown setting 'warmup' Valid settings: pattern, sparsity"),
+    (dict(warmup=10), TypeError, "unknown setting 'warmup'; valid settings: pattern, sparsity"),
+    # a name in another case, with _ for -, or a near miss names the valid spelling
+    (dict(**GMP, warmup_steps=10), TypeError, "unknown setting 'warmup_steps'; valid settings"),
+    (dict(schedule="GMP"), V, r"unknown schedule 'GMP'; did you mean 'gmp'\? valid: oneshot, "),
+    (dict(schedule="one-shot"), V, r"unknown schedule 'one-shot'; did you mean 'oneshot'\? "),
+    (dict(**GMP, score="soft_movement"), V, r"unknown score 'soft_movement'; did you mean "
+                                            r"'soft-movement'\? valid: 'magnitude'"),
+    (dict(**GMP, score="Magnitude"), V, r"unknown score 'Magnitude'; did you mean 'magnitude'"),
+    (dict(**GMP, distribution="ERK"), V, r"unknown distribution 'ERK'; did you mean 'erk'\? "
+                                         r"valid: 'uniform', 'erk', 'global'"),
+    (dict(**GMP, regrow="RigL"), V, r"unknown regrow 'RigL'; did you mean 'rigl'\? valid: None"),
+    (dict(pattern="2:4", regrow="SR-STE"), V, r"unknown regrow 'SR-STE'; did you mean 'sr-ste'"),
+    # a piece's class for its instance: refused at once, not a TypeError in the fit
+    (dict(**GMP, score=MovementScore), V, r"^score=MovementScore is a class; give an instance, "
+                                          r"MovementScore\(\), or a name: 'magnitude', "),
+    (dict(**GMP, score={"name": "Movement"}), V, r"a score given as a mapping needs 'name' "
+                                                r"from 'movement', .*; did you mean "
+                                                r"'movement'\? got \{'name': 'Movement'\}"),
+    (dict(pattern="unstructured", sparsity=0.5, schedule=GMPSchedule), V,
+     r"^schedule=GMP is a class; give an instance, GMP\(\), or a name: 'oneshot', 'gmp'"),
+    (dict(pattern="2:4", regrow=SRSTE), V, r"^regrow=SRSTE is a class; .* 'sr-ste'$"),
+    (dict(layer_types=["Linaer"]), V, r"^layer_types entry 'Linaer' is not a torch.nn.Module "
+                                      r"subclass; did you mean 'Linear'\? give classes"),
+    (dict(layer_types=["conv2d"]), V, r"did you mean 'Conv2d'\? give classes"),
+    (dict(compress="true"), V, r"^unknown compress 'true'; did you mean True\? valid: 'auto'"),
+    (dict(pattern="2:4", regrow="none"), V, r"unknown regrow 'none'; did you mean None\? "),
+    (dict(fused="Auto"), V, r"unknown fused 'Auto'; did you mean 'auto'\? valid: 'auto', True"),
 ]
 
 
@@ -141,6 +184,28 @@ def test_settings_the_method_does_not_read_are_said(kwargs, named):
         SparsityCallback(**kwargs)
 
 
+NOTHING_PRUNED = [  # (settings, as the warning names them): every target 0, said
+    (dict(pattern="unstructured", sparsity=0.0), "pattern='unstructured', sparsity=0.0"),
+    (dict(pattern="4:4"), "pattern='4:4'"),
+    (dict(pattern="block:4x4", sparsity=0.0, overrides={"fc": {"pattern": "1:1"}}),
+     "pattern='block:4x4', sparsity=0.0 and every override"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "named"), NOTHING_PRUNED, ids=[n for _, n in NOTHING_PRUNED])
+def test_settings_that_prune_nothing_are_said(kwargs, named):
+    with pytest.warns(UserWarning, match=rf"^SparsityConfig: with {re.escape(named)} nothing is "
+                                         rf"pruned \(the masks keep every weight\) and the fit "
+                                         rf"trains dense; give a sparsity in \(0, 1\), e.g. 0.9$"):
+        SparsityCallback(**kwargs)
+
+
+@pytest.mark.parametrize("overrides", [{"fc": {"sparsity": 0.5}}, {"fc": {"pattern": "2:4"}}])
+def test_a_zero_sparsity_beside_overrides_that_prune_says_nothing(recwarn, overrides):
+    SparsityCallback(pattern="unstructured", sparsity=0.0, overrides=overrides)
+    assert not [w for w in recwarn if "nothing is pruned" in str(w.message)]
+
+
 def test_settings_the_method_reads_say_nothing(recwarn):
     SparsityCallback(pattern="unstructured", sparsity=0.5, regrow="rigl", regrow_fraction=0.5,
                      regrow_end=0.5, frequency=7)
@@ -163,6 +228,13 @@ CONFIG_FILES = [
     ("sparsty: 0.5\n", "unknown setting 'sparsty'; did you mean 'sparsity'"),
     ("- 2:4\n", "a sparsity config must be a mapping"),
     ("layer_types: [Dense]\n", "layer_types entry 'Dense' is not a torch.nn.Module"),
+    ("", r"the sparsity config file '.*sparse.yaml' holds no setting \(an empty file would "
+         r"train with every default\); give them"),
+    ("# pattern: '2:4'\n", r"file '.*sparse.yaml' holds no setting"),
+    ("class_path: sparse_training.SparsityCallback\ninit_args:\n  pattern: '2:4'\n",
+     r"^a sparsity config holds the settings themselves; got a LightningCLI entry \(class_path: "
+     r"'sparse_training.SparsityCallback'\): give its init_args, or put the entry under "
+     r"trainer.callbacks of the CLI's config$"),
 ]
 
 
@@ -174,13 +246,33 @@ def test_config_file_errors(tmp_path, text, message):
         SparsityCallback.from_config(path)
 
 
+@pytest.mark.parametrize("source", ["sparse.yaml", "pattern: '2:4'", Path("configs")])
+def test_config_path_that_is_no_file_is_named_with_the_valid_sources(tmp_path, source):
+    """A missing file, YAML text given as a path, and a folder."""
+    (tmp_path / "configs").mkdir()
+    source = tmp_path / source if isinstance(source, Path) else source
+    with pytest.raises(FileNotFoundError, match=rf"^SparsityConfig.load: no file "
+                                                rf"{re.escape(repr(str(source)))} \(resolved: "
+                                                rf".*\); give the path of a YAML or JSON file "
+                                                rf"of settings, or a mapping of them$"):
+        SparsityCallback.from_config(source)
+
+
 @pytest.mark.parametrize("source", [[1, 2], 3, None, b"pattern: 2:4"])
 def test_config_source_neither_path_nor_mapping(source):
     with pytest.raises(TypeError, match=rf"^SparsityConfig.load takes the path of a YAML or JSON "
-                                        rf"file \(a str or pathlib.Path\) or a mapping of "
-                                        rf"settings, got {re.escape(repr(source))} of type "
+                                        rf"file \(a str or pathlib.Path\), a mapping of "
+                                        rf"settings or a SparsityConfig, got "
+                                        rf"{re.escape(repr(source))} of type "
                                         rf"{type(source).__name__}$"):
         SparsityCallback.from_config(source)
+
+
+def test_from_config_takes_a_config():
+    """The config a user holds builds the callback it describes (its as_dict settings)."""
+    config = SparsityConfig("unstructured", sparsity=0.8, schedule="gmp", end=0.5,
+                            score={"name": "movement"}, layer_types=[nn.Linear])
+    assert SparsityCallback.from_config(config).config.as_dict() == config.as_dict()
 
 
 HANDLED = [  # accepted, normalized as the docs say
@@ -248,5 +340,6 @@ def test_wrong_types_given_to_the_config_are_named(call, message):
 
 def test_the_tables_hold_every_case():
     """Guards against a row lost in an edit: the exact size of every table here."""
-    sizes = [len(CONSTRUCTION), len(UNREAD), len(CONFIG_FILES), len(HANDLED), len(WRONG_TYPES)]
-    assert sizes == [81, 5, 4, 12, 2], sizes
+    sizes = [len(CONSTRUCTION), len(UNREAD), len(NOTHING_PRUNED), len(CONFIG_FILES), len(HANDLED),
+             len(WRONG_TYPES)]
+    assert sizes == [105, 5, 3, 7, 12, 2], sizes

@@ -406,9 +406,10 @@ def test_drop_and_grow_of_several_tensors_equals_one_by_one():
         assert int(new.sum()) == int(m.sum())
 
 
-def test_fit_start_says_when_masks_move(lightning_log):
+@pytest.mark.parametrize(("frequency", "every"), [(2, "every 2 steps"), (1, "every step")])
+def test_fit_start_says_when_masks_move(lightning_log, frequency, every):
     sparse = SparsityCallback("unstructured", sparsity=0.5, schedule="constant", regrow="set",
-                              frequency=2)
+                              frequency=frequency)
     make_trainer([sparse], max_epochs=1).fit(TinyNet(), make_loader())
-    assert ("mask updates at steps 0 (one update); drop and grow every 2 steps from step 0 "
-            "until step 6") in lightning_log.text
+    assert (f"mask updates at steps 0 (one update); drop and grow {every} from step 0 "
+            f"until step 6") in lightning_log.text

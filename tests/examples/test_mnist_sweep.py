@@ -115,7 +115,7 @@ def test_other_yaml_as_base(tmp_path: Path) -> None:
         (["method_specs.gmp.init=random"], "method gmp: init must be dense or scratch"),
         (["method_specs.gmp.trian=false"], r"method gmp must have exactly the keys init, train"),
         (["method_specs.gmp.callback.ned=0.5"], r"method gmp at sparsity .*: unknown setting "
-                                                r"'ned'; did you mean 'end'\? Valid settings:"),
+                                                r"'ned'; did you mean 'end'\? valid settings:"),
         # every sparsity and the model's own weights, checked before the dense run
         (["methods=[nm]", "method_specs.nm={init: dense, train: true, callback: {pattern: "
           "'2:4'}}", "sparsities=[0.5,0.9]"],

@@ -92,6 +92,30 @@ def test_sparsify_refuses_weights_on_the_meta_device_naming_them():
         assert type(model[0]) is nn.Linear
 
 
+BLOCK = {"pattern": "block:16x16", "sparsity": 0.5}
+MISTAKES = [  # (rules, message) given to a model of a Linear and one compressed already
+    (BLOCK, r"^rules map a regex of module names to a rule; got one rule, \{'pattern': "
+            r"'block:16x16', 'sparsity': 0.5\}: name the Linears it is for, e.g. \{'\.': "
+            r"\{'pattern': 'block:16x16', 'sparsity': 0.5\}\} for all of them$"),
+    ({"0": {"pattern": "block:16x16", "sparsity": 90}},
+     r"rule '0': sparsity must be a number in \[0, 1\), got 90 \(a percentage\? give the "
+     r"fraction pruned, 0.9\)"),
+    ({"1": BLOCK}, r"^rule regex '1' matches no nn.Linear; their names are: '0' \(regexes are "
+                   r"searched in these names\); compressed already: '1' \(densify them "
+                   r"first\)$"),
+]
+
+
+@pytest.mark.parametrize(("rules", "message"), MISTAKES, ids=[m[:30] for _, m in MISTAKES])
+def test_sparsify_mistakes_name_the_fix_before_any_swap(rules, message):
+    """A rule without its regex, a percentage, and a layer compressed by an earlier call."""
+    model = linears([(32, 32), (32, 32)])
+    sparsify(model, {"1": BLOCK}, verbose=False)
+    with pytest.raises(ValueError, match=message):
+        sparsify(model, rules, verbose=False)
+    assert type(model[0]) is nn.Linear
+
+
 NOT_A_MODEL = [  # (call, error, message)
     (lambda: sparsify("model", {".": {"pattern": "2:4"}}), ValueError,
      r"sparsify takes the model \(an nn.Module\) whose layers it swaps, got str"),
@@ -110,4 +134,5 @@ def test_a_swap_given_something_other_than_a_model_names_it(call, error, message
 
 def test_the_tables_hold_every_case():
     """Guards against a row lost in an edit: the exact size of every table here."""
-    assert (len(SPARSIFY_RULES), len(SPARSIFY_HANDLED), len(NOT_A_MODEL)) == (5, 3, 3)
+    assert (len(SPARSIFY_RULES), len(SPARSIFY_HANDLED), len(MISTAKES), len(NOT_A_MODEL)) == (
+        5, 3, 3, 3)

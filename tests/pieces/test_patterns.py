@@ -19,8 +19,17 @@ def test_parse(spec, expected):
 
 
 @pytest.mark.parametrize(("spec", "message"), [
-    ("2-4", "unknown pattern '2-4'; valid forms"),
-    ("block:4", "unknown pattern 'block:4'"),
+    ("2-4", r"unknown pattern '2-4'; did you mean '2:4'\? valid forms"),
+    ("block:4", r"unknown pattern 'block:4'; did you mean 'block:4x4'\? valid forms"),
+    ("n:m", r"unknown pattern 'n:m'; valid forms"),  # no near miss: no guess
+    # near misses name the form they likely meant
+    ("2of4", r"unknown pattern '2of4'; did you mean '2:4'\? valid forms"),
+    ("2 / 4", r"unknown pattern '2 / 4'; did you mean '2:4'\? valid forms"),
+    ("1x4", r"unknown pattern '1x4'; did you mean 'block:1x4'\? valid forms"),
+    ("Blocks:32X32", r"unknown pattern 'Blocks:32X32'; did you mean 'block:32x32'\? valid"),
+    ("vector-8", r"unknown pattern 'vector-8'; did you mean 'vector:8'\? valid forms"),
+    ("heads", r"unknown pattern 'heads'; did you mean 'head'\? valid forms"),
+    ("neurons", r"unknown pattern 'neurons'; did you mean 'neuron'\? valid forms"),
     ("5:4", "N must satisfy 1 <= N <= M, got N=5, M=4"),
     ("0:4", "N must satisfy 1 <= N <= M, got N=0, M=4"),
     ("block:0x4", "block dimensions must be >= 1, got 0x4"),

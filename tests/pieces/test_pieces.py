@@ -81,6 +81,12 @@ def test_a_schedule_round_trips_through_its_checkpoint_list(schedule):
     assert parse_schedule(*schedule.as_list()) == schedule
 
 
+def test_update_steps_count_the_updates_in_words_for_one():
+    assert GMP(0, 1, 5).update_steps(1) == "0 (one update)"  # fast_dev_run's one step
+    assert GMP(0, 1, 5).update_steps(3) == "0, 1, 2 (3 updates)"
+    assert OneShot(4).update_steps(10) == "4 (one update)"
+
+
 def test_parse_schedule_names_the_bad_value_and_the_valid_forms():
     with pytest.raises(ValueError, match="unknown schedule 'cubic'; valid: oneshot, gmp, "
                                          "linear, constant"):
