@@ -11,17 +11,25 @@ by construction): only rank 0's loggers write them, at the cadence of
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import pytorch_lightning as pl
 import torch
 
 if TYPE_CHECKING:
-    from sparse_training.callbacks.sparsity import SparsityCallback
+    from sparse_training.config import SparsityConfig
+    from sparse_training.engine import SparsityEngine
 
 
-def log_sparsity(pl_module: pl.LightningModule, callback: SparsityCallback,
-                 callbacks: Sequence[SparsityCallback], on_step: bool) -> None:
+class HoldsEngine(Protocol):
+    """What logging reads of a SparsityCallback (named so without importing it)."""
+
+    engine: SparsityEngine | None
+    config: SparsityConfig
+
+
+def log_sparsity(pl_module: pl.LightningModule, callback: HoldsEngine,
+                 callbacks: Sequence[HoldsEngine], on_step: bool) -> None:
     """Log ``callback``'s metrics at a step or at the epoch's end.
 
     ``callbacks`` are the Trainer's SparsityCallbacks, ``callback`` among them: the last
