@@ -139,27 +139,58 @@ def device_activity(events) -> list:
 
 def busy_ms(events) -> float:
     """Union of the device activity intervals (:func:`device_activity`), in ms."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in device_activity(events))
-    total, end = 0.0, float("-inf")
-    for start, stop in spans:
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    return total / 1e3
+    return sum(stop - start for start, stop in merged_spans(device_activity(events))) / 1e3
 
 
-def communication_ms(events, steps: int) -> dict[str, float]:
+def communication_ms(events, steps: int) -> dict:
     """Per step of a profile of ``steps`` steps, in ms: GPU busy (union of the device
     activity), compute (the same without NCCL's kernels), NCCL kernel time, and the exposed
     communication, the time NCCL kernels run with no compute kernel beside them (busy -
-    compute)."""
+    compute); ``collectives``: per collective kind (AllGather, ReduceScatter, ...) its
+    kernels per step, their ms and the ms of them no compute kernel overlaps (whether
+    FSDP's prefetch hides that kind)."""
     device = device_activity(events)
     nccl = [e for e in device if "nccl" in e.name.lower()]
+    compute = [e for e in device if e not in nccl]
     busy = busy_ms(device) / steps
-    compute = busy_ms([e for e in device if e not in nccl]) / steps
-    return {"gpu_busy_ms": busy, "compute_busy_ms": compute,
+    computing = merged_spans(compute)
+    kinds: dict[str, dict[str, float]] = {}
+    for event in nccl:
+        kind = collective_kind(event.name)
+        row = kinds.setdefault(kind, {"count": 0, "ms": 0.0, "exposed_ms": 0.0})
+        start, stop = event.time_range.start, event.time_range.end
+        row["count"] += 1 / steps
+        row["ms"] += (stop - start) / 1e3 / steps
+        row["exposed_ms"] += (stop - start - overlap_us(computing, start, stop)) / 1e3 / steps
+    return {"gpu_busy_ms": busy, "compute_busy_ms": busy_ms(compute) / steps,
             "nccl_ms": sum(e.time_range.elapsed_us() for e in nccl) / 1e3 / steps,
-            "exposed_nccl_ms": busy - compute}
+            "exposed_nccl_ms": busy - busy_ms(compute) / steps, "collectives": kinds}
+
+
+def collective_kind(kernel: str) -> str:
+    """The collective an NCCL kernel's name runs (``ncclDevKernel_AllGather_RING_LL(...)``
+    -> ``AllGather``), or the name up to its first parenthesis where it names none."""
+    for kind in ("AllGather", "ReduceScatter", "AllReduce", "Broadcast", "Reduce",
+                 "SendRecv", "AllToAll"):
+        if kind.lower() in kernel.lower():
+            return kind
+    return kernel.split("(")[0]
+
+
+def merged_spans(events) -> list[tuple[float, float]]:
+    """The union of the events' time ranges (us) as sorted disjoint intervals."""
+    spans: list[tuple[float, float]] = []
+    for start, stop in sorted((e.time_range.start, e.time_range.end) for e in events):
+        if spans and start <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], stop))
+        else:
+            spans.append((start, stop))
+    return spans
+
+
+def overlap_us(spans: list[tuple[float, float]], start: float, stop: float) -> float:
+    """How much of [start, stop] the disjoint sorted ``spans`` cover, in us."""
+    return sum(max(0.0, min(stop, b) - max(start, a)) for a, b in spans if a < stop and b > start)
 
 
 # on the lent NCCL machines multicast (NVLink SHARP) must stay off: set where missing

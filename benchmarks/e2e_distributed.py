@@ -38,7 +38,9 @@ after every row, so a run cut short keeps the finished rows. Columns:
   gather dtype, their gradients reduce-scattered once in fp32. These are the collectives'
   sizes; each GPU sends and receives (N - 1) / N of them;
 - from a ``torch.profiler`` trace of ``--profiled`` steps after the timed ones (rank 0): NCCL
-  kernel ms and exposed communication ms (time NCCL kernels run with no compute kernel).
+  kernel ms and exposed communication ms (time NCCL kernels run with no compute kernel);
+  a second table splits them by collective (all-gather, reduce-scatter, ...): kernels per
+  step, ms, and exposed ms, which says whether FSDP2's prefetch hides that kind.
 """
 
 from __future__ import annotations
@@ -278,6 +280,17 @@ def table(rows: list[dict], block: int) -> str:
     return "\n".join(lines)
 
 
+def collectives_table(rows: list[dict], block: int) -> str:
+    """Per row and collective kind of its profile: kernels per step, their ms, and the ms no
+    compute kernel overlaps (rows on one GPU issue none)."""
+    lines = ["| variant | GPUs | collective | kernels per step | ms | exposed ms |",
+             "|---" * 6 + "|"]
+    for r in rows:
+        name = r["variant"].replace("block B", f"block {block}x{block}")
+        for kind, c in sorted(r.get("profile", {}).get("collectives", {}).items()):
+            lines.append(f"| {name} | {r['gpus']} | {kind} | {c['count']:.1f} | "
+                         f"{c['ms']:.1f} | {c['exposed_ms']:.1f} |")
+    return "\n".join(lines)
 
 
 def parse_args() -> argparse.Namespace:
@@ -342,12 +355,15 @@ def main() -> None:
             derived(rows)
             # the device's name comes from the ranks' rows: this process keeps off the GPUs
             device = next((r["device"] for r in rows if "device" in r), "no device: every run failed")
-            write_json(path.name, {"args": settings, "rows": rows, "table": table(rows, block)},
+            write_json(path.name, {"args": settings, "rows": rows, "table": table(rows, block),
+                                   "collectives": collectives_table(rows, block)},
                        out=args.out, device=device)
     recompute = ", activation checkpointing" if args.checkpointing else ""
     print(f"\n{args.model} ({args.layers} layers) under FSDP2 on {device}, "
           f"bf16-mixed, gathers in {args.gather_dtype}{recompute}; torch {torch.__version__}\n")
     print(table(rows, block))
+    print("\nCollectives of the profiled step, rank 0:\n")
+    print(collectives_table(rows, block))
     print(f"wrote {path}")
     if failed := [f"{r['variant']!r} on {r['gpus']}" for r in rows if "error" in r]:
         raise SystemExit(f"failed: {', '.join(failed)} (errors in the JSON)")
