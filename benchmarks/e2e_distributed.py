@@ -40,7 +40,11 @@ after every row, so a run cut short keeps the finished rows. Columns:
 - from a ``torch.profiler`` trace of ``--profiled`` steps after the timed ones (rank 0): NCCL
   kernel ms and exposed communication ms (time NCCL kernels run with no compute kernel);
   a second table splits them by collective (all-gather, reduce-scatter, ...): kernels per
-  step, ms, and exposed ms, which says whether FSDP2's prefetch hides that kind.
+  step, ms, and exposed ms, which says whether FSDP2's prefetch hides that kind; a third
+  gives each rank's compute and NCCL ms of the profiled step (NCCL kernels wait for the
+  slowest rank: one rank computing longer shows as the others' NCCL time) and whether the
+  ranks' block-sparse kernels took the same tuned configurations (each rank autotunes on
+  its own timings).
 """
 
 from __future__ import annotations
@@ -175,7 +179,10 @@ def collective_gb(module: torch.nn.Module, world: int, gather_bytes: int, reduce
 class Probe(Callback):
     """Collects a row's measurements besides the step times: the collectives' sizes at
     the start, every rank's peak memory of the training steps at the end, and a
-    profile of steps ``first`` to ``first + profiled - 1`` on rank 0's GPU."""
+    profile of steps ``first`` to ``first + profiled - 1`` on every rank's GPU (rank 0's
+    in full, every rank's busy, compute and NCCL ms: a rank that computes longer makes
+    the others' collectives wait), with whether every rank's block-sparse kernels took
+    the same tuned configurations."""
 
     def __init__(self, first: int, profiled: int, gather_dtype: str) -> None:
         self.first, self.profiled, self.row = first, profiled, {}
@@ -201,10 +208,33 @@ class Probe(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         if pl_module.device.type != "cuda":
             return
-        peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30,
-                            device=pl_module.device)
-        ranks = trainer.strategy.all_gather(peak).flatten().tolist()  # every rank calls
-        self.row.update(peak_gib=max(ranks), rank_peak_gib=ranks)
+        profile = self.row.get("profile", {})
+        mine = [torch.cuda.max_memory_allocated() / 2**30] + [
+            profile.get(key, math.nan) for key in RANK_COLUMNS[1:]]
+        ranks = trainer.strategy.all_gather(torch.tensor(mine, device=pl_module.device))
+        ranks = ranks.reshape(-1, len(mine)).tolist()  # every rank calls
+        self.row.update(peak_gib=max(r[0] for r in ranks), rank_peak_gib=[r[0] for r in ranks],
+                        ranks={key: [r[i] for r in ranks] for i, key in enumerate(RANK_COLUMNS)})
+        tuned = [None] * trainer.world_size
+        if trainer.world_size > 1:
+            torch.distributed.all_gather_object(tuned, tuned_configs())
+        self.row["tuned_configs_agree"] = all(t == tuned[0] for t in tuned)
+        if not self.row["tuned_configs_agree"]:
+            self.row["tuned_configs"] = tuned
+
+
+RANK_COLUMNS = ("peak_gib", "gpu_busy_ms", "compute_busy_ms", "nccl_ms", "exposed_nccl_ms")
+
+
+def tuned_configs() -> dict[str, str]:
+    """The configuration Triton's autotuner chose for each key of the block-sparse kernels
+    in this process (ranks tune apart, each on its own timings)."""
+    from sparse_training.kernels.block_sparse import kernels
+
+    return {f"{name} {key}": str(config)
+            for name, tuned in (("forward/dX", kernels._DENSE_SPARSE),
+                                ("dW", kernels._SAMPLED_DENSE_DENSE))
+            for key, config in tuned.kernel.cache.items()}
 
 
 def run(variant: str, devices: int, args: argparse.Namespace, timeout: float) -> dict:
@@ -293,6 +323,22 @@ def collectives_table(rows: list[dict], block: int) -> str:
     return "\n".join(lines)
 
 
+def ranks_table(rows: list[dict], block: int) -> str:
+    """Per row on several GPUs: each rank's compute and NCCL ms of the profiled step, and
+    whether the ranks' kernels took the same tuned configurations."""
+    lines = ["| variant | GPUs | compute ms per rank | NCCL ms per rank | same tuned configs |",
+             "|---" * 5 + "|"]
+    for r in rows:
+        if r.get("gpus", 1) < 2 or "ranks" not in r:
+            continue
+        name = r["variant"].replace("block B", f"block {block}x{block}")
+        compute, nccl = (" / ".join(f"{v:.1f}" for v in r["ranks"][key])
+                         for key in ("compute_busy_ms", "nccl_ms"))
+        lines.append(f"| {name} | {r['gpus']} | {compute} | {nccl} | "
+                     f"{'yes' if r['tuned_configs_agree'] else 'no'} |")
+    return "\n".join(lines)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=at_least(1), nargs="+", default=[1, 2],
@@ -356,7 +402,8 @@ def main() -> None:
             # the device's name comes from the ranks' rows: this process keeps off the GPUs
             device = next((r["device"] for r in rows if "device" in r), "no device: every run failed")
             write_json(path.name, {"args": settings, "rows": rows, "table": table(rows, block),
-                                   "collectives": collectives_table(rows, block)},
+                                   "collectives": collectives_table(rows, block),
+                                   "ranks": ranks_table(rows, block)},
                        out=args.out, device=device)
     recompute = ", activation checkpointing" if args.checkpointing else ""
     print(f"\n{args.model} ({args.layers} layers) under FSDP2 on {device}, "
@@ -364,6 +411,8 @@ def main() -> None:
     print(table(rows, block))
     print("\nCollectives of the profiled step, rank 0:\n")
     print(collectives_table(rows, block))
+    print("\nEach rank's profiled step:\n")
+    print(ranks_table(rows, block))
     print(f"wrote {path}")
     if failed := [f"{r['variant']!r} on {r['gpus']}" for r in rows if "error" in r]:
         raise SystemExit(f"failed: {', '.join(failed)} (errors in the JSON)")

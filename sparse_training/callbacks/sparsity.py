@@ -214,8 +214,9 @@ class SparsityCallback(Callback):
             ValueError: what selection raises.
         """
         plan = None if self._plan is None else self._plan.bound(pl_module)
-        if plan is None:
-            self._plan = plan = SparsityPlan.build(pl_module, self.config)
+        # kept bound to the model as it is now: a plan of swapped-out layers would keep
+        # their dense weights alive through the fit
+        self._plan = plan = plan or SparsityPlan.build(pl_module, self.config)
         return plan
 
     def compress(self, pl_module: pl.LightningModule) -> None:

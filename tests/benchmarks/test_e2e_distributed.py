@@ -98,3 +98,14 @@ def test_activation_checkpointing_recomputes_the_compressed_layers_to_the_same_l
     assert recomputed["loss_first"] == plain["loss_first"]
     assert recomputed["loss_last"] == pytest.approx(plain["loss_last"], rel=1e-5)
     assert recomputed["loss_last"] != recomputed["loss_first"]
+
+
+def test_ranks_table_shows_each_ranks_profile_and_whether_their_tunings_agree():
+    sys.path.insert(0, str(SCRIPT.parent))
+    from e2e_distributed import ranks_table
+
+    rows = [{"variant": "dense fused", "gpus": 1},
+            {"variant": "block B 90% compressed", "gpus": 2, "tuned_configs_agree": False,
+             "ranks": {"compute_busy_ms": [120.0, 131.5], "nccl_ms": [40.0, 9.25]}}]
+    assert ranks_table(rows, block=128).splitlines()[2:] == [
+        "| block 128x128 90% compressed | 2 | 120.0 / 131.5 | 40.0 / 9.2 | no |"]
