@@ -129,8 +129,7 @@ def counts(engine: SparsityEngine) -> str:
 def summary(engine: SparsityEngine) -> str:
     """The end-of-fit line: the share pruned, of how many weights, the targets, the last
     mask update."""
-    weights = sum(s.numel for s in engine.slots)
-    return (f"{engine.sparsity:.2%} of {weights:,} weights in {counts(engine)} tensors are "
+    return (f"{engine.sparsity:.2%} of {engine.weights:,} weights in {counts(engine)} tensors are "
             f"pruned (target now {engine.target:.2%}, final {engine.final_sparsity:.2%}); "
             f"last mask update at step {engine.updater.last_update}")
 

@@ -45,7 +45,7 @@ def log_sparsity(pl_module: pl.LightningModule, callback: HoldsEngine,
     """
     metrics = {}
     if callback is callbacks[-1]:
-        shares = [(c.engine.sparsity, c.engine.target, sum(s.numel for s in c.engine.slots))
+        shares = [(c.engine.sparsity, c.engine.target, c.engine.weights)
                   for c in callbacks if c.engine is not None]
         total = max(sum(n for *_, n in shares), 1)
         metrics["sparsity/global"] = sum(pruned * n for pruned, _, n in shares) / total

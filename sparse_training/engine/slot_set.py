@@ -49,6 +49,9 @@ class SlotSet:
                  pooled_sparsity: float | None, check_masks: bool) -> None:
         self.slots, self.streams = slots, streams
         self.pooled_sparsity, self.check_masks = pooled_sparsity, check_masks
+        self.weights = sum(s.numel for s in slots)
+        """How many weights the slots hold: every selected and compressed weight (a
+        compressed layer's dense form), fixed for the set's life."""
         self._attached: dict[Optimizer, Any] = {}  # the optimizers whose state follows
         self._stats: dict[str, float] = {}  # counted by recount at every mask change
         self.loss_scale: Callable[[], float] = lambda: 1.0
@@ -79,9 +82,8 @@ class SlotSet:
         """``masked`` (a sparsity of the masked weights) with the compressed layers' zeros:
         the fraction over every selected and compressed weight."""
         numel = sum(s.numel for s in self.masked)
-        total = sum(s.numel for s in self.slots)
         zeros = sum(self.tensor_sparsity[s.name] * s.numel for s in self.compressed)
-        return (masked * numel + zeros) / total if total else 0.0
+        return (masked * numel + zeros) / self.weights if self.weights else 0.0
 
     def recount(self) -> None:
         """Count the masks after they change, where every rank is (one sync; an all-reduce
