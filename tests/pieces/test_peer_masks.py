@@ -174,6 +174,21 @@ def test_transposable_conv_is_nm_along_input_and_output_channels_at_every_tap():
         assert (tap.T.reshape(8, 2, 4).sum(-1) == 2).all()
 
 
+@pytest.mark.parametrize(("spec", "sparsity", "n"), [("2:4:2d", 0.25, 3), ("1:4:2d", 0.5, 2),
+                                                     ("2:5:2d", None, 2), ("1:2:2d", 0.9, 1)])
+def test_transposable_stages_and_m5_keep_the_brute_force_best(spec, sparsity, n):
+    """A gradual stage N' of a transposable pattern is the transposable N':M mask; M = 5
+    (2040 tiles for 2:5) is exhaustive too."""
+    m = parse_pattern(spec).m
+    w = torch.randn(m, 2 * m, dtype=torch.float64)
+    mask = pattern_mask(w, spec, sparsity)
+    a = ref_rank(w)
+    for j in range(2):
+        tile, kept = a[:, m * j:m * j + m], mask[:, m * j:m * j + m]
+        assert (kept.sum(0) == n).all() and (kept.sum(1) == n).all()
+        assert float(tile[kept].sum()) == pytest.approx(brute_force_tile_best(tile, n), rel=1e-9)
+
+
 # -- block and vector masks -------------------------------------------------------------------
 def ref_block_scores(w: torch.Tensor, r: int, c: int) -> torch.Tensor:
     """L1 of every r x c block of a 2-D float64 matrix, edge blocks clipped to the matrix."""
@@ -214,6 +229,18 @@ def test_block_score_is_l1_not_l2():
     assert mask[:, :4].all() and not mask[:, 4:].any()
 
 
+@pytest.mark.parametrize("spec", ["block:2x2", "block:2x2+1:2", "global"])
+def test_a_block_holding_a_nan_ranks_lowest_even_beside_infinite_weights(spec):
+    """NaN ranks lowest (docs/patterns.md); a block's sum over a NaN is NaN, whatever else
+    the block holds: two infinite weights beside it must not make it rank highest."""
+    w = torch.rand(4, 8) + 1
+    w[0, 0] = w[0, 1] = float("inf")
+    w[1, 0] = float("nan")
+    mask = (global_masks([w], "block:2x2", 0.75)[0] if spec == "global" else
+            pattern_mask(w, spec, None if "+" in spec else 0.75))
+    assert not mask[:2, :2].any()
+
+
 @pytest.mark.parametrize(("shape", "v"), [((7, 5), 4), ((1, 9), 2), ((9, 1), 4), ((3, 3), 8)])
 def test_vector_masks_on_shapes_the_vector_does_not_divide(shape, v):
     w = torch.randn(shape, dtype=torch.float64)
@@ -239,6 +266,30 @@ def test_vector_nm_keeps_n_whole_vectors_of_every_m():
             cols = range(4 * group, 4 * group + 4)
             expected[sorted(cols, key=lambda j: -float(scores[i, j]))[:2]] = True
         assert torch.equal(mask[2 * i], expected) and torch.equal(mask[2 * i + 1], expected)
+
+
+@settings(max_examples=40, deadline=None)
+@given(r=st.integers(1, 3), c=st.integers(1, 3),
+       n_m=st.sampled_from([(1, 2), (2, 4), (1, 4), (3, 4)]), row_blocks=st.integers(1, 3),
+       groups=st.integers(1, 2), seed=st.integers(0, 2**31 - 1))
+def test_block_nm_keeps_the_n_largest_l1_blocks_of_every_m(r, c, n_m, row_blocks, groups,
+                                                           seed):
+    """nmSPARSE's block-wise N:M: in each block row, N of every M consecutive blocks along
+    the input dimension, ranked by L1 (ties broken either way)."""
+    n, m = n_m
+    w = torch.randn(r * row_blocks, c * m * groups, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(seed))
+    mask = pattern_mask(w, f"block:{r}x{c}+{n}:{m}")
+    scores = ref_block_scores(w, r, c)  # (row_blocks, m * groups)
+    kept = torch.zeros(scores.shape, dtype=torch.bool)
+    for i, j in itertools.product(range(scores.shape[0]), range(scores.shape[1])):
+        block = mask[i * r:(i + 1) * r, j * c:(j + 1) * c]
+        assert block.all() or not block.any()
+        kept[i, j] = bool(block.all())
+    assert (kept.reshape(row_blocks, groups, m).sum(-1) == n).all()
+    for sc, k in zip(scores.reshape(-1, m), kept.reshape(-1, m), strict=True):
+        if n < m:
+            assert sc[k].min() >= sc[~k].max() * (1 - 1e-6)
 
 
 # -- unstructured -----------------------------------------------------------------------------
@@ -328,3 +379,18 @@ def test_scores_that_are_no_real_tensor_are_named(score, message):
 def test_sparse_layout_weights_are_named():
     with pytest.raises(ValueError, match=r"dense \(strided\) weight tensor, got a torch.sparse_coo"):
         pattern_mask(torch.randn(4, 8).to_sparse(), "2:4")
+
+
+def test_a_head_holding_a_nan_ranks_lowest_even_beside_infinite_weights():
+    """The same rule for units (heads): a head whose query rows hold a NaN, and whose output
+    columns two infinite weights, is the one pruned."""
+    from sparse_training.pieces.units import COLUMNS, ROWS, UnitTie, unit_masks
+
+    query, out = torch.rand(4, 8) + 1, torch.rand(8, 4) + 1  # 2 heads of size 2
+    out[0, 0] = out[1, 0] = float("inf")
+    query[1, 0] = float("nan")
+    ties = [UnitTie("attn", "head", 2, ROWS, 2, (0, 1)),
+            UnitTie("attn", "head", 2, COLUMNS, 2, (0, 1))]
+    masks = unit_masks([query, out], ties, 0.5)
+    assert not masks[0][:2].any() and masks[0][2:].all()
+    assert not masks[1][:, :2].any() and masks[1][:, 2:].all()
