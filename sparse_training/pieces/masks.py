@@ -130,7 +130,13 @@ def pool_blocks(scores: Tensor, rows: int, cols: int) -> Tensor:
     grid_rows, grid_cols = -(-r // rows), -(-c // cols)
     if (grid_rows * rows, grid_cols * cols) != (r, c):  # overhanging blocks: pad with zeros
         scores = F.pad(scores, (0, grid_cols * cols - c, 0, grid_rows * rows - r))
-    return scores.reshape(*lead, grid_rows, rows, grid_cols, cols).sum(dim=(-3, -1))
+    return nan_lowest(scores.reshape(*lead, grid_rows, rows, grid_cols, cols).sum(dim=(-3, -1)))
+
+
+def nan_lowest(sums: Tensor) -> Tensor:
+    """``sums`` with NaN as -inf: a sum over a NaN score (-inf in :func:`score_stack`) and
+    an overflow to +inf is NaN, which ``torch.topk`` would rank highest; NaN ranks lowest."""
+    return sums.masked_fill(sums.isnan(), float("-inf")) if sums.is_floating_point() else sums
 
 
 def expand_blocks(block_mask: Tensor, rows: int, cols: int, size: Sequence[int]) -> Tensor:
