@@ -19,33 +19,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from peer_references import rigl_erk, zhu_gupta
 from torch import nn
 
 from sparse_training import GMP, SparsityConfig, SparsityEngine
 from sparse_training.pieces.distributions import ERK
-
-
-def rigl_erk(shapes: list[tuple[int, ...]], sparsity: float) -> list[float]:
-    """RigL's ERK sparsities, transcribed from its loop (float64 Python arithmetic)."""
-    dense: set[int] = set()
-    while True:
-        divisor, rhs, raw = 0.0, 0.0, {}
-        for i, shape in enumerate(shapes):
-            n = math.prod(shape)
-            if i in dense:
-                rhs -= n * sparsity
-            else:
-                rhs += n * (1 - sparsity)
-                raw[i] = sum(shape) / n
-                divisor += raw[i] * n
-        if not raw:  # every layer dense (sparsity 0 can get here; RigL divides by zero)
-            return [0.0] * len(shapes)
-        eps = rhs / divisor
-        largest = max(raw.values())
-        if largest * eps <= 1:
-            return [0.0 if i in dense else 1 - eps * raw[i] for i in range(len(shapes))]
-        dense |= {i for i, r in raw.items() if r == largest}
-
 
 SHAPES = st.lists(st.one_of(
     st.tuples(st.integers(1, 300), st.integers(1, 300)),
@@ -108,15 +86,6 @@ def test_global_engine_masks_are_one_threshold_with_the_exact_total(sparsity):
     threshold = flat.sort(descending=True).values[kept - 1]
     for w, m in pairs:
         assert torch.equal(m, w.abs().double() >= threshold)
-
-
-def zhu_gupta(t: int, s_f: float, t0: int, t1: int) -> float:
-    """s_t of Zhu & Gupta 2017 with s_i = 0 and n dt = t1 - t0, held outside [t0, t1]."""
-    if t < t0:
-        return 0.0
-    if t >= t1:
-        return s_f
-    return s_f + (0.0 - s_f) * (1 - (t - t0) / (t1 - t0)) ** 3
 
 
 @pytest.mark.parametrize(("start", "end", "frequency"), [(0, 10, 1), (0, 100, 10), (3, 13, 4),
