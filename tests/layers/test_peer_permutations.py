@@ -143,3 +143,21 @@ def test_patterns_a_permutation_cannot_serve_are_refused(pattern):
     with pytest.raises(ValueError, match=r"need an 'N:M' pattern .*got " + re.escape(repr(pattern))):
         permute_channels(mlp, pattern)
     assert torch.equal(mlp[2].weight, weight)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weights_are_named_before_anything_moves(bad):
+    """A NaN made every swap's gain NaN: the search silently returned the identity and the
+    report said kept_before=nan, gain 0. A weight that is not finite is named instead."""
+    w = torch.randn(8, 16)
+    w[0, 3] = bad
+    with pytest.raises(ValueError, match=r"weight of shape \(8, 16\) has 1 non-finite entry "
+                                         r"\(NaN or inf\)"):
+        search_permutation(w, 2, 4)
+    mlp = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 4))
+    with torch.no_grad():
+        mlp[2].weight[0, 0] = bad
+    first = mlp[0].weight.detach().clone()
+    with pytest.raises(ValueError, match=r"site '2': .*non-finite"):
+        permute_channels(mlp, "2:4")
+    assert torch.equal(mlp[0].weight, first)
