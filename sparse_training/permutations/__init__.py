@@ -18,7 +18,12 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from sparse_training.engine.slots import MASK_SUFFIX
-from sparse_training.permutations.search import check_seconds, kept_magnitude, search_permutation
+from sparse_training.permutations.search import (
+    check_seconds,
+    finite_problem,
+    kept_magnitude,
+    search_permutation,
+)
 from sparse_training.permutations.sites import Site, check_model, find_sites
 from sparse_training.pieces.patterns import parse_pattern
 
@@ -48,6 +53,8 @@ def _check_site(site: Site, m: int, optimizer: Optimizer | None) -> None:
     if not isinstance(weight, Tensor) or weight.dim() < 2:
         raise ValueError(f"site {site.name!r}: the consumer {site.consumer[1]!r} is not a "
                          f"weight with input channels along dim 1")
+    if problem := finite_problem(weight):
+        raise ValueError(f"site {site.name!r}: the consumer's {problem}")
     channels = weight.shape[1]
     if site.heads < 1 or channels % site.heads:
         raise ValueError(f"site {site.name!r}: {channels} input channels do not split into "
@@ -130,7 +137,8 @@ def permute_channels(
         TypeError: ``model`` is not an ``nn.Module``.
         ValueError: for a pattern that is not ``"N:M"``, a negative or NaN
             ``max_seconds_per_site``, or a site whose input channels
-            (per head) are not a multiple of M, whose tensors do not match its channels,
+            (per head) are not a multiple of M, whose consumer weight holds NaN or inf,
+            whose tensors do not match its channels,
             that already has a mask, or whose optimizer state is not parameter-shaped;
             all checked before anything changes.
 

@@ -54,6 +54,17 @@ def _check_nm(weight: Tensor, n: int, m: int) -> Tensor:
     return as_matrix(weight.detach()).abs().double()
 
 
+def finite_problem(weight: Tensor) -> str | None:
+    """Why ``weight`` cannot be searched (NaN or inf entries make every swap's gain NaN or
+    inf), or None."""
+    bad = int((~torch.isfinite(weight.detach())).sum())
+    if not bad:
+        return None
+    return (f"weight of shape {tuple(weight.shape)} has {bad} non-finite "
+            f"{'entry' if bad == 1 else 'entries'} (NaN or inf); a permutation search needs "
+            f"finite weights")
+
+
 def _kept(a: Tensor, n: int, m: int) -> float:
     """Kept magnitude of a non-negative ``(rows, in)`` matrix ``a``."""
     return a.reshape(a.shape[0], -1, m).topk(n, dim=-1).values.sum().item()
@@ -186,8 +197,8 @@ def search_permutation(weight: Tensor, n: int, m: int, *, seed: int = 0,
         A LongTensor permutation of ``range(in)`` on the weight's device.
 
     Raises:
-        ValueError: if N:M is not ``1 <= N <= M``, or the input channels are not a
-            multiple of M.
+        ValueError: if N:M is not ``1 <= N <= M``, the input channels are not a
+            multiple of M, or the weight holds NaN or inf.
 
     Example:
         >>> w = torch.randn(64, 64)
@@ -196,6 +207,8 @@ def search_permutation(weight: Tensor, n: int, m: int, *, seed: int = 0,
         True
     """
     a = _check_nm(weight, n, m)
+    if problem := finite_problem(weight):
+        raise ValueError(problem)
     deadline = time.perf_counter() + check_seconds(max_seconds, "max_seconds")
     rows, c = a.shape
     identity = torch.arange(c, device=a.device)

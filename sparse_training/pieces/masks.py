@@ -130,7 +130,13 @@ def pool_blocks(scores: Tensor, rows: int, cols: int) -> Tensor:
     grid_rows, grid_cols = -(-r // rows), -(-c // cols)
     if (grid_rows * rows, grid_cols * cols) != (r, c):  # overhanging blocks: pad with zeros
         scores = F.pad(scores, (0, grid_cols * cols - c, 0, grid_rows * rows - r))
-    return scores.reshape(*lead, grid_rows, rows, grid_cols, cols).sum(dim=(-3, -1))
+    return nan_lowest(scores.reshape(*lead, grid_rows, rows, grid_cols, cols).sum(dim=(-3, -1)))
+
+
+def nan_lowest(sums: Tensor) -> Tensor:
+    """``sums`` with NaN as -inf: a sum over a NaN score (-inf in :func:`score_stack`) and
+    an overflow to +inf is NaN, which ``torch.topk`` would rank highest; NaN ranks lowest."""
+    return sums.masked_fill(sums.isnan(), float("-inf")) if sums.is_floating_point() else sums
 
 
 def expand_blocks(block_mask: Tensor, rows: int, cols: int, size: Sequence[int]) -> Tensor:
@@ -224,9 +230,29 @@ def _check_weights(weights: Sequence[Tensor], scores: Sequence[Tensor | None] | 
                      else type(w).__name__)
             raise ValueError(f"a mask needs a real weight tensor of at least one dimension "
                              f"and one entry, got a {shown}")
+        if w.layout != torch.strided:
+            raise ValueError(f"a mask needs a dense (strided) weight tensor, got a {w.layout} "
+                             f"one of shape {tuple(w.shape)}; pass weight.to_dense()")
     if scores is not None and len(scores) != len(weights):
         raise ValueError(f"scores must hold one entry per weight ({len(weights)}), got "
                          f"{len(scores)}")
+    for score in scores or ():
+        if score is not None and (not isinstance(score, Tensor) or score.is_complex()
+                                  or score.layout != torch.strided):
+            shown = (f"{score.dtype} tensor ({score.layout})" if isinstance(score, Tensor)
+                     else type(score).__name__)
+            raise ValueError(f"score must be a real tensor shaped like the weight, got a "
+                             f"{shown}")
+
+
+def _check_not_unit(pattern: Pattern) -> None:
+    """Raises ValueError for a unit pattern (heads, neurons): its units span several
+    tensors, which a mask of single tensors cannot see."""
+    if pattern.is_unit:
+        raise ValueError(f"pattern {pattern.spec!r} prunes whole {pattern.unit}s, which span "
+                         f"several tensors (their member rows and columns); a mask function of "
+                         f"single tensors cannot make it: give it to SparsityEngine or "
+                         f"SparsityCallback, or give a block pattern ('block:RxC')")
 
 
 def pattern_mask(
@@ -249,8 +275,10 @@ def pattern_mask(
         input_dim: where ``weight`` stores its input dimension (:func:`as_matrix`).
 
     Raises:
-        ValueError: if the weight's 2-D view cannot take the pattern, or sparsity is
-            missing or outside [0, 1).
+        ValueError: if the weight's 2-D view cannot take the pattern, sparsity is
+            missing or outside [0, 1), the pattern is a unit pattern (``"head"``,
+            ``"neuron"``: its units span several tensors), or the weight or score is no
+            real, dense tensor.
 
     Example:
         >>> w = torch.tensor([[0.1, -3.0, 2.0, 0.5]])
@@ -271,6 +299,7 @@ def pattern_masks(
     same-shape weights ranked together: one stack and one top-k call per shape instead of
     one per tensor (72 BERT-base weights, 3 shapes)."""
     pattern = parse_pattern(pattern)
+    _check_not_unit(pattern)
     if sparsity is not None:
         check_sparsity(sparsity)
     elif not pattern.is_nm:
@@ -313,9 +342,11 @@ def global_masks(
     Blocks may overhang a weight's edge, as in :func:`pattern_mask`.
 
     Raises:
-        ValueError: for N:M patterns (their count is fixed per group, not global).
+        ValueError: for N:M patterns (their count is fixed per group, not global) and unit
+            patterns (``"head"``, ``"neuron"``: their units span several tensors).
     """
     pattern = parse_pattern(pattern)
+    _check_not_unit(pattern)
     if pattern.is_nm:
         raise ValueError(f"the global distribution needs an unstructured or block pattern, "
                          f"got {pattern.spec!r}")

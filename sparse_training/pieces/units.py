@@ -24,7 +24,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sparse_training.pieces.masks import check_sparsity, from_matrix, kept_count, score_stack
+from sparse_training.pieces.masks import (
+    check_sparsity,
+    from_matrix,
+    kept_count,
+    nan_lowest,
+    score_stack,
+)
 from sparse_training.pieces.patterns import Pattern, parse_pattern
 
 ROWS, COLUMNS = 0, 1
@@ -142,7 +148,7 @@ def unit_masks(weights: Sequence[Tensor], ties: Sequence[UnitTie], sparsity: flo
                              f"{total.numel()} and {per_unit.numel()}")
         totals[tie.group] = total + per_unit.to(total.device)
     kept = {group: torch.zeros(len(t), dtype=torch.bool, device=t.device).scatter_(
-        0, t.topk(kept_count(len(t), sparsity), sorted=False).indices, True)
-        for group, t in totals.items()}
+        0, nan_lowest(t).topk(kept_count(len(t), sparsity), sorted=False).indices, True)
+        for group, t in totals.items()}  # -inf (a NaN) + inf (an overflow): NaN, lowest
     return [from_matrix(expand_units(kept[tie.group].to(w.device), tie, view), w.shape, dim)
             for w, tie, view, dim in zip(weights, ties, views, input_dims, strict=True)]
