@@ -164,7 +164,7 @@ class SparsityConfig(SettingChecks):
         elif not pattern.is_nm:
             raise ValueError(f"pattern {pattern.spec!r} needs a sparsity in [0, 1); only N:M "
                              f"patterns imply one")
-        check_target(pattern, self.sparsity, "SparsityCallback")
+        check_target(pattern, self.sparsity, "sparsity")
         check_choice(self.distribution, "distribution", DISTRIBUTIONS)
         if pattern.is_nm and self.distribution != "uniform":
             raise ValueError(f"distribution {self.distribution!r} needs an unstructured or "
