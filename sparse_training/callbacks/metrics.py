@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Protocol
 import pytorch_lightning as pl
 import torch
 
+from sparse_training.engine.names import replaced_name
+
 if TYPE_CHECKING:
     from sparse_training.config import SparsityConfig
     from sparse_training.engine import SparsityEngine
@@ -51,11 +53,20 @@ def log_sparsity(pl_module: pl.LightningModule, callback: HoldsEngine,
         metrics["sparsity/global"] = sum(pruned * n for pruned, _, n in shares) / total
         metrics["sparsity/target"] = sum(target * n for _, target, n in shares) / total
     if callback.config.log_layers and callback.engine is not None:
-        metrics.update({f"sparsity/{name}": share
-                        for name, share in callback.engine.tensor_sparsity.items()})
+        metrics.update(layer_metrics(callback.engine))
     if on_step:
         pl_module.log_dict({k: torch.tensor(v) for k, v in metrics.items()}, on_step=True,
                            on_epoch=False)
     else:
         pl_module.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=True,
                            reduce_fx="max")
+
+
+def layer_metrics(engine: SparsityEngine) -> dict[str, float]:
+    """``sparsity/<weight>`` of every tensor ``engine`` holds, a compressed layer's under
+    the name of the dense weight it replaced (``net.2.weight``, not ``net.2.values``): a
+    dashboard's keys stay the same whichever path ``compress="auto"`` takes."""
+    compressed = {s.name for s in engine.compressed}
+    return {f"sparsity/{replaced_name(name) if name in compressed else name}": share
+            for name, share in engine.tensor_sparsity.items()}
+

@@ -61,7 +61,7 @@ def test_compress_true_trains_compressed_from_setup_and_reports_the_pruned_share
     pruned = sum(int((~expanded(model.net[i])).sum()) for i in (0, 2))
     total = sum(model.net[i].weight.numel() for i in (0, 2))
     assert float(logged["sparsity/global"]) == pytest.approx(pruned / total, abs=1e-6)
-    assert float(logged["sparsity/net.2.values"]) == pytest.approx(
+    assert float(logged["sparsity/net.2.weight"]) == pytest.approx(
         float((~expanded(model.net[2])).float().mean()), abs=1e-6)
     assert not model.net[2].weight[~expanded(model.net[2])].any()
 
