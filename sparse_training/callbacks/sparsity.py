@@ -30,6 +30,7 @@ from sparse_training.callbacks.fit_checks import (
 )
 from sparse_training.callbacks.fit_engine import (
     FitStart,
+    end_engine,
     engine_for_fit,
     follow_optimizers,
     start_engine,
@@ -342,8 +343,8 @@ class SparsityCallback(Callback):
         self._fitting = False
         self._restored, self._swapped, self._start = None, [], None  # ends with the stage
         self._compressing, self._plan, self._averaged, self._optimizers = None, None, None, []
-        if self.engine is not None:
-            self.engine.detach()
+        if self.engine is not None:  # kept for inspection; its GPU memory given back
+            end_engine(self.engine, trainer)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:

@@ -184,6 +184,10 @@ class SparseRefinedSTE(ScheduledMasks):
         super().restart()
         self.dense, self._dense_in_params = {}, set()
 
+    def to(self, device: torch.device | str) -> None:
+        super().to(device)  # the dense weights too: back on the weights' device at a step
+        self.dense = {name: dense.to(device) for name, dense in self.dense.items()}
+
     def describe(self, total_steps: int | None) -> str:
         return f"N:M masks of the dense weights at every step from step {self.schedule.start}"
 

@@ -31,6 +31,7 @@ import itertools
 import numbers
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -343,6 +344,13 @@ class SparsityEngine(SlotSet):
         for slot in self.slots:
             slot.detach()
             ownership.give_up(slot.param, self)
+
+    def to(self, device: torch.device | str) -> SparsityEngine:
+        """Move the tensors kept beside the model (a training score's statistics, SR-STE's
+        dense weights; masks are the model's buffers) to ``device``, as the model moves:
+        each goes back to its weights' device at the next step that uses it."""
+        self.updater.to(device)
+        return self
 
     @property
     def installed(self) -> bool:

@@ -128,6 +128,12 @@ class Statistics:
         """Forget everything (a new run)."""
         self.tensors, self.counts = {}, {}
 
+    def to(self, device: torch.device | str) -> None:
+        """Move the statistics to ``device``; they go back to their weights' device at the
+        next step that reads them, as restored ones do."""
+        self.tensors = {name: {k: v.to(device) for k, v in stats.items()}
+                        for name, stats in self.tensors.items()}
+
     # -- state ------------------------------------------------------------------------------
     def state_dict(self, slots: Sequence[Slot]) -> dict[str, Any]:
         """Every slot's statistics, whole (a sharded tensor's rows gathered: a collective),

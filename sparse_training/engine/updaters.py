@@ -118,6 +118,12 @@ class ScheduledMasks:
         if self.statistics is not None:
             self.statistics.restart()
 
+    def to(self, device: torch.device | str) -> None:
+        """Move the tensors kept beside the model (a training score's statistics) to
+        ``device``; they go back to their weights' device at their next use."""
+        if self.statistics is not None:
+            self.statistics.to(device)
+
     def describe(self, total_steps: int | None) -> str:
         """When masks change, for the log at fit start."""
         return f"mask updates at steps {self.schedule.update_steps(total_steps)}"

@@ -1,0 +1,70 @@
+"""A finished fit gives its GPU memory back though the callback keeps its engine (for
+inspection, and for a later fit that continues it): Lightning moves the model and the
+optimizers to the CPU when the fit ends, and the tensors the engine keeps beside the model
+go with them: a training score's statistics (the movement score's are the weights' size,
+the second-order score's 32 times it) and SR-STE's dense weights. Left on the GPU, a sweep
+that keeps its trainers or callbacks held them fit after fit, and a model evaluated or
+pruned on the CPU after the fit met statistics on another device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TinyNet, make_loader, make_trainer
+
+from sparse_training import SparsityCallback, SparsityConfig, SparsityEngine
+
+SETTINGS = {
+    "movement": dict(pattern="unstructured", sparsity=0.8, schedule="gmp", frequency=4,
+                     score="movement", end=1.0),
+    "second-order": dict(pattern="unstructured", sparsity=0.5, schedule="gmp", frequency=4,
+                         score={"name": "second-order", "block_size": 4}, end=1.0),
+    "sr-ste": dict(pattern="2:4", regrow="sr-ste", schedule="gmp", frequency=4),
+}
+
+
+def kept_beside(engine: SparsityEngine) -> list[torch.Tensor]:
+    """The tensors the engine's updater holds that are not the model's."""
+    statistics = engine.updater.statistics
+    held = [] if statistics is None else [
+        t for stats in statistics.tensors.values() for t in stats.values()]
+    return held + list(getattr(engine.updater, "dense", {}).values())
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_engine_to_moves_what_it_keeps_beside_the_model(name):
+    model = TinyNet()
+    engine = SparsityEngine(model, SparsityConfig(**SETTINGS[name]))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine.start(8)
+    engine.attach(optimizer)
+    for step, (x, y) in zip(range(3), make_loader(), strict=False):
+        engine.on_step_start(step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        engine.before_optimizer_step(optimizer, step)
+        optimizer.step()
+        optimizer.zero_grad()
+        engine.on_step_end()
+    assert kept_beside(engine), "nothing kept beside the model: the test proves nothing"
+    assert engine.to("meta") is engine
+    assert all(t.is_meta for t in kept_beside(engine))
+    assert not any(p.is_meta for p in model.parameters())  # the model is the caller's to move
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_a_finished_fit_moves_them_to_the_cpu_with_the_model(name, monkeypatch):
+    """On the CPU the move cannot be seen in the tensors: the engine's ``to`` is spied on,
+    and must be called at the fit's end with the CPU."""
+    calls = []
+    real = getattr(SparsityEngine, "to", None)
+
+    def spy(engine, device):
+        calls.append((torch.device(device), [t.device for t in kept_beside(engine)]))
+        return real(engine, device) if real is not None else engine
+
+    monkeypatch.setattr(SparsityEngine, "to", spy, raising=False)
+    sparse = SparsityCallback(**SETTINGS[name])
+    make_trainer([sparse], max_steps=6).fit(TinyNet(), make_loader())
+    assert calls and calls[-1][0] == torch.device("cpu")
+    assert calls[-1][1], "nothing kept beside the model at the fit's end"
+    assert all(t.device.type == "cpu" for t in kept_beside(sparse.engine))
