@@ -86,7 +86,8 @@ class SparsityConfig(SettingChecks):
         distribution: "uniform" | "erk" | "global" (one magnitude threshold across tensors).
         layer_types: module classes whose weight tensors may be masked (every parameter of
             two or more dimensions they own); classes, ``torch.nn`` names or import paths.
-        log_layers: also log ``sparsity/<tensor>`` for every selected tensor.
+        log_layers: also log ``sparsity/<tensor>`` for every selected tensor (a compressed
+            layer's under the dense weight's name, ``fc.weight``, whichever path it took).
         score: what the schedule's mask updates keep (and regrowth drops last):
             "magnitude" (largest |w|), "random" (a random mask seeded by (seed, step):
             static sparse training), or a score that learns from training
