@@ -226,6 +226,30 @@ def test_two_engines_on_one_tensor_are_refused_until_detached():
     second.detach()
 
 
+
+def test_an_engine_attached_again_after_detach_holds_its_tensors_again():
+    """detach() gives the tensors up so another engine may take them; attaching the engine
+    again (the training loop goes on with it) must take them back: a second engine on them
+    is refused while it trains, and an engine whose tensors another engine took meanwhile
+    is refused at attach, before any hook, instead of two engines masking one tensor each
+    by its own masks."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = SparsityEngine(model, SparsityConfig("2:4", allow=[r"^0\."]))
+    first.attach(optimizer)
+    first.detach()
+    first.attach(optimizer)
+    with pytest.raises(ValueError, match=r"'0.weight' .* already masked by another"):
+        SparsityEngine(model, SparsityConfig("1:4", allow=[r"^0\."]))
+    first.detach()
+    second = SparsityEngine(model, SparsityConfig("1:4", allow=[r"^0\."]))
+    with pytest.raises(ValueError, match=r"'0.weight' .* already masked by another"):
+        first.attach(optimizer)
+    assert first.attached_optimizers == [] and not optimizer._optimizer_step_pre_hooks
+    second.detach()
+    first.attach(optimizer)  # free again
+    assert first.attached_optimizers == [optimizer]
+
 def test_meta_weights_are_refused():
     with torch.device("meta"):
         model = mlp()
