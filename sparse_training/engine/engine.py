@@ -294,7 +294,8 @@ class SparsityEngine(SlotSet):
         swapped (``sparsify``, ``densify``, ``make_permanent`` raise) until :meth:`detach`.
 
         Raises:
-            ValueError: ``fused=True`` and the fused step cannot serve this optimizer.
+            ValueError: ``fused=True`` and the fused step cannot serve this optimizer, or
+                (attached again after :meth:`detach`) another engine took its tensors.
             RuntimeError: the masks or layers are gone (``make_permanent``): build a new
                 engine.
         """
@@ -304,6 +305,8 @@ class SparsityEngine(SlotSet):
             raise RuntimeError("this SparsityEngine's masks or compressed layers are no longer "
                                "in its model (make_permanent, densify): build a new "
                                "SparsityEngine for the model")
+        if not self._attached:  # the first since construction or detach(): own them again
+            self.claim()
         attached = Attached(self.slots_of(optimizer), len(optimizer.param_groups))
         fused = use_fused(self.config.fused, self.updater.dense_state, optimizer,
                           attached.enforced)  # raises before any change
