@@ -68,3 +68,30 @@ def test_a_finished_fit_moves_them_to_the_cpu_with_the_model(name, monkeypatch):
     assert calls and calls[-1][0] == torch.device("cpu")
     assert calls[-1][1], "nothing kept beside the model at the fit's end"
     assert all(t.device.type == "cpu" for t in kept_beside(sparse.engine))
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_engine_to_takes_a_device_only(name):
+    """``engine.to`` moves what the engine keeps beside the model, as ``model.to(device)``
+    moves the model; a dtype (``engine.to(torch.float16)``, as a model is cast) is refused
+    naming it: Tensor.to took it and cast the statistics and dense weights for good (they
+    go back to the weights' device at the next step, never to their dtype), so a training
+    score accumulated in half precision from then on."""
+    model = TinyNet()
+    engine = SparsityEngine(model, SparsityConfig(**SETTINGS[name]))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine.start(8)
+    engine.attach(optimizer)
+    for step, (x, y) in zip(range(3), make_loader(), strict=False):
+        engine.on_step_start(step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        engine.before_optimizer_step(optimizer, step)
+        optimizer.step()
+        optimizer.zero_grad()
+        engine.on_step_end()
+    dtypes = [t.dtype for t in kept_beside(engine)]
+    for wrong in (torch.float16, torch.ones(1, dtype=torch.float16)):
+        with pytest.raises(TypeError, match=r"SparsityEngine.to\(device\) takes a device"):
+            engine.to(wrong)
+    assert [t.dtype for t in kept_beside(engine)] == dtypes
+    assert engine.to(torch.device("cpu")) is engine and engine.to("cpu") is engine
