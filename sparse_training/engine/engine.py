@@ -351,7 +351,8 @@ class SparsityEngine(SlotSet):
     def to(self, device: torch.device | str) -> SparsityEngine:
         """Move the tensors kept beside the model (a training score's statistics, SR-STE's
         dense weights; masks are the model's buffers) to ``device``, as the model moves:
-        each goes back to its weights' device at the next step that uses it."""
+        each goes back to its weights' device at the next step that uses it. A dtype
+        (no device) raises a TypeError: they keep theirs."""
         self.updater.to(device)
         return self
 

@@ -120,7 +120,14 @@ class ScheduledMasks:
 
     def to(self, device: torch.device | str) -> None:
         """Move the tensors kept beside the model (a training score's statistics) to
-        ``device``; they go back to their weights' device at their next use."""
+        ``device``; they go back to their weights' device at their next use.
+
+        Raises:
+            TypeError: ``device`` is no device (a dtype would cast them for good).
+        """
+        if not isinstance(device, (torch.device, str, int)):
+            raise TypeError(f"SparsityEngine.to(device) takes a device, as model.to(device), "
+                            f"got {device!r}: what it keeps beside the model keeps its dtype")
         if self.statistics is not None:
             self.statistics.to(device)
 
