@@ -147,7 +147,7 @@ class DropAndGrow(ScheduledMasks):
             new_masks.update({s.name: m for s, m in zip(group, masks, strict=True)})
         engine.set_masks(new_masks, step, broadcast=False, gradients={
             s.name: s.dense_gradient for s in slots if s.records_gradient},
-            carried={} if statistics is None else statistics.carried(list(new_masks)))
+            carried={} if statistics is None else statistics.carried(slots))
         if statistics is not None:
             statistics.changed(new_masks)
         self.last_regrow = step

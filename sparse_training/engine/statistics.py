@@ -106,16 +106,17 @@ class Statistics:
             return
         with torch.no_grad():
             weight = local(slot.param)
-            weight.copy_(compensate(self.tensors[slot.name], weight, pruned,
+            weight.copy_(compensate(self._of(slot.name, weight.detach()), weight, pruned,
                                     self.observed(slot)))
 
-    def carried(self, names: Sequence[str]) -> dict[str, list[Tensor]]:
-        """The statistics that follow the masks of ``names`` through a mask change, as
+    def carried(self, slots: Iterable[Slot]) -> dict[str, list[Tensor]]:
+        """The statistics that follow the masks of ``slots`` through a mask change, as
         optimizer state does (a run-long score's; a window score's restart instead:
-        :meth:`changed`)."""
+        :meth:`changed`), on their weights' devices (restored or moved ones too)."""
         if self.score.window:
             return {}
-        return {n: list(self.tensors[n].values()) for n in names if n in self.tensors}
+        return {s.name: list(self._of(s.name, local(s.param).detach()).values())
+                for s in slots if s.name in self.tensors}
 
     def changed(self, names: Iterable[str]) -> None:
         """After the masks of ``names`` changed: a window score's statistics restart."""

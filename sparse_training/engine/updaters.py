@@ -306,8 +306,8 @@ class ScheduledMasks:
                 new = shard_like(new_masks[slot.name], slot.param) if slot.sharded else (
                     new_masks[slot.name])
                 self.statistics.compensate(slot, ~new)
-        engine.set_masks(new_masks, step, broadcast=created,
-                         carried=self.statistics.carried(list(new_masks)))
+        engine.set_masks(new_masks, step, broadcast=created, carried=self.statistics.carried(
+            s for s in engine.slots if s.name in new_masks))
         self.statistics.changed(new_masks)
 
     # -- state ------------------------------------------------------------------------------

@@ -95,3 +95,34 @@ def test_engine_to_takes_a_device_only(name):
             engine.to(wrong)
     assert [t.dtype for t in kept_beside(engine)] == dtypes
     assert engine.to(torch.device("cpu")) is engine and engine.to("cpu") is engine
+
+
+@pytest.mark.parametrize("name", ["movement", "soft-movement"])
+def test_statistics_follow_their_weights_device_when_carried(name):
+    """Statistics on another device than their weights (moved by :meth:`SparsityEngine.to`
+    at a fit's end, or restored from a checkpoint) go to the weights' device at their next
+    use, also where a mask update uses them without ranking them first (a tensor whose
+    target is 0: a run-long score's statistics are carried with its mask): they were used
+    where they lay, statistics on the CPU against a GPU's weights. Here the weights move to
+    ``meta`` (shape-only tensors) after training on the CPU, and the statistics must follow
+    them there. (The second-order score's weight update reads them the same way; its
+    arithmetic has no meta form to test it so.)"""
+    model = TinyNet()
+    settings = SETTINGS["movement"] | {"score": name}
+    engine = SparsityEngine(model, SparsityConfig(**settings))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine.start(8)
+    engine.attach(optimizer)
+    for step, (x, y) in zip(range(3), make_loader(), strict=False):
+        engine.on_step_start(step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        engine.before_optimizer_step(optimizer, step)
+        optimizer.step()
+        optimizer.zero_grad()
+        engine.on_step_end()
+    statistics = engine.updater.statistics
+    assert statistics.tensors, "no statistics: the test proves nothing"
+    model.to("meta")
+    carried = statistics.carried(engine.masked)
+    assert carried and all(t.is_meta for ts in carried.values() for t in ts)
+    assert all(t.is_meta for stats in statistics.tensors.values() for t in stats.values())
