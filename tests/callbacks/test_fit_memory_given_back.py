@@ -9,6 +9,7 @@ pruned on the CPU after the fit met statistics on another device."""
 from __future__ import annotations
 
 import pytest
+import pytorch_lightning as pl
 import torch
 from conftest import TinyNet, make_loader, make_trainer
 
@@ -126,3 +127,49 @@ def test_statistics_follow_their_weights_device_when_carried(name):
     carried = statistics.carried(engine.masked)
     assert carried and all(t.is_meta for ts in carried.values() for t in ts)
     assert all(t.is_meta for stats in statistics.tensors.values() for t in stats.values())
+
+
+class StatisticsDevices(pl.Callback):
+    """The devices of the statistics an engine holds at each training batch's end."""
+
+    def __init__(self, sparse: SparsityCallback) -> None:
+        self.sparse, self.devices = sparse, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.devices.append({t.device.type for t in kept_beside(self.sparse.engine)})
+
+
+def continued_fit(name: str, accelerator: str) -> tuple[SparsityCallback, StatisticsDevices]:
+    """One epoch of ``name``'s gradual schedule, then the same Trainer fit again for a
+    second epoch: the callback and the probe of the second fit."""
+    sparse = SparsityCallback(**SETTINGS[name])
+    model = TinyNet()
+    trainer = make_trainer([sparse], max_epochs=1, accelerator=accelerator,
+                           deterministic=False)
+    trainer.fit(model, make_loader())
+    assert kept_beside(sparse.engine), "nothing kept at the fit's end: the test proves nothing"
+    assert {t.device.type for t in kept_beside(sparse.engine)} == {"cpu"}
+    probe = StatisticsDevices(sparse)
+    trainer.callbacks.append(probe)
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(model, make_loader())
+    return sparse, probe
+
+
+def test_a_later_fit_starts_its_statistics_again():
+    """A new fit is a new run of the schedule: the statistics the last fit left (on the
+    CPU) are dropped and observed again from the fit's first step."""
+    sparse, probe = continued_fit("movement", "cpu")
+    assert len(probe.devices) == 8  # the second epoch's batches
+    assert set(sparse.engine.updater.statistics.counts.values()) == {8}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["movement", "second-order", "sr-ste"])
+def test_a_continued_gpu_fit_takes_them_back_to_the_gpu(name):
+    """A GPU fit's end leaves the statistics (SR-STE's dense weights) on the CPU with the
+    model; the same Trainer's next fit trains on the GPU with its statistics there, through
+    its mask updates, without a device mismatch."""
+    _, probe = continued_fit(name, "gpu")
+    assert probe.devices and all(d == {"cuda"} for d in probe.devices if d)
