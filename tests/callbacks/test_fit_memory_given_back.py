@@ -32,10 +32,9 @@ def kept_beside(engine: SparsityEngine) -> list[torch.Tensor]:
     return held + list(getattr(engine.updater, "dense", {}).values())
 
 
-@pytest.mark.parametrize("name", list(SETTINGS))
-def test_engine_to_moves_what_it_keeps_beside_the_model(name):
-    model = TinyNet()
-    engine = SparsityEngine(model, SparsityConfig(**SETTINGS[name]))
+def trained_engine(model: torch.nn.Module, settings: dict) -> SparsityEngine:
+    """An engine of ``settings`` on ``model`` after 3 steps of an 8-step plain loop."""
+    engine = SparsityEngine(model, SparsityConfig(**settings))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine.start(8)
     engine.attach(optimizer)
@@ -46,6 +45,13 @@ def test_engine_to_moves_what_it_keeps_beside_the_model(name):
         optimizer.step()
         optimizer.zero_grad()
         engine.on_step_end()
+    return engine
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_engine_to_moves_what_it_keeps_beside_the_model(name):
+    model = TinyNet()
+    engine = trained_engine(model, SETTINGS[name])
     assert kept_beside(engine), "nothing kept beside the model: the test proves nothing"
     assert engine.to("meta") is engine
     assert all(t.is_meta for t in kept_beside(engine))
@@ -79,17 +85,7 @@ def test_engine_to_takes_a_device_only(name):
     go back to the weights' device at the next step, never to their dtype), so a training
     score accumulated in half precision from then on."""
     model = TinyNet()
-    engine = SparsityEngine(model, SparsityConfig(**SETTINGS[name]))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine.start(8)
-    engine.attach(optimizer)
-    for step, (x, y) in zip(range(3), make_loader(), strict=False):
-        engine.on_step_start(step)
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        engine.before_optimizer_step(optimizer, step)
-        optimizer.step()
-        optimizer.zero_grad()
-        engine.on_step_end()
+    engine = trained_engine(model, SETTINGS[name])
     dtypes = [t.dtype for t in kept_beside(engine)]
     for wrong in (torch.float16, torch.ones(1, dtype=torch.float16)):
         with pytest.raises(TypeError, match=r"SparsityEngine.to\(device\) takes a device"):
@@ -109,18 +105,7 @@ def test_statistics_follow_their_weights_device_when_carried(name):
     them there. (The second-order score's weight update reads them the same way; its
     arithmetic has no meta form to test it so.)"""
     model = TinyNet()
-    settings = SETTINGS["movement"] | {"score": name}
-    engine = SparsityEngine(model, SparsityConfig(**settings))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine.start(8)
-    engine.attach(optimizer)
-    for step, (x, y) in zip(range(3), make_loader(), strict=False):
-        engine.on_step_start(step)
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        engine.before_optimizer_step(optimizer, step)
-        optimizer.step()
-        optimizer.zero_grad()
-        engine.on_step_end()
+    engine = trained_engine(model, SETTINGS["movement"] | {"score": name})
     statistics = engine.updater.statistics
     assert statistics.tensors, "no statistics: the test proves nothing"
     model.to("meta")
