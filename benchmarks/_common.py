@@ -152,8 +152,8 @@ def communication_ms(events, steps: int) -> dict:
     device = device_activity(events)
     nccl = [e for e in device if "nccl" in e.name.lower()]
     compute = [e for e in device if e not in nccl]
-    busy = busy_ms(device) / steps
-    computing = merged_spans(compute)
+    busy, computing = busy_ms(device) / steps, merged_spans(compute)
+    compute_ms = sum(stop - start for start, stop in computing) / 1e3 / steps
     kinds: dict[str, dict[str, float]] = {}
     for event in nccl:
         kind = collective_kind(event.name)
@@ -162,9 +162,9 @@ def communication_ms(events, steps: int) -> dict:
         row["count"] += 1 / steps
         row["ms"] += (stop - start) / 1e3 / steps
         row["exposed_ms"] += (stop - start - overlap_us(computing, start, stop)) / 1e3 / steps
-    return {"gpu_busy_ms": busy, "compute_busy_ms": busy_ms(compute) / steps,
+    return {"gpu_busy_ms": busy, "compute_busy_ms": compute_ms,
             "nccl_ms": sum(e.time_range.elapsed_us() for e in nccl) / 1e3 / steps,
-            "exposed_nccl_ms": busy - busy_ms(compute) / steps, "collectives": kinds}
+            "exposed_nccl_ms": busy - compute_ms, "collectives": kinds}
 
 
 def collective_kind(kernel: str) -> str:

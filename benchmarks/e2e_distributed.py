@@ -284,6 +284,11 @@ def derived(rows: list[dict]) -> None:
             row["speed_vs_dense"] = dense / row["ms"] if dense else None
 
 
+def shown_name(row: dict, block: int) -> str:
+    """A row's variant as the tables show it, ``B`` read as the block size."""
+    return row["variant"].replace("block B", f"block {block}x{block}")
+
+
 def table(rows: list[dict], block: int) -> str:
     """The rows as a markdown table, ``B`` in the variants' names read as ``block`` (failed
     rows name their error's first line)."""
@@ -294,7 +299,7 @@ def table(rows: list[dict], block: int) -> str:
              "dense | peak GiB | GB all-gathered / reduce-scattered per step | NCCL ms | "
              "exposed NCCL ms | loss first -> last |", "|---" * 11 + "|"]
     for r in rows:
-        name = r["variant"].replace("block B", f"block {block}x{block}")
+        name = shown_name(r, block)
         if "error" in r:
             lines.append(f"| {name} | {r['gpus']} | failed: {summary(r['error'])} |" + " |" * 8)
             continue
@@ -316,7 +321,7 @@ def collectives_table(rows: list[dict], block: int) -> str:
     lines = ["| variant | GPUs | collective | kernels per step | ms | exposed ms |",
              "|---" * 6 + "|"]
     for r in rows:
-        name = r["variant"].replace("block B", f"block {block}x{block}")
+        name = shown_name(r, block)
         for kind, c in sorted(r.get("profile", {}).get("collectives", {}).items()):
             lines.append(f"| {name} | {r['gpus']} | {kind} | {c['count']:.1f} | "
                          f"{c['ms']:.1f} | {c['exposed_ms']:.1f} |")
@@ -331,7 +336,7 @@ def ranks_table(rows: list[dict], block: int) -> str:
     for r in rows:
         if r.get("gpus", 1) < 2 or "ranks" not in r:
             continue
-        name = r["variant"].replace("block B", f"block {block}x{block}")
+        name = shown_name(r, block)
         compute, nccl = (" / ".join(f"{v:.1f}" for v in r["ranks"][key])
                          for key in ("compute_busy_ms", "nccl_ms"))
         lines.append(f"| {name} | {r['gpus']} | {compute} | {nccl} | "

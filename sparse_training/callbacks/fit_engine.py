@@ -17,8 +17,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
-import torch
-from pytorch_lightning.strategies import ModelParallelStrategy
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
@@ -164,13 +162,13 @@ def follow_optimizers(engine: SparsityEngine, trainer: pl.Trainer, pl_module: nn
     return trainer.optimizers
 
 
-def end_engine(engine: SparsityEngine, trainer: pl.Trainer) -> None:
-    """The end of a fit (or its failure): ``engine`` detached (:meth:`~sparse_training.
+def end_engine(engine: SparsityEngine) -> None:
+    """The end of a stage (or its failure): ``engine`` detached (:meth:`~sparse_training.
     SparsityEngine.detach`), and the tensors it keeps beside the model (a training score's
-    statistics, SR-STE's dense weights) moved to the CPU where Lightning moves the model
-    and the optimizers next (every strategy but ``ModelParallelStrategy``): the GPU memory
-    of a finished fit is given back though the callback keeps its engine; a later fit takes
-    them back to the weights' device at their first use."""
+    statistics, SR-STE's dense weights) moved to where the strategy's teardown, which runs
+    before the callbacks', left the weights: the CPU (under ``ModelParallelStrategy`` the
+    weights stay on their GPUs, and so do they). The GPU memory of a finished fit is given
+    back though the callback keeps its engine."""
     engine.detach()
-    if not isinstance(trainer.strategy, ModelParallelStrategy):
-        engine.to(torch.device("cpu"))
+    if engine.slots:
+        engine.to(engine.slots[0].param.device)

@@ -344,7 +344,7 @@ class SparsityCallback(Callback):
         self._restored, self._swapped, self._start = None, [], None  # ends with the stage
         self._compressing, self._plan, self._averaged, self._optimizers = None, None, None, []
         if self.engine is not None:  # kept for inspection; its GPU memory given back
-            end_engine(self.engine, trainer)
+            end_engine(self.engine)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
